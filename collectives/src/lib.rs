@@ -1,0 +1,71 @@
+//! gradbus-collectives: the flat gradient buffer's layout, the transports that all-reduce it
+//! bucket by bucket while validating every rank's gradients, and the agreement that turns the
+//! validated numbers into one verdict on every rank.
+//!
+//! This crate knows nothing about models: it sees named slots of f32 and ranks.
+
+pub mod layout;
+pub mod transport;
+pub mod verdict;
+
+pub use layout::{Bucket, Layout, ParamSpec, Slot};
+pub use transport::{AlignedBuf, Progress, Solo, Transport};
+pub use verdict::{decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict};
+
+/// Errors of the collectives layer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Some ranks did not reach a barrier before the deadline.
+    #[error("collective timeout after {secs:.1}s in {phase} at step {step}{}: rank(s) {missing:?} did not arrive (hint: a rank may be stalled or dead; see its log, or raise collective_timeout_s)", bucket.map(|b| format!(", bucket #{b}")).unwrap_or_default())]
+    Timeout {
+        /// Phase name (`reduce`, `agree`, `attach`...).
+        phase: String,
+        /// Optimizer step.
+        step: u64,
+        /// Bucket, when the phase is a bucket reduce.
+        bucket: Option<usize>,
+        /// Ranks that had not arrived.
+        missing: Vec<usize>,
+        /// The deadline that passed.
+        secs: f64,
+    },
+    /// A peer marked itself failed; this rank stops instead of waiting.
+    #[error("rank {rank} failed during {phase} at step {step}; stopping this rank too")]
+    PeerFailed {
+        /// The failed rank.
+        rank: usize,
+        /// Where this rank noticed.
+        phase: String,
+        /// Optimizer step.
+        step: u64,
+    },
+    /// The shared-memory filesystem has too little room for the segment.
+    #[error("{path}: cannot reserve {need} bytes for the gradient bus segment ({reason}) (hint: free space in /dev/shm, enlarge it with `--shm-size` for containers, or use smaller buckets/model)")]
+    ShmFull {
+        /// Segment path.
+        path: String,
+        /// Bytes needed.
+        need: u64,
+        /// What the OS said.
+        reason: String,
+    },
+    /// A segment exists but is not one this job can attach to.
+    #[error("{path}: {reason} (hint: {hint})")]
+    BadSegment {
+        /// Segment path.
+        path: String,
+        /// What was wrong.
+        reason: String,
+        /// What to do.
+        hint: String,
+    },
+    /// An operating-system call failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done, naming the file.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}

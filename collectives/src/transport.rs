@@ -1,0 +1,120 @@
+//! The `Transport` trait: how a worker's gradient buffer is all-reduced bucket by bucket and how the
+//! cluster agrees on one health table, plus `Solo`, the world-size-1 transport.
+//!
+//! Invariants: after `agree` returns, every rank holds the same `HealthTable` and the same reduced
+//! gradients; a transport never returns to one rank an answer that another rank did not get. A
+//! failure (a peer that never arrives, a dead peer) is an `Error` on every live rank within the
+//! deadline, never a hang.
+
+use gradbus_kernels::{health_scan, Health};
+
+use crate::layout::Layout;
+use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::Error;
+
+/// Progress that a rank publishes for the launcher's progress bar.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Progress {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Latest loss.
+    pub loss: f32,
+    /// Latest global gradient norm.
+    pub grad_norm: f32,
+    /// Updates skipped so far.
+    pub skipped: u32,
+}
+
+/// A data-parallel gradient transport.
+pub trait Transport {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world(&self) -> usize;
+    /// The layout every rank shares.
+    fn layout(&self) -> &Layout;
+    /// This rank's flat gradient buffer (for the shared-memory bus it lives in the segment, so
+    /// backward writes straight onto the bus). `layout().len` elements, 64-byte aligned.
+    fn grads(&mut self) -> &mut [f32];
+    /// Sum one bucket over all ranks, in rank order, tallying each rank's local health on the way.
+    fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error>;
+    /// After the last bucket: exchange the local reports and return the agreed table.
+    fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error>;
+    /// Publish progress for the launcher (a no-op where nobody reads it).
+    fn publish(&mut self, _progress: Progress) {}
+    /// Mark this rank as failed so peers stop waiting for it and fail at once (best effort).
+    fn mark_failed(&mut self) {}
+}
+
+/// A 64-byte aligned, zeroed f32 buffer on the heap.
+pub struct AlignedBuf {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+/// One cache line of floats; its alignment is what makes the buffer 64-byte aligned.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([f32; 16]);
+
+impl AlignedBuf {
+    /// `len` zeros.
+    pub fn zeros(len: usize) -> AlignedBuf {
+        AlignedBuf { lines: vec![Line([0.0; 16]); len.div_ceil(16)], len }
+    }
+    /// The elements.
+    pub fn as_slice(&self) -> &[f32] {
+        // SAFETY: `Line` is `repr(C)` around `[f32; 16]` and exactly 64 bytes (no padding), so
+        // `lines` is `16 * lines.len() >= len` initialised, contiguous f32s.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<f32>(), self.len) }
+    }
+    /// The elements, mutable.
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<f32>(), self.len) }
+    }
+}
+
+/// World size 1: no peers, the reduce is the identity, the health tally is a plain scan.
+pub struct Solo {
+    layout: Layout,
+    grads: AlignedBuf,
+    local: Vec<Health>,
+}
+
+impl Solo {
+    /// A solo transport over `layout`.
+    pub fn new(layout: Layout) -> Solo {
+        let n = layout.buckets.len();
+        Solo { grads: AlignedBuf::zeros(layout.len), layout, local: vec![Health::default(); n] }
+    }
+}
+
+impl Transport for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    fn grads(&mut self) -> &mut [f32] {
+        self.grads.as_mut_slice()
+    }
+    fn allreduce_bucket(&mut self, _at: StepId, bucket: usize) -> Result<(), Error> {
+        let r = self.layout.buckets[bucket].range.clone();
+        self.local[bucket] = health_scan(&self.grads.as_slice()[r]);
+        Ok(())
+    }
+    fn agree(&mut self, _at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
+        Ok(HealthTable {
+            world: 1,
+            buckets: self.local.len(),
+            local: self.local.clone(),
+            reduced: self.local.clone(),
+            reports: vec![local],
+        })
+    }
+}

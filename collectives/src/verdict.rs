@@ -1,0 +1,303 @@
+//! The agreed health table and the one pure function that turns it into a verdict.
+//!
+//! Invariants: every rank holds a bitwise-identical `HealthTable` after `Transport::agree`, and
+//! `decide` depends on nothing else but the policy and the history (which every rank updates from
+//! the same verdicts). So every rank reaches the same verdict with no extra round trip, and no rank can
+//! die alone while the others wait in the next collective.
+
+use std::collections::VecDeque;
+
+use gradbus_kernels::Health;
+use serde::Serialize;
+
+use crate::layout::Layout;
+
+/// Which optimizer update a collective belongs to. Never "-1": the worker always knows its step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StepId {
+    /// Optimizer step (RL step), counted from 0.
+    pub step: u64,
+    /// Mini-batch (update) inside the step.
+    pub minibatch: u32,
+    /// 0 for the first execution, 1 for a rerun.
+    pub attempt: u32,
+}
+
+/// Scalars that each rank contributes to the agreement (exchanged with the health table, no extra
+/// round trip). `loss` decides `loss_finite`; `values` are the workload's own (reward, KL, tokens...).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(C)]
+pub struct LocalReport {
+    /// This rank's loss for the update.
+    pub loss: f64,
+    /// Workload-defined scalars, averaged or summed by the workload after the agreement.
+    pub values: [f64; 7],
+}
+
+/// What every rank knows after the agreement of one update.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HealthTable {
+    /// Number of ranks.
+    pub world: usize,
+    /// Number of buckets.
+    pub buckets: usize,
+    /// `local[bucket * world + rank]`: the rank's gradients in that bucket BEFORE the reduce;
+    /// `first_bad` is relative to the bucket's start.
+    pub local: Vec<Health>,
+    /// Health of each reduced bucket (its sum of squares gives the global norm).
+    pub reduced: Vec<Health>,
+    /// Each rank's report.
+    pub reports: Vec<LocalReport>,
+}
+
+impl HealthTable {
+    /// Health of one rank's local gradients in one bucket.
+    pub fn cell(&self, bucket: usize, rank: usize) -> &Health {
+        &self.local[bucket * self.world + rank]
+    }
+
+    /// L2 norm of the reduced gradient, from the f64 sums of squares of the finite elements.
+    pub fn grad_norm(&self) -> f64 {
+        self.reduced.iter().map(|h| h.sumsq).sum::<f64>().sqrt()
+    }
+
+    /// True when every rank's local gradients and every reduced bucket are finite.
+    pub fn all_finite(&self) -> bool {
+        self.local.iter().chain(&self.reduced).all(Health::is_finite)
+    }
+
+    /// True when every rank reported a finite loss.
+    pub fn loss_finite(&self) -> bool {
+        self.reports.iter().all(|r| r.loss.is_finite())
+    }
+
+    /// Non-finite counts per (bucket, rank), the fingerprint a rerun is compared by.
+    fn fingerprint(&self) -> Vec<(u64, u64, Option<u64>)> {
+        self.local.iter().map(|h| (h.nan, h.inf, h.first_bad)).collect()
+    }
+}
+
+/// What to do when gradients are not finite.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Policy {
+    /// Stop every rank with a report and a failure dump.
+    Abort,
+    /// Drop the update on every rank, at most `max_consecutive` in a row and at most `max_fraction`
+    /// of the last `window` updates; past either bound, abort.
+    Skip { max_consecutive: u32, max_fraction: f64, window: u32 },
+    /// Recompute the update with the same inputs: the same non-finite result means a deterministic
+    /// cause (abort with the trace), a different one a transient fault (continue, rank marked suspect).
+    Rerun,
+}
+
+/// The action every rank takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// Apply the update.
+    Proceed,
+    /// Drop the update.
+    Skip,
+    /// Recompute the update (attempt 1).
+    Rerun,
+    /// Stop the job.
+    Abort,
+}
+
+/// Per-rank non-finite counts in a report.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RankHealth {
+    /// The rank.
+    pub rank: usize,
+    /// NaN elements in its local gradients.
+    pub nan: u64,
+    /// Inf elements in its local gradients.
+    pub inf: u64,
+    /// First bucket where they were non-finite.
+    pub first_bucket: usize,
+}
+
+/// The report of a non-finite update: what Megatron's "iteration -1" message could not say.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Report {
+    /// Optimizer step.
+    pub step: u64,
+    /// Mini-batch inside the step.
+    pub minibatch: u32,
+    /// The attempt that was judged.
+    pub attempt: u32,
+    /// The action taken.
+    pub verdict: Action,
+    /// Ranks whose local gradients were non-finite, ascending.
+    pub ranks: Vec<usize>,
+    /// The first bucket (in reduce order) with a non-finite value.
+    pub bucket: usize,
+    /// The parameter holding the first non-finite element of that bucket on the lowest bad rank.
+    pub param: String,
+    /// Element index inside that parameter.
+    pub element: usize,
+    /// NaN elements over all ranks' local gradients.
+    pub nan: u64,
+    /// Inf elements over all ranks' local gradients.
+    pub inf: u64,
+    /// Per-rank detail.
+    pub per_rank: Vec<RankHealth>,
+    /// Whether every rank's loss was finite.
+    pub loss_finite: bool,
+    /// `deterministic` or `transient` after a rerun; `skip-budget` when skipping ran out.
+    pub classification: Option<String>,
+}
+
+/// The verdict on one update.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Verdict {
+    /// What every rank does.
+    pub action: Action,
+    /// Present whenever some gradient was non-finite.
+    pub report: Option<Report>,
+}
+
+/// What `decide` remembers between updates; every rank updates it from the same verdicts.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct History {
+    /// Skips in a row up to now.
+    pub consecutive_skips: u32,
+    /// Skip flags of the most recent updates (newest last).
+    pub recent: VecDeque<bool>,
+    /// Fingerprint of the first attempt of the update now being rerun.
+    first_attempt: Option<Vec<(u64, u64, Option<u64>)>>,
+    /// Total skipped updates.
+    pub skipped: u64,
+    /// Ranks classified suspect after a transient fault.
+    pub suspects: Vec<usize>,
+}
+
+/// Build the report of a table with some non-finite gradients.
+fn report(table: &HealthTable, layout: &Layout, at: StepId, verdict: Action) -> Report {
+    let mut per_rank = Vec::new();
+    for rank in 0..table.world {
+        let cells = (0..table.buckets).map(|b| (b, table.cell(b, rank)));
+        let bad: Vec<_> = cells.filter(|(_, h)| !h.is_finite()).collect();
+        if let Some(&(first_bucket, _)) = bad.first() {
+            let nan = bad.iter().map(|(_, h)| h.nan).sum();
+            let inf = bad.iter().map(|(_, h)| h.inf).sum();
+            per_rank.push(RankHealth { rank, nan, inf, first_bucket });
+        }
+    }
+    let bucket = per_rank.iter().map(|r| r.first_bucket).min().unwrap_or(0);
+    let first_rank = per_rank.iter().find(|r| r.first_bucket == bucket).map_or(0, |r| r.rank);
+    let offset = table.cell(bucket, first_rank).first_bad.unwrap_or(0) as usize + layout.buckets[bucket].range.start;
+    let (param, element) = layout.locate(offset).map_or((String::from("?"), 0), |(s, i)| (s.name.clone(), i));
+    Report {
+        step: at.step,
+        minibatch: at.minibatch,
+        attempt: at.attempt,
+        verdict,
+        ranks: per_rank.iter().map(|r| r.rank).collect(),
+        bucket,
+        param,
+        element,
+        nan: per_rank.iter().map(|r| r.nan).sum(),
+        inf: per_rank.iter().map(|r| r.inf).sum(),
+        per_rank,
+        loss_finite: table.loss_finite(),
+        classification: None,
+    }
+}
+
+/// The verdict on one update. Pure: the same table, policy and history give the same verdict.
+pub fn decide(table: &HealthTable, layout: &Layout, policy: &Policy, history: &History, at: StepId) -> Verdict {
+    let finite = table.all_finite();
+    // A rerun that came back finite was a transient fault: continue with the recomputed gradients.
+    if at.attempt > 0 && finite {
+        let mut v = Verdict { action: Action::Proceed, report: None };
+        if history.first_attempt.is_some() {
+            v.report = Some(Report { classification: Some("transient".into()), ..empty_report(at, Action::Proceed) });
+        }
+        return v;
+    }
+    if finite {
+        return Verdict { action: Action::Proceed, report: None };
+    }
+    let (action, class) = match policy {
+        Policy::Abort => (Action::Abort, None),
+        Policy::Rerun if at.attempt == 0 => (Action::Rerun, None),
+        Policy::Rerun => {
+            let same = history.first_attempt.as_ref() == Some(&table.fingerprint());
+            if same {
+                (Action::Abort, Some("deterministic"))
+            } else {
+                (Action::Skip, Some("transient"))
+            }
+        }
+        Policy::Skip { max_consecutive, max_fraction, window } => {
+            let in_window = history.recent.iter().rev().take(*window as usize - 1).filter(|&&s| s).count() + 1;
+            if history.consecutive_skips + 1 > *max_consecutive || in_window as f64 > max_fraction * *window as f64 {
+                (Action::Abort, Some("skip-budget"))
+            } else {
+                (Action::Skip, None)
+            }
+        }
+    };
+    let mut r = report(table, layout, at, action);
+    r.classification = class.map(String::from);
+    Verdict { action, report: Some(r) }
+}
+
+fn empty_report(at: StepId, verdict: Action) -> Report {
+    Report {
+        step: at.step,
+        minibatch: at.minibatch,
+        attempt: at.attempt,
+        verdict,
+        ranks: Vec::new(),
+        bucket: 0,
+        param: String::new(),
+        element: 0,
+        nan: 0,
+        inf: 0,
+        per_rank: Vec::new(),
+        loss_finite: true,
+        classification: None,
+    }
+}
+
+impl History {
+    /// Remember a verdict (call on every rank after every `decide`).
+    pub fn record(&mut self, table: &HealthTable, verdict: &Verdict) {
+        match verdict.action {
+            Action::Rerun => {
+                self.first_attempt = Some(table.fingerprint());
+                return;
+            }
+            Action::Skip => {
+                self.consecutive_skips += 1;
+                self.skipped += 1;
+            }
+            Action::Proceed | Action::Abort => self.consecutive_skips = 0,
+        }
+        if let Some(r) = &verdict.report {
+            if r.classification.as_deref() == Some("transient") {
+                let ranks = self.first_attempt.as_ref().map(|fp| suspects(fp, table.world)).unwrap_or_default();
+                for k in ranks {
+                    if !self.suspects.contains(&k) {
+                        self.suspects.push(k);
+                    }
+                }
+            }
+        }
+        self.first_attempt = None;
+        self.recent.push_back(verdict.action == Action::Skip);
+        while self.recent.len() > 1024 {
+            self.recent.pop_front();
+        }
+    }
+}
+
+/// Ranks with non-finite cells in a fingerprint.
+fn suspects(fp: &[(u64, u64, Option<u64>)], world: usize) -> Vec<usize> {
+    let mut out: Vec<usize> = fp.iter().enumerate().filter(|(_, c)| c.0 + c.1 > 0).map(|(i, _)| i % world).collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}

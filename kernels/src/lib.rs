@@ -1,0 +1,13 @@
+//! gradbus-kernels: the numeric kernels of gradbus, and nothing about ranks or models.
+//!
+//! Every fast kernel has a naive twin in [`reference`] and a test that compares the two on fresh
+//! random inputs that include NaN, Inf, denormal and huge values. Kernels are deterministic: the
+//! order of floating-point operations is fixed, so the same input gives the same bits.
+
+pub mod health;
+pub mod reduce;
+pub mod reference;
+pub mod rng;
+
+pub use health::{health_scan, Health};
+pub use reduce::reduce_in_place;

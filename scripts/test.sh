@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The test command of the README, and all that .ci/run does: install what the tests need on a
+# fresh Debian/Ubuntu machine (when missing), then run every test of the workspace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# System packages: Open MPI and libclang for the `mpi` feature (bindgen); installed only when
+# missing, so a second run costs nothing.
+need=()
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
+dpkg -s libclang1-14 libclang-common-14-dev >/dev/null 2>&1 || need+=(libclang1-14 libclang-common-14-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ] && ! command -v sudo >/dev/null; then
+    echo "missing system packages: ${need[*]} (install them, or run as root)" >&2
+    exit 2
+  fi
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+cargo test --workspace --release
