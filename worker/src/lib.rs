@@ -1,5 +1,130 @@
 //! gradbus-worker: one rank of a gradbus job - rank discovery, config, the reference RL workload,
 //! the step loop over a `Transport`, checkpoints, failure dumps, replay and the forensics trace.
+//!
+//! The binary (`worker/src/main.rs`) is thin: it parses arguments and maps `WorkerError`s to the
+//! exit codes of [`exit::Code`].
 
+pub mod config;
 pub mod env;
 pub mod exit;
+pub mod faults;
+pub mod loss;
+pub mod model;
+pub mod rank;
+pub mod task;
+pub mod tensorfile;
+pub mod train;
+
+use std::path::PathBuf;
+
+use gradbus_collectives::{Layout, Solo, Transport};
+
+use crate::config::{Config, ConfigError};
+
+use crate::exit::Code;
+use crate::rank::RankInfo;
+use crate::train::{Outcome, Trainer};
+
+/// Everything that ends a worker early.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The config is bad.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Bad arguments or input, with the hint in the message.
+    #[error("{0}")]
+    Usage(String),
+    /// The collectives layer failed (timeout, dead peer, /dev/shm).
+    #[error(transparent)]
+    Bus(#[from] gradbus_collectives::Error),
+    /// A file could not be written or read.
+    #[error("{what}: {source}")]
+    Io {
+        /// The file, named.
+        what: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Replicas diverged: the parameter checksums disagree.
+    #[error("{0}")]
+    Diverged(String),
+}
+
+impl WorkerError {
+    /// An I/O error naming the file.
+    pub fn io(what: &str, source: std::io::Error) -> WorkerError {
+        WorkerError::Io { what: what.into(), source }
+    }
+
+    /// The exit code of this error.
+    pub fn code(&self) -> Code {
+        use gradbus_collectives::Error as E;
+        match self {
+            WorkerError::Config(_) | WorkerError::Usage(_) => Code::Usage,
+            WorkerError::Bus(E::Timeout { .. }) => Code::Timeout,
+            WorkerError::Bus(E::ShmFull { .. } | E::BadSegment { .. }) => Code::Usage,
+            WorkerError::Bus(_) | WorkerError::Io { .. } | WorkerError::Diverged(_) => Code::RankFailed,
+        }
+    }
+}
+
+/// Arguments of `gradbus-worker`.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerArgs {
+    /// The config file.
+    pub config: PathBuf,
+    /// `--set key=value` overrides.
+    pub overrides: Vec<String>,
+    /// `--run-dir`.
+    pub run_dir: Option<PathBuf>,
+    /// `--resume`: continue from the run dir's latest complete checkpoint.
+    pub resume: bool,
+}
+
+/// The transport for this rank: solo for a world of one, the shared-memory bus inside a node.
+fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result<Box<dyn Transport>, WorkerError> {
+    if info.world == 1 {
+        return Ok(Box::new(Solo::new(layout)));
+    }
+    if info.nodes > 1 {
+        return Err(WorkerError::Usage(format!(
+            "{} nodes need the MPI transport between nodes (hint: build with `--features mpi`)",
+            info.nodes
+        )));
+    }
+    let bus = gradbus_collectives::shm::ShmBus::open(gradbus_collectives::shm::BusConfig {
+        shm_dir: PathBuf::from("/dev/shm"),
+        job_id: info.job_id.clone(),
+        node_id: info.node_id,
+        local_rank: info.local_rank,
+        local_size: info.local_size,
+        config_hash: hash,
+        layout,
+        timeout: std::time::Duration::from_secs_f64(cfg.collective_timeout_s),
+    })?;
+    Ok(Box::new(bus))
+}
+
+/// Run one rank to its end. `Ok(Code)` is the exit code of a run that ended as planned (done, or
+/// the agreed abort on non-finite gradients).
+pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
+    let info = RankInfo::discover().map_err(WorkerError::Usage)?;
+    let (cfg, config_hash, canonical) = Config::load(&args.config, &args.overrides)?;
+    let run_dir = info.run_dir(args.run_dir.clone());
+    std::fs::create_dir_all(&run_dir).map_err(|e| WorkerError::io(&run_dir.display().to_string(), e))?;
+    let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
+    let hash = config_hash ^ layout.hash();
+    let bus = transport(&info, &cfg, hash, layout)?;
+    let mut trainer = Trainer::new(cfg, hash, canonical, info, run_dir, bus, args.resume)?;
+    match trainer.run() {
+        Ok(Outcome::Done) => Ok(Code::Done),
+        Ok(Outcome::Aborted(report)) => {
+            eprintln!("rank {}: ABORT: {}", trainer.info.rank, train::describe(&report));
+            Ok(Code::NonFinite)
+        }
+        Err(e) => {
+            trainer.bus.mark_failed();
+            Err(e)
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! Planned faults, for the tests that prove every fault ends in a correct continuation or a clean,
+//! explained abort. A plan comes from the config's `[[faults]]` or from `GRADBUS_FAULTS` (the same
+//! TOML), and the step loop asks it at fixed points.
+//!
+//! Invariant: a plan with no entries costs one empty-vector check per hook; nothing is random.
+
+use serde::Deserialize;
+
+use gradbus_collectives::{Layout, StepId};
+
+/// What goes wrong.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FaultKind {
+    /// Write NaN into this rank's local gradient.
+    Nan,
+    /// Write +Inf into this rank's local gradient.
+    Inf,
+    /// SIGKILL this rank.
+    Kill,
+    /// Sleep `seconds` (longer than the collective deadline to provoke a timeout).
+    Stall,
+    /// Exit with `code`.
+    Exit,
+}
+
+/// Where in the update a process fault fires.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultPhase {
+    /// Before the forward pass.
+    #[default]
+    Forward,
+    /// After forward, before backward.
+    Backward,
+    /// After the first bucket's reduce, before the next.
+    BetweenBuckets,
+    /// While writing a checkpoint (after the temp file, before the rename).
+    Checkpoint,
+}
+
+/// One planned fault.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    /// What goes wrong.
+    pub kind: FaultKind,
+    /// On which rank.
+    pub rank: usize,
+    /// At which RL step.
+    pub step: u64,
+    /// At which update of the step (epoch * minibatches + minibatch).
+    #[serde(default)]
+    pub minibatch: u32,
+    /// For kill/stall/exit: where.
+    #[serde(default)]
+    pub phase: FaultPhase,
+    /// For nan/inf: the parameter (default: the last one, in bucket #0).
+    #[serde(default)]
+    pub param: Option<String>,
+    /// For nan/inf: element index in the parameter.
+    #[serde(default)]
+    pub element: usize,
+    /// For nan/inf: only on the first execution of the update, as a silent hardware error would be.
+    #[serde(default)]
+    pub transient: bool,
+    /// For exit: the exit code.
+    #[serde(default = "default_code")]
+    pub code: i32,
+    /// For stall: seconds.
+    #[serde(default = "default_stall")]
+    pub seconds: f64,
+}
+
+fn default_code() -> i32 {
+    1
+}
+fn default_stall() -> f64 {
+    3600.0
+}
+
+/// The faults that concern this rank.
+#[derive(Clone, Debug, Default)]
+pub struct FaultPlan {
+    faults: Vec<Fault>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnvPlan {
+    faults: Vec<Fault>,
+}
+
+impl FaultPlan {
+    /// The plan for `rank`: the config's faults plus those in `GRADBUS_FAULTS`.
+    pub fn new(config: &[Fault], rank: usize) -> Result<FaultPlan, String> {
+        let mut faults: Vec<Fault> = config.to_vec();
+        if let Ok(text) = std::env::var(crate::env::FAULTS) {
+            if !text.trim().is_empty() {
+                let p: EnvPlan = toml::from_str(&text).map_err(|e| format!("{}: {e}", crate::env::FAULTS))?;
+                faults.extend(p.faults);
+            }
+        }
+        faults.retain(|f| f.rank == rank);
+        Ok(FaultPlan { faults })
+    }
+
+    fn matching(&self, at: StepId) -> impl Iterator<Item = &Fault> {
+        self.faults.iter().filter(move |f| f.step == at.step && f.minibatch == at.minibatch)
+    }
+
+    /// Fire the kill/stall/exit faults planned for this phase of this update.
+    pub fn at_phase(&self, phase: FaultPhase, at: StepId) {
+        for f in self.matching(at).filter(|f| f.phase == phase && at.attempt == 0) {
+            match f.kind {
+                FaultKind::Kill => {
+                    eprintln!("fault plan: SIGKILL at step {} update {} ({:?})", at.step, at.minibatch, phase);
+                    // SAFETY: kill(getpid(), SIGKILL) has no memory-safety preconditions.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                }
+                FaultKind::Stall => {
+                    eprintln!("fault plan: stall {}s at step {} update {} ({:?})", f.seconds, at.step, at.minibatch, phase);
+                    std::thread::sleep(std::time::Duration::from_secs_f64(f.seconds));
+                }
+                FaultKind::Exit => {
+                    eprintln!("fault plan: exit {} at step {} update {} ({:?})", f.code, at.step, at.minibatch, phase);
+                    std::process::exit(f.code);
+                }
+                FaultKind::Nan | FaultKind::Inf => {}
+            }
+        }
+    }
+
+    /// Plant the nan/inf faults of this update into the local gradients.
+    pub fn poison(&self, at: StepId, layout: &Layout, grads: &mut [f32]) {
+        for f in self.matching(at).filter(|f| matches!(f.kind, FaultKind::Nan | FaultKind::Inf)) {
+            if f.transient && at.attempt > 0 {
+                continue;
+            }
+            let slot = match &f.param {
+                Some(name) => layout.slot(name),
+                None => layout.slots.last(),
+            };
+            let Some(slot) = slot else { continue };
+            let i = slot.offset + f.element.min(slot.numel.saturating_sub(1));
+            grads[i] = if f.kind == FaultKind::Nan { f32::NAN } else { f32::INFINITY };
+        }
+    }
+
+    /// Whether any fault is planned for this rank.
+    pub fn is_empty(&self) -> bool {
+        self.faults.is_empty()
+    }
+
+    /// The faults of this rank that fire during a checkpoint write of `step`.
+    pub fn at_checkpoint(&self, step: u64) {
+        self.at_phase(FaultPhase::Checkpoint, StepId { step, minibatch: 0, attempt: 0 });
+    }
+}
