@@ -19,7 +19,9 @@ use gradbus_kernels::Health;
 
 use crate::config::Config;
 use crate::faults::{FaultPhase, FaultPlan};
+use crate::loss::LossStats;
 use crate::model::{self, Gpt};
+use crate::probe::{NoProbe, Probe};
 use crate::rank::RankInfo;
 use crate::task::{self, Batch};
 use crate::tensorfile;
@@ -42,6 +44,24 @@ mod slot {
     pub const MIN_LOGP: usize = 4;
     pub const CHECKSUM_HI: usize = 5;
     pub const CHECKSUM_LO: usize = 6;
+}
+
+/// The gradients of one mini-batch: zero `grads`, forward, RL loss, backward into `grads`. The one
+/// code path of both the step loop and the replay, so a replay is bit for bit the original.
+pub fn compute_gradients<P: Probe + ?Sized>(
+    gpt: &Gpt,
+    cfg: &Config,
+    params: &[f32],
+    acts: &mut model::Activations,
+    mb: &Batch,
+    grads: &mut [f32],
+    probe: &mut P,
+) -> LossStats {
+    let logits = gpt.forward(params, &mb.inputs, mb.b, mb.t, acts, probe).to_vec();
+    let (stats, dlogits) = crate::loss::rl_loss(&cfg.loss, &logits, mb, cfg.model.vocab, probe);
+    grads.fill(0.0);
+    gpt.backward(params, acts, &dlogits, grads, probe, &mut |_| {});
+    stats
 }
 
 /// A stable checksum of f32 bits (FNV-1a over 32-bit words).
@@ -220,7 +240,7 @@ impl Trainer {
         for t in 2..len {
             // Recompute the prefix each token: the model is tiny and this keeps one forward path.
             let prefix: Vec<u32> = seqs.chunks_exact(len).flat_map(|s| s[..t].iter().copied()).collect();
-            let logits = self.gpt.forward(&self.rollout, &prefix, b, t, &mut self.acts, &mut model::NoProbe);
+            let logits = self.gpt.forward(&self.rollout, &prefix, b, t, &mut self.acts, &mut NoProbe);
             for i in 0..b {
                 let prev = seqs[i * len + t - 1];
                 seqs[i * len + t] = if t > 2 && (prev == task::EOS || prev == task::PAD) {
@@ -240,7 +260,7 @@ impl Trainer {
     /// Log-probs of the batch's targets under the trainer (or reference) weights.
     fn logp(&mut self, batch: &Batch, reference: bool) -> Vec<f32> {
         let w = if reference { &self.reference } else { &self.params };
-        let logits = self.gpt.forward(w, &batch.inputs, batch.b, batch.t, &mut self.acts, &mut model::NoProbe);
+        let logits = self.gpt.forward(w, &batch.inputs, batch.b, batch.t, &mut self.acts, &mut NoProbe);
         crate::loss::target_logp(logits, &batch.targets, self.cfg.model.vocab)
     }
 
@@ -249,7 +269,7 @@ impl Trainer {
         loop {
             let start = Instant::now();
             let pre_checksum = checksum(&self.params);
-            let stats = self.forward_backward(mb, at, &mut model::NoProbe);
+            let stats = self.forward_backward(mb, at);
             let nb = self.layout().buckets.len();
             for b in 0..nb {
                 self.bus.allreduce_bucket(at, b)?;
@@ -296,16 +316,11 @@ impl Trainer {
         }
     }
 
-    /// Zero the bus gradients, forward, loss, backward onto the bus, plant planned faults.
-    pub fn forward_backward(&mut self, mb: &Batch, at: StepId, probe: &mut dyn model::Probe) -> crate::loss::LossStats {
+    /// Forward, loss and backward onto the bus, with the planned faults of this update.
+    fn forward_backward(&mut self, mb: &Batch, at: StepId) -> LossStats {
         self.faults.at_phase(FaultPhase::Forward, at);
-        let v = self.cfg.model.vocab;
-        let logits = self.gpt.forward(&self.params, &mb.inputs, mb.b, mb.t, &mut self.acts, probe).to_vec();
-        let (stats, dlogits) = crate::loss::rl_loss(&self.cfg.loss, &logits, mb, v, probe);
+        let stats = compute_gradients(&self.gpt, &self.cfg, &self.params, &mut self.acts, mb, self.bus.grads(), &mut NoProbe);
         self.faults.at_phase(FaultPhase::Backward, at);
-        let grads = self.bus.grads();
-        grads.fill(0.0);
-        self.gpt.backward(&self.params, &mut self.acts, &dlogits, grads, probe, &mut |_| {});
         let layout = self.bus.layout().clone();
         self.faults.poison(at, &layout, self.bus.grads());
         stats

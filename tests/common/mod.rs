@@ -1,0 +1,66 @@
+//! Helpers for the integration tests: run the real binaries in a unique temp directory and show
+//! the command, stdout and stderr whenever an expectation fails.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The repository root (examples live there).
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A finished command with everything needed to explain a failure.
+pub struct Run {
+    pub cmd: String,
+    pub out: Output,
+}
+
+impl Run {
+    pub fn code(&self) -> Option<i32> {
+        self.out.status.code()
+    }
+    pub fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.out.stdout).into_owned()
+    }
+    pub fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.out.stderr).into_owned()
+    }
+    /// Panic with the whole story unless the exit code is `want`.
+    pub fn expect_code(&self, want: i32) -> &Run {
+        if self.code() != Some(want) {
+            panic!("{}\nexpected exit {want}, got {:?}\n--- stdout\n{}\n--- stderr\n{}", self.cmd, self.out.status, self.stdout(), self.stderr());
+        }
+        self
+    }
+}
+
+/// Run `gradbus ARGS` with extra environment.
+pub fn gradbus(args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gradbus"));
+    c.args(args).current_dir(root()).env_remove("GRADBUS_FAULTS");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let cmd = format!("{} gradbus {}", env.iter().map(|(k, v)| format!("{k}='{v}'")).collect::<Vec<_>>().join(" "), args.join(" "));
+    Run { cmd, out: c.output().expect("spawn gradbus") }
+}
+
+/// `RUN_DIR/metrics.jsonl` as JSON values with the wall-clock `time_*` fields removed.
+pub fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
+    text.lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).expect("json line");
+            v.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time_"));
+            v
+        })
+        .collect()
+}
+
+/// No shared-memory segment of any gradbus job is left (tests use unique job ids; this checks all).
+pub fn segments_left(job_hint: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("gradbus-") && n.contains(job_hint)).collect())
+        .unwrap_or_default()
+}
