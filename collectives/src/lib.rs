@@ -5,10 +5,12 @@
 //! This crate knows nothing about models: it sees named slots of f32 and ranks.
 
 pub mod layout;
+pub mod shm;
 pub mod transport;
 pub mod verdict;
 
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
+pub use shm::{read_progress, remove_job_segments, BusConfig, ShmBus};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
 pub use verdict::{decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict};
 
@@ -67,5 +69,15 @@ pub enum Error {
         /// The OS error.
         #[source]
         source: std::io::Error,
+    },
+    /// Ranks called different collectives (a program bug): every rank stops with this error.
+    #[error("rank {rank} is in {theirs} while this rank is in {mine} (hint: every rank must run the same sequence of collectives, steps and buckets)")]
+    Mismatch {
+        /// The first rank whose operation differs from this rank's.
+        rank: usize,
+        /// What that rank was doing.
+        theirs: String,
+        /// What this rank was doing.
+        mine: String,
     },
 }
