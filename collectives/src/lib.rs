@@ -10,7 +10,9 @@ pub mod verdict;
 
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
-pub use verdict::{decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict};
+pub use verdict::{
+    decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict,
+};
 
 /// Errors of the collectives layer.
 #[derive(Debug, thiserror::Error)]
