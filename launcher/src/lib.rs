@@ -1,1 +1,28 @@
-//! placeholder
+//! The `gradbus` launcher library: everything behind the thin `gradbus` binary.
+//!
+//! - [`cli`] parses the command line into a [`cli::Command`] and dispatches it, one match arm per
+//!   subcommand.
+//! - [`hostfile`] (text -> raw entries with line numbers) and [`plan`] (entries -> a validated
+//!   [`plan::LaunchPlan`]) are the two parsing stages of a launch.
+//! - [`run`] is `gradbus run`: plan, run directory, worker environment, then [`supervise`], which
+//!   spawns any set of processes, prefixes and logs their output, tears the job down on the first
+//!   failure or on a signal, and maps the ends to the exit-code policy of
+//!   `gradbus_worker::exit::Code`.
+//! - [`mpirun`] builds the `mpirun` command line; [`shm`] sweeps a job's leftover shared memory;
+//!   [`progress`] is the hook for a progress display; [`signals`] counts SIGINT/SIGTERM/SIGHUP.
+//!
+//! Invariant across the crate: once a worker has been started, every path out of the launcher
+//! (success, failure, signal, even SIGKILL of the launcher) leaves no worker process behind.
+
+pub mod cli;
+mod error;
+pub mod hostfile;
+pub mod mpirun;
+pub mod plan;
+pub mod progress;
+pub mod run;
+pub mod shm;
+pub mod signals;
+pub mod supervise;
+
+pub use error::Error;

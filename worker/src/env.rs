@@ -24,6 +24,10 @@ pub const FAKE_NODES: &str = "GRADBUS_FAKE_NODES";
 /// A fault plan (TOML array of tables, the same syntax as `[[faults]]` in the config).
 pub const FAULTS: &str = "GRADBUS_FAULTS";
 
+/// Override the worker binary the launcher starts (a path); for tests and debugging. Read by the
+/// launcher only; unset, it starts the `gradbus-worker` next to its own executable.
+pub const WORKER_BIN: &str = "GRADBUS_WORKER_BIN";
+
 /// Open MPI's variables.
 pub const OMPI_RANK: &str = "OMPI_COMM_WORLD_RANK";
 /// Open MPI world size.

@@ -1,0 +1,144 @@
+//! The `gradbus` command line: parse into a [`Command`], then [`execute`] it.
+//!
+//! Adding a subcommand is two match arms: one in [`parse`] that hands the `lexopt` parser to the
+//! subcommand module's own `parse` (which returns a [`Command`]), and one in [`execute`] that calls
+//! the module's `execute` and returns its exit [`Code`]. Parsing never starts anything and never
+//! panics; every mistake is an [`Error`] with a hint, exit 2.
+
+use std::ffi::OsString;
+
+use gradbus_worker::exit::Code;
+
+use crate::run::{self, RunArgs};
+use crate::Error;
+
+/// `gradbus --help`. The exit-code table is `gradbus_worker::exit::Code` (a test keeps them equal).
+pub const HELP: &str = "\
+gradbus - data-parallel training with a validated shared-memory gradient bus
+
+USAGE:
+    gradbus run [OPTIONS] CONFIG.toml [--set key=value ...]   start and supervise a job
+    gradbus replay DUMP                                       (not implemented yet)
+    gradbus bench ...                                         (not implemented yet)
+    gradbus report RUN_DIR                                    (not implemented yet)
+    gradbus --help | gradbus run --help
+
+EXIT CODES (gradbus_worker::exit::Code):
+    0    done
+    2    usage, config or input error (the message names the file, line or key)
+    3    every rank agreed to abort on non-finite gradients
+    4    a rank failed (crashed, killed by a signal, exited with another code)
+    5    a collective timed out waiting for a rank
+    130  interrupted (SIGINT, SIGTERM or SIGHUP to the launcher)
+
+ENVIRONMENT:
+    RUST_LOG               the launcher's verbosity (env_logger); exported to the workers
+    GRADBUS_WORKER_BIN     override the worker binary (tests and debugging)
+";
+
+/// A parsed command line.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command {
+    /// Print this help text and exit 0.
+    Help(&'static str),
+    /// `gradbus run`.
+    Run(RunArgs),
+    /// `gradbus replay` (arguments not parsed yet).
+    Replay(Vec<OsString>),
+    /// `gradbus bench` (arguments not parsed yet).
+    Bench(Vec<OsString>),
+    /// `gradbus report` (arguments not parsed yet).
+    Report(Vec<OsString>),
+}
+
+/// Parses the arguments after the program name.
+pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Command, Error> {
+    use lexopt::prelude::*;
+    let hint = "see `gradbus --help`";
+    let mut parser = lexopt::Parser::from_args(args);
+    let arg = parser.next().map_err(|e| run::lex(e, hint))?;
+    match arg {
+        None => Err(Error::usage(
+            "missing subcommand",
+            "try `gradbus run --help`",
+        )),
+        Some(Short('h') | Long("help")) => Ok(Command::Help(HELP)),
+        Some(Value(v)) => match v.to_str() {
+            Some("run") => run::parse(&mut parser),
+            Some("replay") => Ok(Command::Replay(rest(&mut parser))),
+            Some("bench") => Ok(Command::Bench(rest(&mut parser))),
+            Some("report") => Ok(Command::Report(rest(&mut parser))),
+            Some("help") => Ok(Command::Help(HELP)),
+            _ => Err(Error::usage(
+                format!("unknown subcommand `{}`", v.to_string_lossy()),
+                "the subcommands are run, replay, bench and report; see `gradbus --help`",
+            )),
+        },
+        Some(other) => Err(run::lex(other.unexpected(), hint)),
+    }
+}
+
+/// The remaining raw arguments (for subcommands that do not parse theirs yet).
+fn rest(parser: &mut lexopt::Parser) -> Vec<OsString> {
+    parser
+        .raw_args()
+        .map(|raw| raw.collect())
+        .unwrap_or_default()
+}
+
+/// Executes a parsed command and returns the launcher's exit code.
+pub fn execute(cmd: Command) -> Result<Code, Error> {
+    match cmd {
+        Command::Help(text) => {
+            print!("{text}");
+            Ok(Code::Done)
+        }
+        Command::Run(args) => run::execute(args),
+        Command::Replay(_) => Err(Error::NotImplemented { command: "replay" }),
+        Command::Bench(_) => Err(Error::NotImplemented { command: "bench" }),
+        Command::Report(_) => Err(Error::NotImplemented { command: "report" }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(args: &[&str]) -> Result<Command, Error> {
+        parse(args.iter().map(OsString::from))
+    }
+
+    #[test]
+    fn dispatches_subcommands_and_help() {
+        assert_eq!(p(&["--help"]).unwrap(), Command::Help(HELP));
+        assert_eq!(p(&["run", "--help"]).unwrap(), Command::Help(run::HELP));
+        assert!(matches!(p(&["run", "c.toml"]).unwrap(), Command::Run(_)));
+        assert_eq!(
+            p(&["replay", "d", "--x"]).unwrap(),
+            Command::Replay(vec!["d".into(), "--x".into()])
+        );
+        for bad in [&[][..], &["frob"], &["--np", "2"]] {
+            let e = p(bad).unwrap_err();
+            assert_eq!(e.code(), Code::Usage);
+            assert!(e.to_string().contains("hint:"), "{e}");
+        }
+        let e = execute(p(&["report", "runs/x"]).unwrap()).unwrap_err();
+        assert_eq!(e.code(), Code::Usage);
+        assert!(e.to_string().contains("not implemented"), "{e}");
+    }
+
+    #[test]
+    fn help_lists_every_exit_code_of_the_policy() {
+        for code in [
+            Code::Done,
+            Code::Usage,
+            Code::NonFinite,
+            Code::RankFailed,
+            Code::Timeout,
+            Code::Interrupted,
+        ] {
+            let line = format!("\n    {:<4} ", code as u8);
+            assert!(HELP.contains(&line), "help lacks exit code {}", code as u8);
+        }
+    }
+}

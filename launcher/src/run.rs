@@ -1,0 +1,567 @@
+//! `gradbus run`: from the command line to a supervised job and its exit code.
+//!
+//! Stages, each of which can only fail with a usage error (exit 2) before anything is started:
+//! parse the flags ([`parse`]) -> check the config file exists -> build and validate the
+//! [`LaunchPlan`] -> find the worker (or `mpirun`) -> create the run directory and record the launch
+//! in `RUN_DIR/launch.json`. Then the job runs under [`supervise`], the job's leftover shared-memory
+//! segments are removed after the last process is gone, the root-cause summary is printed, and the
+//! policy code is returned.
+//!
+//! The worker command line is `gradbus-worker --run-dir DIR [--resume] CONFIG [--set key=value ...]`
+//! with the environment contract of `gradbus_worker::env` (rank, local rank, sizes, node id, job id,
+//! run directory). Paths handed to workers are absolute, so a worker's working directory does not
+//! matter.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use gradbus_worker::env;
+use gradbus_worker::exit::Code;
+
+use crate::cli::Command;
+use crate::hostfile;
+use crate::mpirun::{self, MpirunSpec};
+use crate::plan::LaunchPlan;
+use crate::progress::{Progress, Silent};
+use crate::shm;
+use crate::signals;
+use crate::supervise::{self, Options, Outcome, ProcSpec};
+use crate::Error;
+
+/// `gradbus run --help`.
+pub const HELP: &str = "\
+gradbus run - start one worker per rank and supervise them
+
+USAGE:
+    gradbus run [OPTIONS] CONFIG.toml [--set key=value ...]
+
+OPTIONS:
+    --np N                 number of ranks (default: all slots of the hostfile, else 1)
+    --hostfile FILE        Open MPI/DeepSpeed hostfile: `host slots=N [max_slots=M]` per line
+    --oversubscribe        allow more ranks than slots (dealt round-robin, capped by max_slots)
+    --launcher KIND        local (default: spawn the workers here) or mpirun
+    --run-dir DIR          where logs, metrics and checkpoints go (default: runs/<job id>)
+    --resume RUN_DIR       continue the run in RUN_DIR from its last checkpoint
+    --grace SECONDS        time between SIGTERM and SIGKILL at teardown (default: 3)
+    --set key=value        override a config key (repeatable)
+    -h, --help             print this help
+
+Each rank's output is shown prefixed `[rank K] ` and written whole to RUN_DIR/rank-K.log.
+When a rank fails, the others get SIGTERM, then SIGKILL after the grace; the rank that failed
+first is reported. Exit codes: see `gradbus --help`.
+";
+
+/// How the workers are started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LauncherKind {
+    /// Spawn every worker on this machine.
+    Local,
+    /// One `mpirun` that starts the workers on the hostfile's machines.
+    Mpirun,
+}
+
+/// The validated command line of `gradbus run`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunArgs {
+    /// `--np`.
+    pub np: Option<usize>,
+    /// `--hostfile`.
+    pub hostfile: Option<PathBuf>,
+    /// `--oversubscribe`.
+    pub oversubscribe: bool,
+    /// `--launcher`.
+    pub launcher: LauncherKind,
+    /// `--run-dir`.
+    pub run_dir: Option<PathBuf>,
+    /// `--resume`.
+    pub resume: Option<PathBuf>,
+    /// `--grace`.
+    pub grace: Duration,
+    /// The config file.
+    pub config: PathBuf,
+    /// `--set key=value` overrides, in order.
+    pub sets: Vec<String>,
+}
+
+fn hint() -> &'static str {
+    "see `gradbus run --help`"
+}
+
+/// Turns a lexopt error into a usage error.
+pub(crate) fn lex(e: lexopt::Error, hint: &str) -> Error {
+    Error::usage(e.to_string(), hint)
+}
+
+/// Parses the arguments after `run`.
+pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
+    use lexopt::prelude::*;
+    let mut np = None;
+    let mut hostfile = None;
+    let mut oversubscribe = false;
+    let mut launcher = LauncherKind::Local;
+    let mut run_dir = None;
+    let mut resume = None;
+    let mut grace = Duration::from_secs(3);
+    let mut config: Option<PathBuf> = None;
+    let mut sets = Vec::new();
+    let h = hint();
+    while let Some(arg) = parser.next().map_err(|e| lex(e, h))? {
+        match arg {
+            Short('h') | Long("help") => return Ok(Command::Help(HELP)),
+            Long("np") | Short('n') => {
+                let v = parser.value().map_err(|e| lex(e, h))?;
+                let n = v
+                    .parse::<usize>()
+                    .map_err(|e| lex(e, "--np takes a whole number, e.g. --np 4"))?;
+                np = Some(n);
+            }
+            Long("hostfile") => {
+                hostfile = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?))
+            }
+            Long("oversubscribe") => oversubscribe = true,
+            Long("launcher") => {
+                let v = parser.value().map_err(|e| lex(e, h))?;
+                launcher = match v.to_str() {
+                    Some("local") => LauncherKind::Local,
+                    Some("mpirun") => LauncherKind::Mpirun,
+                    _ => {
+                        return Err(Error::usage(
+                            format!("--launcher {}: unknown launcher", v.to_string_lossy()),
+                            "use --launcher local or --launcher mpirun",
+                        ))
+                    }
+                };
+            }
+            Long("run-dir") => {
+                run_dir = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?))
+            }
+            Long("resume") => resume = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?)),
+            Long("grace") => {
+                let v = parser.value().map_err(|e| lex(e, h))?;
+                let s = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|s| s.is_finite() && *s >= 0.0 && *s <= 3600.0)
+                    .ok_or_else(|| {
+                        Error::usage(
+                            format!("--grace {}: not a number of seconds", v.to_string_lossy()),
+                            "e.g. --grace 3 or --grace 0.5 (at most 3600)",
+                        )
+                    })?;
+                grace = Duration::from_secs_f64(s);
+            }
+            Long("set") => {
+                let v = parser.value().map_err(|e| lex(e, h))?;
+                let s = v.into_string().map_err(|v| {
+                    Error::usage(
+                        format!("--set {}: not valid UTF-8", v.to_string_lossy()),
+                        "config keys and values are UTF-8",
+                    )
+                })?;
+                match s.split_once('=') {
+                    Some((k, _)) if !k.trim().is_empty() => sets.push(s),
+                    _ => {
+                        return Err(Error::usage(
+                            format!("--set {s}: expected key=value"),
+                            "e.g. --set train.lr=0.001",
+                        ))
+                    }
+                }
+            }
+            Value(v) if config.is_none() => config = Some(PathBuf::from(v)),
+            Value(v) => {
+                return Err(Error::usage(
+                    format!(
+                        "unexpected argument `{}` (the config is `{}`)",
+                        v.to_string_lossy(),
+                        config.as_deref().unwrap_or(Path::new("")).display()
+                    ),
+                    "give one CONFIG.toml; overrides go with --set key=value",
+                ))
+            }
+            other => return Err(lex(other.unexpected(), h)),
+        }
+    }
+    let Some(config) = config else {
+        return Err(Error::usage(
+            "missing CONFIG.toml",
+            "usage: gradbus run [OPTIONS] CONFIG.toml",
+        ));
+    };
+    if resume.is_some() && run_dir.is_some() {
+        return Err(Error::usage(
+            "--resume and --run-dir both name a run directory",
+            "give only --resume RUN_DIR to continue a run",
+        ));
+    }
+    Ok(Command::Run(RunArgs {
+        np,
+        hostfile,
+        oversubscribe,
+        launcher,
+        run_dir,
+        resume,
+        grace,
+        config,
+        sets,
+    }))
+}
+
+/// A job id unique on this machine and readable: UTC time of the launch and the launcher's pid,
+/// e.g. `20261129T175530p4242`. It contains no `-`, so `gradbus-{job}-` prefixes of two jobs never
+/// nest.
+pub fn new_job_id() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (y, mo, d) = civil_from_days((secs / 86_400) as i64);
+    let t = secs % 86_400;
+    format!(
+        "{y:04}{mo:02}{d:02}T{:02}{:02}{:02}p{}",
+        t / 3600,
+        t / 60 % 60,
+        t % 60,
+        std::process::id()
+    )
+}
+
+/// Gregorian (year, month, day) of a day count since 1970-01-01 (H. Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// The worker binary: `$GRADBUS_WORKER_BIN` if set, else `gradbus-worker` next to this executable.
+pub fn worker_path() -> Result<PathBuf, Error> {
+    let (path, hint) = match std::env::var_os(env::WORKER_BIN) {
+        Some(p) => (
+            PathBuf::from(p),
+            format!("{} points here; fix or unset it", env::WORKER_BIN),
+        ),
+        None => {
+            let exe = std::env::current_exe().unwrap_or_default();
+            let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+            (
+                dir.join("gradbus-worker"),
+                "gradbus-worker is installed next to gradbus: `cargo build --release --bins` builds both"
+                    .to_string(),
+            )
+        }
+    };
+    if !path.is_file() {
+        return Err(Error::WorkerMissing { path, hint });
+    }
+    Ok(std::path::absolute(&path).unwrap_or(path))
+}
+
+/// Checks that the config file exists and can be opened; returns its absolute path.
+fn check_config(path: &Path) -> Result<PathBuf, Error> {
+    let err = |reason: String| Error::Config {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(err("not a regular file".into()));
+    }
+    std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+    Ok(std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()))
+}
+
+/// Creates (or, with `--resume`, checks) the run directory; returns its absolute path.
+fn prepare_run_dir(args: &RunArgs, job_id: &str) -> Result<PathBuf, Error> {
+    if let Some(dir) = &args.resume {
+        if !dir.is_dir() {
+            return Err(Error::RunDir {
+                path: dir.clone(),
+                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+                hint: "--resume takes the run directory of an earlier `gradbus run`".into(),
+            });
+        }
+        return Ok(std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone()));
+    }
+    let dir = args
+        .run_dir
+        .clone()
+        .unwrap_or_else(|| Path::new("runs").join(job_id));
+    std::fs::create_dir_all(&dir).map_err(|source| Error::RunDir {
+        path: dir.clone(),
+        source,
+        hint: "pick a writable place with --run-dir DIR".into(),
+    })?;
+    Ok(std::fs::canonicalize(&dir).unwrap_or(dir))
+}
+
+/// What `launch.json` records, for `gradbus report` and for humans.
+#[derive(serde::Serialize)]
+struct LaunchRecord<'a> {
+    job_id: &'a str,
+    launcher: &'a str,
+    config: &'a Path,
+    sets: &'a [String],
+    resume: bool,
+    argv: Vec<String>,
+    plan: &'a LaunchPlan,
+}
+
+/// The worker's command-line arguments.
+pub fn worker_args(run_dir: &Path, resume: bool, config: &Path, sets: &[String]) -> Vec<OsString> {
+    let mut args: Vec<OsString> = vec!["--run-dir".into(), run_dir.into()];
+    if resume {
+        args.push("--resume".into());
+    }
+    args.push(config.into());
+    for s in sets {
+        args.push("--set".into());
+        args.push(s.into());
+    }
+    args
+}
+
+/// The environment contract of one rank (see `gradbus_worker::env`).
+pub fn rank_env(
+    plan: &LaunchPlan,
+    rank: usize,
+    job_id: &str,
+    run_dir: &Path,
+) -> Vec<(OsString, OsString)> {
+    let slot = &plan.ranks[rank];
+    let kv = |k: &str, v: String| (OsString::from(k), OsString::from(v));
+    vec![
+        kv(env::RANK, slot.rank.to_string()),
+        kv(env::LOCAL_RANK, slot.local_rank.to_string()),
+        kv(env::WORLD_SIZE, plan.world_size.to_string()),
+        kv(env::LOCAL_SIZE, plan.local_size(rank).to_string()),
+        kv(env::NODE_ID, slot.node_id.to_string()),
+        (env::JOB_ID.into(), job_id.into()),
+        (env::RUN_DIR.into(), run_dir.into()),
+    ]
+}
+
+/// One [`ProcSpec`] per rank of `plan`, running `program args` with the rank's environment and
+/// `RUN_DIR/rank-K.log`. `gradbus bench` can call this with another program.
+pub fn local_specs(
+    plan: &LaunchPlan,
+    program: &Path,
+    args: &[OsString],
+    job_id: &str,
+    run_dir: &Path,
+) -> Vec<ProcSpec> {
+    (0..plan.world_size)
+        .map(|rank| ProcSpec {
+            label: format!("rank {rank}"),
+            program: program.to_path_buf(),
+            args: args.to_vec(),
+            env: rank_env(plan, rank, job_id, run_dir),
+            log: Some(run_dir.join(format!("rank-{rank}.log"))),
+        })
+        .collect()
+}
+
+/// Runs the specs under supervision, then removes the job's shm segments and prints the summary.
+/// The common tail of every subcommand that starts a job.
+pub fn supervise_job(
+    specs: Vec<ProcSpec>,
+    opts: &Options,
+    progress: &mut dyn Progress,
+    job_id: &str,
+) -> Result<Outcome, Error> {
+    signals::install()?;
+    let result = supervise::supervise(specs, opts, progress);
+    // Every process is reaped at this point (also on a spawn error), so no live rank can lose a
+    // segment. Swap for gradbus_collectives::shm::remove_job_segments when it lands.
+    for path in shm::remove_job_segments_local(Path::new(shm::SHM_DIR), job_id) {
+        log::info!("removed leftover shared-memory segment {}", path.display());
+    }
+    let outcome = result?;
+    for line in outcome.summary() {
+        eprintln!("gradbus: {line}");
+    }
+    Ok(outcome)
+}
+
+/// Executes `gradbus run`.
+pub fn execute(args: RunArgs) -> Result<Code, Error> {
+    let config = check_config(&args.config)?;
+    let plan = match &args.hostfile {
+        Some(path) => LaunchPlan::from_hosts(&hostfile::read(path)?, args.np, args.oversubscribe)?,
+        None => LaunchPlan::local(args.np.unwrap_or(1))?,
+    };
+    let worker = worker_path()?;
+    let mpirun = match args.launcher {
+        LauncherKind::Local => {
+            plan.require_local(args.hostfile.as_deref())?;
+            None
+        }
+        LauncherKind::Mpirun => Some(
+            mpirun::find_on_path("mpirun", std::env::var_os("PATH").as_deref())
+                .ok_or(Error::MpirunMissing)?,
+        ),
+    };
+    let job_id = new_job_id();
+    let run_dir = prepare_run_dir(&args, &job_id)?;
+    let resume = args.resume.is_some();
+    let record = LaunchRecord {
+        job_id: &job_id,
+        launcher: if mpirun.is_some() { "mpirun" } else { "local" },
+        config: &config,
+        sets: &args.sets,
+        resume,
+        argv: std::env::args().collect(),
+        plan: &plan,
+    };
+    if let Ok(json) = serde_json::to_string_pretty(&record) {
+        let path = run_dir.join("launch.json");
+        if let Err(e) = std::fs::write(&path, json + "\n") {
+            log::warn!("cannot write {}: {e}", path.display());
+        }
+    }
+    eprintln!(
+        "gradbus: job {job_id}: {} rank(s) on {} node(s), run dir {}",
+        plan.world_size,
+        plan.nodes.len(),
+        run_dir.display()
+    );
+
+    let wargs = worker_args(&run_dir, resume, &config, &args.sets);
+    let specs = match mpirun {
+        None => local_specs(&plan, &worker, &wargs, &job_id, &run_dir),
+        Some(mpirun) => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let hostfile = args
+                .hostfile
+                .as_ref()
+                .map(|h| std::path::absolute(h).unwrap_or(h.clone()));
+            let spec = MpirunSpec {
+                mpirun,
+                oversubscribe: args.oversubscribe
+                    || plan.oversubscribed
+                    || (hostfile.is_none() && plan.world_size > cores),
+                hostfile,
+                np: plan.world_size,
+                as_root: mpirun::running_as_root(),
+                exports: mpirun::exports(|n| std::env::var_os(n).is_some()),
+                worker,
+                worker_args: wargs,
+            };
+            let mut argv = mpirun::command_line(&spec).into_iter();
+            let program = PathBuf::from(argv.next().unwrap_or_default());
+            vec![ProcSpec {
+                label: "mpirun".into(),
+                program,
+                args: argv.collect(),
+                env: vec![
+                    (env::JOB_ID.into(), job_id.clone().into()),
+                    (env::RUN_DIR.into(), run_dir.clone().into()),
+                ],
+                log: Some(run_dir.join("mpirun.log")),
+            }]
+        }
+    };
+    let opts = Options {
+        grace: args.grace,
+        ..Options::default()
+    };
+    let outcome = supervise_job(specs, &opts, &mut Silent, &job_id)?;
+    Ok(outcome.code())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_run(args: &[&str]) -> Result<RunArgs, Error> {
+        let mut p = lexopt::Parser::from_args(args.iter().copied());
+        match parse(&mut p)? {
+            Command::Run(a) => Ok(a),
+            _ => panic!("not a run command"),
+        }
+    }
+
+    #[test]
+    fn parses_flags_config_and_sets_in_any_order() {
+        let a = parse_run(&[
+            "--np",
+            "4",
+            "--set",
+            "a.b=1",
+            "cfg.toml",
+            "--hostfile",
+            "h",
+            "--set=c=2",
+            "--grace",
+            "0.5",
+            "--launcher",
+            "mpirun",
+            "--oversubscribe",
+        ])
+        .unwrap();
+        assert_eq!(a.np, Some(4));
+        assert_eq!(a.config, PathBuf::from("cfg.toml"));
+        assert_eq!(a.sets, ["a.b=1", "c=2"]);
+        assert_eq!(a.hostfile, Some(PathBuf::from("h")));
+        assert_eq!(a.launcher, LauncherKind::Mpirun);
+        assert_eq!(a.grace, Duration::from_millis(500));
+        assert!(a.oversubscribe);
+    }
+
+    #[test]
+    fn bad_usage_is_an_error_with_a_hint() {
+        for bad in [
+            &["--np", "x", "c.toml"][..],
+            &["--np"],
+            &[],
+            &["a.toml", "b.toml"],
+            &["--set", "novalue", "c.toml"],
+            &["--set", "=1", "c.toml"],
+            &["--launcher", "ssh", "c.toml"],
+            &["--grace", "-1", "c.toml"],
+            &["--frobnicate", "c.toml"],
+            &["--resume", "r", "--run-dir", "d", "c.toml"],
+        ] {
+            let e = parse_run(bad).unwrap_err();
+            assert_eq!(e.code(), Code::Usage, "{bad:?}");
+            assert!(e.to_string().contains("hint:"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn job_ids_are_dated_and_dashless() {
+        let id = new_job_id();
+        assert!(id.len() > 16 && !id.contains('-'), "{id}");
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(20_786), (2026, 11, 29));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    }
+
+    #[test]
+    fn rank_env_follows_the_contract() {
+        let plan = LaunchPlan::local(3).unwrap();
+        let e = rank_env(&plan, 2, "j1", Path::new("/r"));
+        let get = |k: &str| {
+            e.iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.to_str().unwrap().to_string())
+        };
+        assert_eq!(get(env::RANK).as_deref(), Some("2"));
+        assert_eq!(get(env::LOCAL_RANK).as_deref(), Some("2"));
+        assert_eq!(get(env::WORLD_SIZE).as_deref(), Some("3"));
+        assert_eq!(get(env::LOCAL_SIZE).as_deref(), Some("3"));
+        assert_eq!(get(env::NODE_ID).as_deref(), Some("0"));
+        assert_eq!(get(env::JOB_ID).as_deref(), Some("j1"));
+        assert_eq!(get(env::RUN_DIR).as_deref(), Some("/r"));
+        let args = worker_args(Path::new("/r"), true, Path::new("/c.toml"), &["k=v".into()]);
+        assert_eq!(
+            args,
+            ["--run-dir", "/r", "--resume", "/c.toml", "--set", "k=v"]
+        );
+    }
+}
