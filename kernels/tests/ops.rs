@@ -18,23 +18,14 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
         // error below k * eps(f32) * sum|terms| ~ 300 * 6e-8 * 300 ~ 5e-3 worst case, ~1e-5 typical
         // against a result scale of ~sqrt(k) ~ 17. 1e-5 of the scale is a hundred times that typical
         // error, and a wrong index or stride gives errors of order 1.
-        assert!(
-            (x - y).abs() <= 1e-5 * scale,
-            "{what}[{i}]: fast {x} vs reference {y} (scale {scale})"
-        );
+        assert!((x - y).abs() <= 1e-5 * scale, "{what}[{i}]: fast {x} vs reference {y} (scale {scale})");
     }
 }
 
 #[test]
 fn matmul_matches_reference() {
     let mut rng = Rng::new(&[7, 1]);
-    for &(bt, c, oc) in &[
-        (1, 1, 1),
-        (5, 3, 7),
-        (40, 64, 192),
-        (33, 256, 64),
-        (17, 64, 16),
-    ] {
+    for &(bt, c, oc) in &[(1, 1, 1), (5, 3, 7), (40, 64, 192), (33, 256, 64), (17, 64, 16)] {
         for with_bias in [false, true] {
             let inp = randn(&mut rng, bt * c);
             let w = randn(&mut rng, oc * c);
@@ -47,24 +38,10 @@ fn matmul_matches_reference() {
 
             // Backward accumulates: start both from the same non-zero gradients.
             let dout = randn(&mut rng, bt * oc);
-            let (dinp0, dw0, db0) = (
-                randn(&mut rng, bt * c),
-                randn(&mut rng, oc * c),
-                randn(&mut rng, oc),
-            );
+            let (dinp0, dw0, db0) = (randn(&mut rng, bt * c), randn(&mut rng, oc * c), randn(&mut rng, oc));
             let (mut fdi, mut fdw, mut fdb) = (dinp0.clone(), dw0.clone(), db0.clone());
             let (mut sdi, mut sdw, mut sdb) = (dinp0, dw0, db0);
-            matmul_backward(
-                &mut fdi,
-                &mut fdw,
-                with_bias.then_some(&mut fdb[..]),
-                &dout,
-                &inp,
-                &w,
-                bt,
-                c,
-                oc,
-            );
+            matmul_backward(&mut fdi, &mut fdw, with_bias.then_some(&mut fdb[..]), &dout, &inp, &w, bt, c, oc);
             reference::matmul_backward(
                 &mut sdi,
                 &mut sdw,
@@ -109,10 +86,7 @@ fn attention_is_causal_and_rows_sum_to_one() {
     }
     for (i, row) in att.chunks(t).enumerate() {
         let t1 = i % t;
-        assert!(
-            row[t1 + 1..].iter().all(|&a| a == 0.0),
-            "no weight on the future"
-        );
+        assert!(row[t1 + 1..].iter().all(|&a| a == 0.0), "no weight on the future");
     }
     // Changing the last position of sample 0 leaves every earlier output unchanged.
     let before = out.clone();
@@ -164,24 +138,10 @@ fn adamw_first_step_moves_each_weight_by_lr_against_its_gradient() {
     let g = [0.3f32, -0.01, 0.0];
     let (mut m, mut v) = (vec![0.0; 3], vec![0.0; 3]);
     adamw_update(&mut p, &g, &mut m, &mut v, 0.1, 0.9, 0.999, 1e-8, 0.0, 1);
-    assert!(
-        (p[0] - 0.9).abs() < 1e-6 && (p[1] + 1.9).abs() < 1e-5 && p[2] == 0.5,
-        "{p:?}"
-    );
+    assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] + 1.9).abs() < 1e-5 && p[2] == 0.5, "{p:?}");
     let mut q = vec![1.0f32];
     let (mut m, mut v) = (vec![0.0], vec![0.0]);
-    adamw_update(
-        &mut q,
-        &[0.0],
-        &mut m,
-        &mut v,
-        0.1,
-        0.9,
-        0.999,
-        1e-8,
-        0.5,
-        1,
-    );
+    adamw_update(&mut q, &[0.0], &mut m, &mut v, 0.1, 0.9, 0.999, 1e-8, 0.5, 1);
     assert!((q[0] - 0.95).abs() < 1e-7, "decoupled decay: {}", q[0]);
 }
 

@@ -21,10 +21,7 @@ pub fn adamw_update(
 ) {
     assert!(t >= 1, "adamw_update: step t is 1-based");
     let n = params.len();
-    assert!(
-        grads.len() == n && m.len() == n && v.len() == n,
-        "adamw_update: length mismatch"
-    );
+    assert!(grads.len() == n && m.len() == n && v.len() == n, "adamw_update: length mismatch");
     let bc1 = 1.0 - beta1.powi(t as i32);
     let bc2 = 1.0 - beta2.powi(t as i32);
     for i in 0..n {

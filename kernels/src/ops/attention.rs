@@ -9,15 +9,7 @@
 
 /// out: (B, T, C), att: (B, NH, T, T), inp: (B, T, 3C) laid out as q | k | v, each split in NH heads.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_forward(
-    out: &mut [f32],
-    att: &mut [f32],
-    inp: &[f32],
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
-) {
+pub fn attention_forward(out: &mut [f32], att: &mut [f32], inp: &[f32], b: usize, t: usize, c: usize, nh: usize) {
     let hs = c / nh;
     let c3 = 3 * c;
     let scale = 1.0 / (hs as f32).sqrt();
@@ -91,11 +83,7 @@ pub fn attention_backward(
                 // softmax: dscore = att * (datt - sum(att * datt)); masked_fill: 0 where masked.
                 let dot: f32 = row.iter().zip(&datt).map(|(a, g)| a * g).sum();
                 for t2 in 0..t {
-                    let dscore = if t2 > t1 {
-                        0.0
-                    } else {
-                        row[t2] * (datt[t2] - dot) * scale
-                    };
+                    let dscore = if t2 > t1 { 0.0 } else { row[t2] * (datt[t2] - dot) * scale };
                     // scores = q k^T: dq += dscore k, dk += dscore q (dense).
                     let (qi, ki) = ((bi * t + t1) * c3 + h * hs, (bi * t + t2) * c3 + c + h * hs);
                     for i in 0..hs {

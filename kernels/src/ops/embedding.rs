@@ -16,10 +16,7 @@ pub fn encoder_forward(
 ) {
     for bt in 0..b * t {
         let tok = tokens[bt] as usize;
-        assert!(
-            tok < v,
-            "encoder_forward: token {tok} out of vocabulary {v}"
-        );
+        assert!(tok < v, "encoder_forward: token {tok} out of vocabulary {v}");
         let pos = bt % t;
         let o = &mut out[bt * c..(bt + 1) * c];
         let (e, p) = (&wte[tok * c..(tok + 1) * c], &wpe[pos * c..(pos + 1) * c]);

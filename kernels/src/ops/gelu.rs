@@ -19,8 +19,7 @@ pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32], n: usize) {
         let tanh_arg = GELU_SCALE * (x + cube);
         let tanh_out = tanh_arg.tanh();
         let sech2 = 1.0 - tanh_out * tanh_out;
-        let local =
-            0.5 * (1.0 + tanh_out) + x * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * GELU_CUBE * x * x);
+        let local = 0.5 * (1.0 + tanh_out) + x * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * GELU_CUBE * x * x);
         *di += local * d;
     }
 }

@@ -17,10 +17,7 @@ pub fn matmul_forward(
     c: usize,
     oc: usize,
 ) {
-    assert!(
-        out.len() >= bt * oc && inp.len() >= bt * c && weight.len() >= oc * c,
-        "matmul_forward: short buffer"
-    );
+    assert!(out.len() >= bt * oc && inp.len() >= bt * c && weight.len() >= oc * c, "matmul_forward: short buffer");
     let out = &mut out[..bt * oc];
     let beta = match bias {
         Some(bias) => {
@@ -69,14 +66,8 @@ pub fn matmul_backward(
     c: usize,
     oc: usize,
 ) {
-    assert!(
-        dinp.len() >= bt * c && dweight.len() >= oc * c && dout.len() >= bt * oc,
-        "matmul_backward: short buffer"
-    );
-    assert!(
-        inp.len() >= bt * c && weight.len() >= oc * c,
-        "matmul_backward: short buffer"
-    );
+    assert!(dinp.len() >= bt * c && dweight.len() >= oc * c && dout.len() >= bt * oc, "matmul_backward: short buffer");
+    assert!(inp.len() >= bt * c && weight.len() >= oc * c, "matmul_backward: short buffer");
     // SAFETY: bounds by the asserts above. dinp (bt, c) += dout (bt, oc) @ weight (oc, c): A strides
     // (oc, 1), B strides (c, 1), C strides (c, 1). dinp is a unique borrow aliasing no input.
     unsafe {

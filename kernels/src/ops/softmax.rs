@@ -18,10 +18,7 @@ pub fn logsoftmax_gather_forward(
     for i in 0..n {
         let row = &logits[i * v..(i + 1) * v];
         let tgt = targets[i] as usize;
-        assert!(
-            tgt < v,
-            "logsoftmax_gather_forward: target {tgt} out of vocabulary {v}"
-        );
+        assert!(tgt < v, "logsoftmax_gather_forward: target {tgt} out of vocabulary {v}");
         let maxval = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         let sum: f32 = row.iter().map(|&x| (x - maxval).exp()).sum();
         lse[i] = maxval + sum.ln();
