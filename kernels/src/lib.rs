@@ -5,6 +5,7 @@
 //! order of floating-point operations is fixed, so the same input gives the same bits.
 
 pub mod health;
+pub mod ops;
 pub mod reduce;
 pub mod reference;
 pub mod rng;

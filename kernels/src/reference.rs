@@ -30,3 +30,66 @@ pub fn rank_ordered_sum(srcs: &[&[f32]]) -> Vec<f32> {
     }
     out
 }
+
+/// Naive twin of `ops::matmul_forward`: out = inp @ weight^T + bias, one dot product per output.
+/// out: (BT, OC), inp: (BT, C), weight: (OC, C), bias: (OC) or none.
+pub fn matmul_forward(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    bt: usize,
+    c: usize,
+    oc: usize,
+) {
+    for i in 0..bt {
+        for o in 0..oc {
+            let mut acc = bias.map_or(0.0, |b| b[o]);
+            for k in 0..c {
+                acc += inp[i * c + k] * weight[o * c + k];
+            }
+            out[i * oc + o] = acc;
+        }
+    }
+}
+
+/// Naive twin of `ops::matmul_backward` (accumulates).
+/// dinp: (BT, C), dweight: (OC, C), dbias: (OC) or none, dout: (BT, OC), inp: (BT, C), weight: (OC, C).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    bt: usize,
+    c: usize,
+    oc: usize,
+) {
+    for i in 0..bt {
+        for k in 0..c {
+            let mut acc = 0.0;
+            for o in 0..oc {
+                acc += dout[i * oc + o] * weight[o * c + k];
+            }
+            dinp[i * c + k] += acc;
+        }
+    }
+    for o in 0..oc {
+        for k in 0..c {
+            let mut acc = 0.0;
+            for i in 0..bt {
+                acc += dout[i * oc + o] * inp[i * c + k];
+            }
+            dweight[o * c + k] += acc;
+        }
+    }
+    if let Some(dbias) = dbias {
+        for o in 0..oc {
+            for i in 0..bt {
+                dbias[o] += dout[i * oc + o];
+            }
+        }
+    }
+}
