@@ -12,7 +12,7 @@ use serde::Deserialize;
 use gradbus_collectives::layout::Fnv;
 use gradbus_collectives::Policy;
 
-use crate::loss::LossStyle;
+use crate::loss::LossConfig;
 use crate::model::GptConfig;
 
 /// Errors in the configuration: each names the file or key and carries a hint.
@@ -117,7 +117,7 @@ pub enum PolicyName {
 
 /// The RL task and schedule.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct RlConfig {
     /// Prompts per rank per step.
     pub prompts_per_rank: usize,
@@ -139,27 +139,9 @@ impl Default for RlConfig {
     }
 }
 
-/// The loss.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LossConfig {
-    /// "roll" (exp first, clamp after, masks multiplied after) or "safe".
-    pub style: LossStyle,
-    /// PPO clip epsilon.
-    pub clip: f32,
-    /// Coefficient of the k3 KL to the reference policy.
-    pub kl_coef: f32,
-}
-
-impl Default for LossConfig {
-    fn default() -> Self {
-        LossConfig { style: LossStyle::Roll, clip: 0.2, kl_coef: 0.01 }
-    }
-}
-
 /// AdamW and its schedule.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct OptimConfig {
     /// Peak learning rate.
     pub lr: f32,
@@ -185,7 +167,7 @@ impl Default for OptimConfig {
 
 /// Bounds of the skip policy.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct SkipConfig {
     /// Most skipped updates in a row before aborting.
     pub max_consecutive: u32,
@@ -203,7 +185,7 @@ impl Default for SkipConfig {
 
 /// Checkpoints.
 #[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
     /// Write a checkpoint every this many steps (0 = never).
     pub every: u64,
@@ -211,7 +193,7 @@ pub struct CheckpointConfig {
 
 /// Early warning.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct WarnConfig {
     /// Warn when a log-ratio fed to an exp comes within this many nats of ln(f32::MAX) = 88.72.
     pub headroom: f32,

@@ -58,7 +58,16 @@ pub fn compute_gradients<P: Probe + ?Sized>(
     probe: &mut P,
 ) -> LossStats {
     let logits = gpt.forward(params, &mb.inputs, mb.b, mb.t, acts, probe).to_vec();
-    let (stats, dlogits) = crate::loss::rl_loss(&cfg.loss, &logits, mb, cfg.model.vocab, probe);
+    let inputs = crate::loss::LossInputs {
+        b: mb.b,
+        t: mb.t,
+        targets: &mb.targets,
+        mask: &mb.mask,
+        adv: &mb.adv,
+        old_logp: &mb.old_logp,
+        ref_logp: &mb.ref_logp,
+    };
+    let (stats, dlogits) = crate::loss::rl_loss(&cfg.loss, &logits, &inputs, cfg.model.vocab, probe);
     grads.fill(0.0);
     gpt.backward(params, acts, &dlogits, grads, probe, &mut |_| {});
     stats
@@ -348,7 +357,7 @@ impl Trainer {
         }
         self.adam_t += 1;
         let o = &self.cfg.optim;
-        gradbus_kernels::ops::adamw::adamw_update(&mut self.params, grads, &mut self.m, &mut self.v, lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.adam_t);
+        gradbus_kernels::ops::adamw::adamw_update(&mut self.params, grads, &mut self.m, &mut self.v, lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.adam_t as u32);
     }
 
     fn write_metrics(&mut self, table: &HealthTable, at: StepId, action: Action, lr: f32, start: Instant) -> Result<(), WorkerError> {
@@ -365,7 +374,7 @@ impl Trainer {
             "reward": avg(slot::REWARD),
             "kl": finite_or_null(avg(slot::KL)),
             "grad_norm": finite_or_null(table.grad_norm() / world),
-            "bucket_norms": table.reduced.iter().map(|h| (h.sumsq.sqrt() / world)).collect::<Vec<_>>(),
+            "bucket_norms": table.reduced.iter().map(|h| h.sumsq.sqrt() / world).collect::<Vec<_>>(),
             "nonfinite_ranks": bad,
             "max_logratio_response": finite_or_null(max(slot::MAX_LR_RESPONSE)),
             "max_logratio_masked": finite_or_null(max(slot::MAX_LR_MASKED)),
