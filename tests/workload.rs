@@ -39,8 +39,26 @@ fn resume_from_checkpoint_continues_bitwise_identically() {
     run(&part, "2", &["--set", "steps=2", "--set", "checkpoint.every=2"], &[]).expect_code(0);
     assert!(part.join("checkpoints/step-000002/DONE").exists());
     let p = part.to_str().unwrap();
-    gradbus(&["run", "--np", "2", "--resume", p, TINY, "--set", "rl.epochs=2", "--set", "rl.minibatches=2", "--set", "steps=4", "--set", "checkpoint.every=2"], &[])
-        .expect_code(0);
+    gradbus(
+        &[
+            "run",
+            "--np",
+            "2",
+            "--resume",
+            p,
+            TINY,
+            "--set",
+            "rl.epochs=2",
+            "--set",
+            "rl.minibatches=2",
+            "--set",
+            "steps=4",
+            "--set",
+            "checkpoint.every=2",
+        ],
+        &[],
+    )
+    .expect_code(0);
     assert_eq!(metrics(&part), metrics(&full));
 }
 
@@ -48,10 +66,12 @@ fn resume_from_checkpoint_continues_bitwise_identically() {
 fn planted_nan_with_abort_policy_stops_every_rank_with_one_report() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("r");
-    let faults = "[[faults]]\nkind = \"nan\"\nrank = 1\nstep = 1\nminibatch = 2\nparam = \"head.weight\"\nelement = 5\n";
+    let faults =
+        "[[faults]]\nkind = \"nan\"\nrank = 1\nstep = 1\nminibatch = 2\nparam = \"head.weight\"\nelement = 5\n";
     let r = run(&dir, "3", &["--set", "steps=3"], &[("GRADBUS_FAULTS", faults)]);
     r.expect_code(3);
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
     assert_eq!(report["step"], 1);
     assert_eq!(report["minibatch"], 2);
     assert_eq!(report["verdict"], "abort");
@@ -97,7 +117,8 @@ fn rerun_policy_tells_transient_from_deterministic() {
     let persistent = "[[faults]]\nkind = \"nan\"\nrank = 1\nstep = 0\nminibatch = 1\n";
     let dir = tmp.path().join("p");
     run(&dir, "2", &["--set", "steps=2", "--set", "policy=rerun"], &[("GRADBUS_FAULTS", persistent)]).expect_code(3);
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
     assert_eq!(report["classification"], "deterministic");
     assert_eq!(report["attempt"], 1);
 }

@@ -555,7 +555,8 @@ impl ShmBus {
                     }
                 }
                 if now >= deadline {
-                    let missing = (0..n).filter(|&j| self.cell(j).arrive.load(Ordering::SeqCst) < k).collect::<Vec<_>>();
+                    let missing =
+                        (0..n).filter(|&j| self.cell(j).arrive.load(Ordering::SeqCst) < k).collect::<Vec<_>>();
                     if missing.is_empty() {
                         continue;
                     }
@@ -624,9 +625,8 @@ impl ShmBus {
         // reducers own the other chunks of `chunk_range`, which are disjoint. Slots are disjoint
         // (`slot_stride >= len * 4`) and `range.end <= layout.len`, so the n slices do not overlap
         // and lie inside the mapping, f32-aligned.
-        let mut slices: Vec<&mut [f32]> = (0..n)
-            .map(|k| unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len()) })
-            .collect();
+        let mut slices: Vec<&mut [f32]> =
+            (0..n).map(|k| unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len()) }).collect();
         if validate {
             let mut tally = vec![Health::default(); n];
             let sum = reduce_in_place(&mut slices, &mut tally);
@@ -684,7 +684,13 @@ fn reduce_plain(slots: &mut [&mut [f32]]) {
 /// Create the segment (local rank 0), replacing a stale one of a dead creator.
 fn create(cfg: &BusConfig, path: &Path, geo: &Geometry) -> Result<(File, MmapRaw), Error> {
     let file = loop {
-        let r = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).custom_flags(libc::O_CLOEXEC).open(path);
+        let r = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path);
         match r {
             Ok(f) => break f,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
@@ -800,7 +806,10 @@ fn attach(cfg: &BusConfig, path: &Path, geo: &Geometry, start: Instant) -> Resul
 fn check_header(h: &Header, cfg: &BusConfig, geo: &Geometry, len: usize) -> Result<(), (String, &'static str)> {
     let version = h.version.load(Ordering::Relaxed);
     if version != VERSION {
-        return Err((format!("segment format version {version}, this binary speaks {VERSION}"), "every rank must run the same gradbus build"));
+        return Err((
+            format!("segment format version {version}, this binary speaks {VERSION}"),
+            "every rank must run the same gradbus build",
+        ));
     }
     let hash = h.config_hash.load(Ordering::Relaxed);
     if hash != cfg.config_hash {
@@ -811,13 +820,20 @@ fn check_header(h: &Header, cfg: &BusConfig, geo: &Geometry, len: usize) -> Resu
     }
     let lsize = h.local_size.load(Ordering::Relaxed);
     if lsize != cfg.local_size as u64 {
-        return Err((format!("segment made for {lsize} local ranks, this rank expects {}", cfg.local_size), "every rank must be given the same local size"));
+        return Err((
+            format!("segment made for {lsize} local ranks, this rank expects {}", cfg.local_size),
+            "every rank must be given the same local size",
+        ));
     }
     let lhash = h.layout_hash.load(Ordering::Relaxed);
     let size = h.size.load(Ordering::Relaxed);
     if lhash != cfg.layout.hash() || size != geo.size as u64 || len != geo.size {
         return Err((
-            format!("segment layout {lhash:#018x} of {size} bytes, this rank expects {:#018x} of {} bytes", cfg.layout.hash(), geo.size),
+            format!(
+                "segment layout {lhash:#018x} of {size} bytes, this rank expects {:#018x} of {} bytes",
+                cfg.layout.hash(),
+                geo.size
+            ),
             "every rank must build the same model layout (parameters and bucket size)",
         ));
     }
@@ -851,7 +867,16 @@ impl Transport for ShmBus {
 
     fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
         let (n, me, parity) = (self.geo.n, self.cfg.local_rank, self.update % 2);
-        let words = [local.loss, local.values[0], local.values[1], local.values[2], local.values[3], local.values[4], local.values[5], local.values[6]];
+        let words = [
+            local.loss,
+            local.values[0],
+            local.values[1],
+            local.values[2],
+            local.values[3],
+            local.values[4],
+            local.values[5],
+            local.values[6],
+        ];
         for (w, v) in self.report_cell(parity, me).iter().zip(words) {
             w.store(v.to_bits(), Ordering::Relaxed);
         }

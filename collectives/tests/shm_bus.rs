@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use gradbus_collectives::shm::{read_progress, remove_job_segments, BusConfig, ShmBus};
-use gradbus_collectives::{decide, Error, History, Layout, LocalReport, ParamSpec, Policy, Progress, StepId, Transport};
+use gradbus_collectives::{
+    decide, Error, History, Layout, LocalReport, ParamSpec, Policy, Progress, StepId, Transport,
+};
 use gradbus_kernels::rng::Rng;
 
 const CHILD_ENV: &str = "GRADBUS_TEST_CHILD";
@@ -163,8 +165,10 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
         history.record(&table, &verdict);
         std::fs::write(e.dir.join(format!("grads-{}-{u}.bin", e.rank)), to_bytes(bus.grads())).unwrap();
         std::fs::write(e.dir.join(format!("table-{}-{u}.txt", e.rank)), format!("{table:?}\n{verdict:?}")).unwrap();
-        let cells: Vec<_> = table.local.iter().map(|h| serde_json::json!([h.nan, h.inf, h.sumsq, h.first_bad])).collect();
-        std::fs::write(e.dir.join(format!("cells-{}-{u}.json", e.rank)), serde_json::to_string(&cells).unwrap()).unwrap();
+        let cells: Vec<_> =
+            table.local.iter().map(|h| serde_json::json!([h.nan, h.inf, h.sumsq, h.first_bad])).collect();
+        std::fs::write(e.dir.join(format!("cells-{}-{u}.json", e.rank)), serde_json::to_string(&cells).unwrap())
+            .unwrap();
     }
     // Progress: every rank publishes, rank 0 peeks at the segment like the launcher does.
     bus.publish(Progress { step: 100 + e.rank as u64, loss: 0.25, grad_norm: e.rank as f32, skipped: 1 });
@@ -236,7 +240,15 @@ fn spawn(scenario: &str, rank: usize, np: usize, job: &str, dir: &Path, arg: usi
 }
 
 /// Spawn this test binary as rank `rank`, optionally through a wrapper command (`unshare ...`).
-fn spawn_via(wrap: Option<&[&str]>, scenario: &str, rank: usize, np: usize, job: &str, dir: &Path, arg: usize) -> Child {
+fn spawn_via(
+    wrap: Option<&[&str]>,
+    scenario: &str,
+    rank: usize,
+    np: usize,
+    job: &str,
+    dir: &Path,
+    arg: usize,
+) -> Child {
     let exe = std::env::current_exe().unwrap();
     let exe = exe.to_str().unwrap();
     let args = [exe, "--exact", "child_entry", "--nocapture", "--test-threads=1"];
@@ -268,7 +280,12 @@ fn spawn_via(wrap: Option<&[&str]>, scenario: &str, rank: usize, np: usize, job:
 
 fn logs(dir: &Path, np: usize) -> String {
     (0..np)
-        .map(|r| format!("--- rank {r}:\n{}", std::fs::read_to_string(dir.join(format!("child-{r}.log"))).unwrap_or_default()))
+        .map(|r| {
+            format!(
+                "--- rank {r}:\n{}",
+                std::fs::read_to_string(dir.join(format!("child-{r}.log"))).unwrap_or_default()
+            )
+        })
         .collect()
 }
 
@@ -346,13 +363,18 @@ fn run_reduce(np: usize) {
         // The table's per-rank cells agree with a direct scan of each rank's input (the bus merges
         // chunk sums, a different order than one scan of the whole bucket: equal to ~1 ulp).
         let cells: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.path().join(format!("cells-0-{u}.json"))).unwrap()).unwrap();
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join(format!("cells-0-{u}.json"))).unwrap())
+                .unwrap();
         for r in 0..np {
             let x = inputs(1234 + u, r, layout.len);
             for (b, bucket) in layout.buckets.iter().enumerate() {
                 let h = gradbus_kernels::health_scan(&x[bucket.range.clone()]);
                 let c = &cells[b * np + r];
-                assert_eq!((c[0].as_u64(), c[1].as_u64(), c[3].is_null()), (Some(0), Some(0), true), "bucket {b} rank {r}");
+                assert_eq!(
+                    (c[0].as_u64(), c[1].as_u64(), c[3].is_null()),
+                    (Some(0), Some(0), true),
+                    "bucket {b} rank {r}"
+                );
                 let got = c[2].as_f64().unwrap();
                 assert!((got - h.sumsq).abs() <= 1e-12 * h.sumsq, "bucket {b} rank {r}: sumsq {got} vs {}", h.sumsq);
             }
@@ -533,7 +555,8 @@ fn remove_job_segments_removes_only_that_jobs_segments() {
         std::fs::write(dir.path().join(n), b"").unwrap();
     }
     assert_eq!(remove_job_segments(dir.path(), "a").unwrap(), 2);
-    let mut left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut left: Vec<_> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     left.sort();
     assert_eq!(left, ["gradbus-a-n1-n0", "gradbus-a-nx", "gradbus-ab-n0", "other"]);
 }

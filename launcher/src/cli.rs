@@ -18,7 +18,7 @@ gradbus - data-parallel training with a validated shared-memory gradient bus
 
 USAGE:
     gradbus run [OPTIONS] CONFIG.toml [--set key=value ...]   start and supervise a job
-    gradbus replay DUMP                                       (not implemented yet)
+    gradbus replay DUMP [--trace] [--json]
     gradbus bench ...                                         (not implemented yet)
     gradbus report RUN_DIR                                    (not implemented yet)
     gradbus --help | gradbus run --help
@@ -58,10 +58,7 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Command, Error>
     let mut parser = lexopt::Parser::from_args(args);
     let arg = parser.next().map_err(|e| run::lex(e, hint))?;
     match arg {
-        None => Err(Error::usage(
-            "missing subcommand",
-            "try `gradbus run --help`",
-        )),
+        None => Err(Error::usage("missing subcommand", "try `gradbus run --help`")),
         Some(Short('h') | Long("help")) => Ok(Command::Help(HELP)),
         Some(Value(v)) => match v.to_str() {
             Some("run") => run::parse(&mut parser),
@@ -80,10 +77,7 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Command, Error>
 
 /// The remaining raw arguments (for subcommands that do not parse theirs yet).
 fn rest(parser: &mut lexopt::Parser) -> Vec<OsString> {
-    parser
-        .raw_args()
-        .map(|raw| raw.collect())
-        .unwrap_or_default()
+    parser.raw_args().map(|raw| raw.collect()).unwrap_or_default()
 }
 
 /// Executes a parsed command and returns the launcher's exit code.
@@ -94,7 +88,7 @@ pub fn execute(cmd: Command) -> Result<Code, Error> {
             Ok(Code::Done)
         }
         Command::Run(args) => run::execute(args),
-        Command::Replay(_) => Err(Error::NotImplemented { command: "replay" }),
+        Command::Replay(args) => crate::replay::execute(args),
         Command::Bench(_) => Err(Error::NotImplemented { command: "bench" }),
         Command::Report(_) => Err(Error::NotImplemented { command: "report" }),
     }
@@ -113,10 +107,7 @@ mod tests {
         assert_eq!(p(&["--help"]).unwrap(), Command::Help(HELP));
         assert_eq!(p(&["run", "--help"]).unwrap(), Command::Help(run::HELP));
         assert!(matches!(p(&["run", "c.toml"]).unwrap(), Command::Run(_)));
-        assert_eq!(
-            p(&["replay", "d", "--x"]).unwrap(),
-            Command::Replay(vec!["d".into(), "--x".into()])
-        );
+        assert_eq!(p(&["replay", "d", "--x"]).unwrap(), Command::Replay(vec!["d".into(), "--x".into()]));
         for bad in [&[][..], &["frob"], &["--np", "2"]] {
             let e = p(bad).unwrap_err();
             assert_eq!(e.code(), Code::Usage);
@@ -129,14 +120,7 @@ mod tests {
 
     #[test]
     fn help_lists_every_exit_code_of_the_policy() {
-        for code in [
-            Code::Done,
-            Code::Usage,
-            Code::NonFinite,
-            Code::RankFailed,
-            Code::Timeout,
-            Code::Interrupted,
-        ] {
+        for code in [Code::Done, Code::Usage, Code::NonFinite, Code::RankFailed, Code::Timeout, Code::Interrupted] {
             let line = format!("\n    {:<4} ", code as u8);
             assert!(HELP.contains(&line), "help lacks exit code {}", code as u8);
         }

@@ -152,9 +152,6 @@ impl Error {
 
     /// A usage error with a hint.
     pub fn usage(message: impl Into<String>, hint: impl Into<String>) -> Error {
-        Error::Usage {
-            message: message.into(),
-            hint: hint.into(),
-        }
+        Error::Usage { message: message.into(), hint: hint.into() }
     }
 }

@@ -38,10 +38,7 @@ pub struct Hostfile {
 
 /// Reads and parses the hostfile at `path`.
 pub fn read(path: &Path) -> Result<Hostfile, Error> {
-    let bytes = std::fs::read(path).map_err(|source| Error::HostfileRead {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let bytes = std::fs::read(path).map_err(|source| Error::HostfileRead { path: path.to_path_buf(), source })?;
     parse(path, &bytes)
 }
 
@@ -56,30 +53,16 @@ pub fn parse(path: &Path, bytes: &[u8]) -> Result<Hostfile, Error> {
             message,
             hint: hint.to_string(),
         };
-        let text = std::str::from_utf8(raw).map_err(|_| {
-            err(
-                "the line is not valid UTF-8".into(),
-                "hostfiles are plain text",
-            )
-        })?;
+        let text = std::str::from_utf8(raw)
+            .map_err(|_| err("the line is not valid UTF-8".into(), "hostfiles are plain text"))?;
         let text = match text.find('#') {
             Some(at) => &text[..at],
             None => text,
         };
         let mut words = text.split_whitespace();
         let Some(host) = words.next() else { continue };
-        check_host(host).map_err(|m| {
-            err(
-                m,
-                "a host line is `HOST [slots=N] [max_slots=M]`, e.g. `node1 slots=4`",
-            )
-        })?;
-        let mut entry = HostEntry {
-            line,
-            host: host.to_string(),
-            slots: None,
-            max_slots: None,
-        };
+        check_host(host).map_err(|m| err(m, "a host line is `HOST [slots=N] [max_slots=M]`, e.g. `node1 slots=4`"))?;
+        let mut entry = HostEntry { line, host: host.to_string(), slots: None, max_slots: None };
         for word in words {
             let Some((key, value)) = word.split_once('=') else {
                 return Err(err(
@@ -90,47 +73,28 @@ pub fn parse(path: &Path, bytes: &[u8]) -> Result<Hostfile, Error> {
             let slot = match key {
                 "slots" => &mut entry.slots,
                 "max_slots" | "max-slots" => &mut entry.max_slots,
-                _ => {
-                    return Err(err(
-                        format!("unknown key `{key}`"),
-                        "the known keys are `slots` and `max_slots`",
-                    ))
-                }
+                _ => return Err(err(format!("unknown key `{key}`"), "the known keys are `slots` and `max_slots`")),
             };
             if slot.is_some() {
-                return Err(err(
-                    format!("`{key}` is given twice"),
-                    "give each key once per line",
-                ));
+                return Err(err(format!("`{key}` is given twice"), "give each key once per line"));
             }
-            let n = value.parse::<u32>().map_err(|_| {
-                err(
-                    format!("`{key}={value}`: the value must be a whole number"),
-                    "e.g. `slots=4`",
-                )
-            })?;
+            let n = value
+                .parse::<u32>()
+                .map_err(|_| err(format!("`{key}={value}`: the value must be a whole number"), "e.g. `slots=4`"))?;
             *slot = Some(n);
         }
         entries.push(entry);
     }
-    Ok(Hostfile {
-        path: path.to_path_buf(),
-        entries,
-    })
+    Ok(Hostfile { path: path.to_path_buf(), entries })
 }
 
 /// Host names are DNS names or IPv4/IPv6 addresses: a conservative character set that still rejects
 /// `slots=4` without a host and stray punctuation.
 fn check_host(host: &str) -> Result<(), String> {
     if host.contains('=') {
-        return Err(format!(
-            "the line starts with `{host}`, not with a host name"
-        ));
+        return Err(format!("the line starts with `{host}`, not with a host name"));
     }
-    if let Some(c) = host
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || ".-_:[]%".contains(*c)))
-    {
+    if let Some(c) = host.chars().find(|c| !(c.is_ascii_alphanumeric() || ".-_:[]%".contains(*c))) {
         return Err(format!("host name `{host}` contains the character {c:?}"));
     }
     Ok(())
@@ -154,22 +118,9 @@ mod tests {
 
     #[test]
     fn parses_slots_comments_blank_lines_and_bare_hosts() {
-        let h =
-            p("# cluster\n\nnode1 slots=4 max_slots=8 # big one\n  node2\nnode3 max-slots=2\r\n")
-                .unwrap();
-        let got: Vec<_> = h
-            .entries
-            .iter()
-            .map(|e| (e.line, e.host.as_str(), e.slots, e.max_slots))
-            .collect();
-        assert_eq!(
-            got,
-            vec![
-                (3, "node1", Some(4), Some(8)),
-                (4, "node2", None, None),
-                (5, "node3", None, Some(2))
-            ]
-        );
+        let h = p("# cluster\n\nnode1 slots=4 max_slots=8 # big one\n  node2\nnode3 max-slots=2\r\n").unwrap();
+        let got: Vec<_> = h.entries.iter().map(|e| (e.line, e.host.as_str(), e.slots, e.max_slots)).collect();
+        assert_eq!(got, vec![(3, "node1", Some(4), Some(8)), (4, "node2", None, None), (5, "node3", None, Some(2))]);
     }
 
     #[test]
@@ -198,13 +149,7 @@ mod tests {
             let bytes: Vec<u8> = if case % 2 == 0 {
                 let n = rng.below(80);
                 (0..n)
-                    .map(|_| {
-                        if rng.below(4) == 0 {
-                            rng.next_u64() as u8
-                        } else {
-                            alphabet[rng.below(alphabet.len())]
-                        }
-                    })
+                    .map(|_| if rng.below(4) == 0 { rng.next_u64() as u8 } else { alphabet[rng.below(alphabet.len())] })
                     .collect()
             } else {
                 let mut v = valid.to_vec();
@@ -221,11 +166,7 @@ mod tests {
                 v
             };
             if let Ok(h) = parse(Path::new("fuzz"), &bytes) {
-                let np = if rng.below(3) == 0 {
-                    None
-                } else {
-                    Some(rng.below(40))
-                };
+                let np = if rng.below(3) == 0 { None } else { Some(rng.below(40)) };
                 let oversubscribe = rng.below(2) == 0;
                 if let Ok(plan) = crate::plan::LaunchPlan::from_hosts(&h, np, oversubscribe) {
                     plan.check_invariants();

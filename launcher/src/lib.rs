@@ -20,6 +20,7 @@ pub mod hostfile;
 pub mod mpirun;
 pub mod plan;
 pub mod progress;
+pub mod replay;
 pub mod run;
 pub mod shm;
 pub mod signals;

@@ -13,16 +13,12 @@ use gradbus::cli::{self, Command};
 use gradbus_worker::exit::Code;
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
-        .format_target(false)
-        .init();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).format_target(false).init();
     match run(cli::parse(std::env::args_os().skip(1))) {
         Ok(code) => code.exit_code(),
         Err(err) => {
             eprintln!("gradbus: error: {err:#}");
-            err.downcast_ref::<gradbus::Error>()
-                .map_or(Code::Usage, gradbus::Error::code)
-                .exit_code()
+            err.downcast_ref::<gradbus::Error>().map_or(Code::Usage, gradbus::Error::code).exit_code()
         }
     }
 }

@@ -17,13 +17,7 @@ use gradbus_worker::env;
 
 /// Variables exported to the ranks with `-x` when they are set in the launcher's environment
 /// (besides the job id and run directory, which are always exported).
-pub const PASS_THROUGH: [&str; 5] = [
-    "RUST_LOG",
-    "RUST_BACKTRACE",
-    env::FAULTS,
-    env::FAKE_NODES,
-    env::WORKER_BIN,
-];
+pub const PASS_THROUGH: [&str; 5] = ["RUST_LOG", "RUST_BACKTRACE", env::FAULTS, env::FAKE_NODES, env::WORKER_BIN];
 
 /// Everything the `mpirun` command line depends on.
 #[derive(Clone, Debug)]
@@ -55,12 +49,7 @@ pub fn command_line(spec: &MpirunSpec) -> Vec<OsString> {
         argv.push("--hostfile".into());
         argv.push(h.clone().into());
     }
-    argv.extend([
-        "-np".into(),
-        spec.np.to_string().into(),
-        "--bind-to".into(),
-        "none".into(),
-    ]);
+    argv.extend(["-np".into(), spec.np.to_string().into(), "--bind-to".into(), "none".into()]);
     if spec.oversubscribe {
         argv.push("--oversubscribe".into());
     }
@@ -80,12 +69,7 @@ pub fn command_line(spec: &MpirunSpec) -> Vec<OsString> {
 /// `is_set` says yes.
 pub fn exports(is_set: impl Fn(&str) -> bool) -> Vec<String> {
     let mut names = vec![env::JOB_ID.to_string(), env::RUN_DIR.to_string()];
-    names.extend(
-        PASS_THROUGH
-            .iter()
-            .filter(|n| is_set(n))
-            .map(|n| n.to_string()),
-    );
+    names.extend(PASS_THROUGH.iter().filter(|n| is_set(n)).map(|n| n.to_string()));
     names
 }
 
@@ -94,9 +78,7 @@ pub fn find_on_path(name: &str, path: Option<&OsStr>) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     std::env::split_paths(path?)
         .map(|dir| dir.join(name))
-        .find(|p| {
-            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
 /// Whether the launcher runs as root.
@@ -118,19 +100,12 @@ mod tests {
             as_root: false,
             exports: exports(|n| n == "RUST_LOG"),
             worker: "/opt/gradbus/bin/gradbus-worker".into(),
-            worker_args: vec![
-                "--run-dir".into(),
-                "/runs/j1".into(),
-                "/cfg/tiny.toml".into(),
-            ],
+            worker_args: vec!["--run-dir".into(), "/runs/j1".into(), "/cfg/tiny.toml".into()],
         }
     }
 
     fn joined(argv: &[OsString]) -> String {
-        argv.iter()
-            .map(|a| a.to_str().unwrap())
-            .collect::<Vec<_>>()
-            .join(" ")
+        argv.iter().map(|a| a.to_str().unwrap()).collect::<Vec<_>>().join(" ")
     }
 
     #[test]

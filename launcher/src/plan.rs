@@ -65,10 +65,7 @@ pub struct LaunchPlan {
 
 fn check_np(np: usize) -> Result<(), Error> {
     if np == 0 {
-        return Err(Error::usage(
-            "--np 0: a job needs at least one rank",
-            "use --np 1 or more",
-        ));
+        return Err(Error::usage("--np 0: a job needs at least one rank", "use --np 1 or more"));
     }
     if np > MAX_RANKS {
         return Err(Error::usage(
@@ -88,11 +85,7 @@ impl LaunchPlan {
     }
 
     /// Validates a parsed hostfile into a plan for `np` ranks (all slots when `None`).
-    pub fn from_hosts(
-        hostfile: &Hostfile,
-        np: Option<usize>,
-        oversubscribe: bool,
-    ) -> Result<LaunchPlan, Error> {
+    pub fn from_hosts(hostfile: &Hostfile, np: Option<usize>, oversubscribe: bool) -> Result<LaunchPlan, Error> {
         let path = &hostfile.path;
         let err = |line: usize, message: String, hint: &str| Error::Hostfile {
             path: path.clone(),
@@ -118,24 +111,15 @@ impl LaunchPlan {
                 if max < slots {
                     return Err(err(
                         e.line,
-                        format!(
-                            "host `{}`: max_slots={max} is less than slots={slots}",
-                            e.host
-                        ),
+                        format!("host `{}`: max_slots={max} is less than slots={slots}", e.host),
                         "max_slots caps oversubscription and must be at least slots",
                     ));
                 }
             }
-            if let Some(first) = hostfile.entries[..i]
-                .iter()
-                .find(|f| f.host.eq_ignore_ascii_case(&e.host))
-            {
+            if let Some(first) = hostfile.entries[..i].iter().find(|f| f.host.eq_ignore_ascii_case(&e.host)) {
                 return Err(err(
                     e.line,
-                    format!(
-                        "host `{}` is listed twice (first at line {})",
-                        e.host, first.line
-                    ),
+                    format!("host `{}` is listed twice (first at line {})", e.host, first.line),
                     "list each host once, with the sum of its slots",
                 ));
             }
@@ -145,9 +129,7 @@ impl LaunchPlan {
         let total: u64 = hosts.iter().map(|h| u64::from(h.1)).sum();
         let np = match np {
             Some(np) => np,
-            None => usize::try_from(total)
-                .unwrap_or(usize::MAX)
-                .min(MAX_RANKS + 1),
+            None => usize::try_from(total).unwrap_or(usize::MAX).min(MAX_RANKS + 1),
         };
         check_np(np)?;
         let where_ = format!("of hostfile {}", path.display());
@@ -174,10 +156,7 @@ impl LaunchPlan {
                     ),
                 });
             }
-            let capacity: u64 = caps
-                .iter()
-                .map(|c| c.map_or(np as u64, u64::from))
-                .sum::<u64>();
+            let capacity: u64 = caps.iter().map(|c| c.map_or(np as u64, u64::from)).sum::<u64>();
             if capacity < np as u64 {
                 return Err(Error::NotEnoughSlots {
                     np,
@@ -200,11 +179,7 @@ impl LaunchPlan {
     }
 
     /// Builds the plan from hosts and the number of ranks on each (node-major rank order).
-    fn assemble(
-        hosts: &[(&str, u32, Option<usize>)],
-        counts: &[usize],
-        oversubscribed: bool,
-    ) -> Self {
+    fn assemble(hosts: &[(&str, u32, Option<usize>)], counts: &[usize], oversubscribed: bool) -> Self {
         let mut nodes = Vec::new();
         let mut ranks = Vec::new();
         for (&(host, slots, line), &count) in hosts.iter().zip(counts) {
@@ -213,27 +188,11 @@ impl LaunchPlan {
             }
             let id = nodes.len();
             for local_rank in 0..count {
-                ranks.push(RankSlot {
-                    rank: ranks.len(),
-                    local_rank,
-                    node_id: id,
-                    host: host.into(),
-                });
+                ranks.push(RankSlot { rank: ranks.len(), local_rank, node_id: id, host: host.into() });
             }
-            nodes.push(Node {
-                id,
-                host: host.into(),
-                local_size: count,
-                slots,
-                line,
-            });
+            nodes.push(Node { id, host: host.into(), local_size: count, slots, line });
         }
-        LaunchPlan {
-            world_size: ranks.len(),
-            nodes,
-            ranks,
-            oversubscribed,
-        }
+        LaunchPlan { world_size: ranks.len(), nodes, ranks, oversubscribed }
     }
 
     /// The number of ranks on the node of `rank`.
@@ -249,10 +208,7 @@ impl LaunchPlan {
             let local = matches!(h, "localhost" | "127.0.0.1" | "::1" | "[::1]")
                 || me.as_deref().is_some_and(|me| {
                     h.eq_ignore_ascii_case(me)
-                        || me
-                            .split('.')
-                            .next()
-                            .is_some_and(|short| h.eq_ignore_ascii_case(short))
+                        || me.split('.').next().is_some_and(|short| h.eq_ignore_ascii_case(short))
                 });
             if !local {
                 let path = hostfile.map(|p| p.to_path_buf()).unwrap_or_default();
@@ -272,10 +228,7 @@ impl LaunchPlan {
     pub(crate) fn check_invariants(&self) {
         assert!(self.world_size >= 1 && self.world_size <= MAX_RANKS);
         assert_eq!(self.ranks.len(), self.world_size);
-        assert_eq!(
-            self.nodes.iter().map(|n| n.local_size).sum::<usize>(),
-            self.world_size
-        );
+        assert_eq!(self.nodes.iter().map(|n| n.local_size).sum::<usize>(), self.world_size);
         let mut next = 0;
         for (id, node) in self.nodes.iter().enumerate() {
             assert_eq!(node.id, id);
@@ -316,10 +269,7 @@ mod tests {
     }
 
     fn layout(p: &LaunchPlan) -> Vec<(&str, usize)> {
-        p.nodes
-            .iter()
-            .map(|n| (n.host.as_str(), n.local_size))
-            .collect()
+        p.nodes.iter().map(|n| (n.host.as_str(), n.local_size)).collect()
     }
 
     #[test]
@@ -329,10 +279,7 @@ mod tests {
         assert_eq!(p.world_size, 6);
         assert_eq!(layout(&p), vec![("a", 2), ("b", 3), ("c", 1)]);
         let r3 = &p.ranks[3];
-        assert_eq!(
-            (r3.rank, r3.local_rank, r3.node_id, r3.host.as_str()),
-            (3, 1, 1, "b")
-        );
+        assert_eq!((r3.rank, r3.local_rank, r3.node_id, r3.host.as_str()), (3, 1, 1, "b"));
         assert_eq!(p.local_size(3), 3);
     }
 
@@ -347,10 +294,7 @@ mod tests {
     fn larger_np_needs_oversubscribe_and_respects_max_slots() {
         let e = plan("a slots=2\nb slots=1\n", Some(5), false).unwrap_err();
         let msg = e.to_string();
-        assert!(
-            msg.contains("--np 5") && msg.contains("--oversubscribe"),
-            "{msg}"
-        );
+        assert!(msg.contains("--np 5") && msg.contains("--oversubscribe"), "{msg}");
         let p = plan("a slots=2\nb slots=1\n", Some(6), true).unwrap();
         p.check_invariants();
         assert!(p.oversubscribed);
@@ -364,17 +308,9 @@ mod tests {
     #[test]
     fn zero_slots_duplicates_and_empty_files_are_errors_with_lines() {
         let e = plan("a\nb slots=0\n", None, false).unwrap_err();
-        assert!(
-            e.to_string()
-                .starts_with("hosts:2: host `b` has zero slots"),
-            "{e}"
-        );
+        assert!(e.to_string().starts_with("hosts:2: host `b` has zero slots"), "{e}");
         let e = plan("a\n# x\nA slots=2\n", None, false).unwrap_err();
-        assert!(
-            e.to_string()
-                .starts_with("hosts:3: host `A` is listed twice (first at line 1)"),
-            "{e}"
-        );
+        assert!(e.to_string().starts_with("hosts:3: host `A` is listed twice (first at line 1)"), "{e}");
         let e = plan("a slots=4 max_slots=2\n", None, false).unwrap_err();
         assert!(e.to_string().starts_with("hosts:1:"), "{e}");
         let e = plan("# nothing\n\n", None, false).unwrap_err();

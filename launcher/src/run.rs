@@ -111,14 +111,10 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
             Short('h') | Long("help") => return Ok(Command::Help(HELP)),
             Long("np") | Short('n') => {
                 let v = parser.value().map_err(|e| lex(e, h))?;
-                let n = v
-                    .parse::<usize>()
-                    .map_err(|e| lex(e, "--np takes a whole number, e.g. --np 4"))?;
+                let n = v.parse::<usize>().map_err(|e| lex(e, "--np takes a whole number, e.g. --np 4"))?;
                 np = Some(n);
             }
-            Long("hostfile") => {
-                hostfile = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?))
-            }
+            Long("hostfile") => hostfile = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?)),
             Long("oversubscribe") => oversubscribe = true,
             Long("launcher") => {
                 let v = parser.value().map_err(|e| lex(e, h))?;
@@ -133,17 +129,12 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
                     }
                 };
             }
-            Long("run-dir") => {
-                run_dir = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?))
-            }
+            Long("run-dir") => run_dir = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?)),
             Long("resume") => resume = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?)),
             Long("grace") => {
                 let v = parser.value().map_err(|e| lex(e, h))?;
-                let s = v
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|s| s.is_finite() && *s >= 0.0 && *s <= 3600.0)
-                    .ok_or_else(|| {
+                let s =
+                    v.parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0 && *s <= 3600.0).ok_or_else(|| {
                         Error::usage(
                             format!("--grace {}: not a number of seconds", v.to_string_lossy()),
                             "e.g. --grace 3 or --grace 0.5 (at most 3600)",
@@ -162,10 +153,7 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
                 match s.split_once('=') {
                     Some((k, _)) if !k.trim().is_empty() => sets.push(s),
                     _ => {
-                        return Err(Error::usage(
-                            format!("--set {s}: expected key=value"),
-                            "e.g. --set train.lr=0.001",
-                        ))
+                        return Err(Error::usage(format!("--set {s}: expected key=value"), "e.g. --set train.lr=0.001"))
                     }
                 }
             }
@@ -184,10 +172,7 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
         }
     }
     let Some(config) = config else {
-        return Err(Error::usage(
-            "missing CONFIG.toml",
-            "usage: gradbus run [OPTIONS] CONFIG.toml",
-        ));
+        return Err(Error::usage("missing CONFIG.toml", "usage: gradbus run [OPTIONS] CONFIG.toml"));
     };
     if resume.is_some() && run_dir.is_some() {
         return Err(Error::usage(
@@ -195,35 +180,17 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
             "give only --resume RUN_DIR to continue a run",
         ));
     }
-    Ok(Command::Run(RunArgs {
-        np,
-        hostfile,
-        oversubscribe,
-        launcher,
-        run_dir,
-        resume,
-        grace,
-        config,
-        sets,
-    }))
+    Ok(Command::Run(RunArgs { np, hostfile, oversubscribe, launcher, run_dir, resume, grace, config, sets }))
 }
 
 /// A job id unique on this machine and readable: UTC time of the launch and the launcher's pid,
 /// e.g. `20261129T175530p4242`. It contains no `-`, so `gradbus-{job}-` prefixes of two jobs never
 /// nest.
 pub fn new_job_id() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let (y, mo, d) = civil_from_days((secs / 86_400) as i64);
     let t = secs % 86_400;
-    format!(
-        "{y:04}{mo:02}{d:02}T{:02}{:02}{:02}p{}",
-        t / 3600,
-        t / 60 % 60,
-        t % 60,
-        std::process::id()
-    )
+    format!("{y:04}{mo:02}{d:02}T{:02}{:02}{:02}p{}", t / 3600, t / 60 % 60, t % 60, std::process::id())
 }
 
 /// Gregorian (year, month, day) of a day count since 1970-01-01 (H. Hinnant's algorithm).
@@ -242,17 +209,13 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 /// The worker binary: `$GRADBUS_WORKER_BIN` if set, else `gradbus-worker` next to this executable.
 pub fn worker_path() -> Result<PathBuf, Error> {
     let (path, hint) = match std::env::var_os(env::WORKER_BIN) {
-        Some(p) => (
-            PathBuf::from(p),
-            format!("{} points here; fix or unset it", env::WORKER_BIN),
-        ),
+        Some(p) => (PathBuf::from(p), format!("{} points here; fix or unset it", env::WORKER_BIN)),
         None => {
             let exe = std::env::current_exe().unwrap_or_default();
             let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
             (
                 dir.join("gradbus-worker"),
-                "gradbus-worker is installed next to gradbus: `cargo build --release --bins` builds both"
-                    .to_string(),
+                "gradbus-worker is installed next to gradbus: `cargo build --release --bins` builds both".to_string(),
             )
         }
     };
@@ -264,10 +227,7 @@ pub fn worker_path() -> Result<PathBuf, Error> {
 
 /// Checks that the config file exists and can be opened; returns its absolute path.
 fn check_config(path: &Path) -> Result<PathBuf, Error> {
-    let err = |reason: String| Error::Config {
-        path: path.to_path_buf(),
-        reason,
-    };
+    let err = |reason: String| Error::Config { path: path.to_path_buf(), reason };
     let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
     if !meta.is_file() {
         return Err(err("not a regular file".into()));
@@ -288,10 +248,7 @@ fn prepare_run_dir(args: &RunArgs, job_id: &str) -> Result<PathBuf, Error> {
         }
         return Ok(std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone()));
     }
-    let dir = args
-        .run_dir
-        .clone()
-        .unwrap_or_else(|| Path::new("runs").join(job_id));
+    let dir = args.run_dir.clone().unwrap_or_else(|| Path::new("runs").join(job_id));
     std::fs::create_dir_all(&dir).map_err(|source| Error::RunDir {
         path: dir.clone(),
         source,
@@ -327,12 +284,7 @@ pub fn worker_args(run_dir: &Path, resume: bool, config: &Path, sets: &[String])
 }
 
 /// The environment contract of one rank (see `gradbus_worker::env`).
-pub fn rank_env(
-    plan: &LaunchPlan,
-    rank: usize,
-    job_id: &str,
-    run_dir: &Path,
-) -> Vec<(OsString, OsString)> {
+pub fn rank_env(plan: &LaunchPlan, rank: usize, job_id: &str, run_dir: &Path) -> Vec<(OsString, OsString)> {
     let slot = &plan.ranks[rank];
     let kv = |k: &str, v: String| (OsString::from(k), OsString::from(v));
     vec![
@@ -401,10 +353,9 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
             plan.require_local(args.hostfile.as_deref())?;
             None
         }
-        LauncherKind::Mpirun => Some(
-            mpirun::find_on_path("mpirun", std::env::var_os("PATH").as_deref())
-                .ok_or(Error::MpirunMissing)?,
-        ),
+        LauncherKind::Mpirun => {
+            Some(mpirun::find_on_path("mpirun", std::env::var_os("PATH").as_deref()).ok_or(Error::MpirunMissing)?)
+        }
     };
     let job_id = new_job_id();
     let run_dir = prepare_run_dir(&args, &job_id)?;
@@ -436,10 +387,7 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         None => local_specs(&plan, &worker, &wargs, &job_id, &run_dir),
         Some(mpirun) => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let hostfile = args
-                .hostfile
-                .as_ref()
-                .map(|h| std::path::absolute(h).unwrap_or(h.clone()));
+            let hostfile = args.hostfile.as_ref().map(|h| std::path::absolute(h).unwrap_or(h.clone()));
             let spec = MpirunSpec {
                 mpirun,
                 oversubscribe: args.oversubscribe
@@ -458,18 +406,12 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
                 label: "mpirun".into(),
                 program,
                 args: argv.collect(),
-                env: vec![
-                    (env::JOB_ID.into(), job_id.clone().into()),
-                    (env::RUN_DIR.into(), run_dir.clone().into()),
-                ],
+                env: vec![(env::JOB_ID.into(), job_id.clone().into()), (env::RUN_DIR.into(), run_dir.clone().into())],
                 log: Some(run_dir.join("mpirun.log")),
             }]
         }
     };
-    let opts = Options {
-        grace: args.grace,
-        ..Options::default()
-    };
+    let opts = Options { grace: args.grace, ..Options::default() };
     let outcome = supervise_job(specs, &opts, &mut Silent, &job_id)?;
     Ok(outcome.code())
 }
@@ -546,11 +488,7 @@ mod tests {
     fn rank_env_follows_the_contract() {
         let plan = LaunchPlan::local(3).unwrap();
         let e = rank_env(&plan, 2, "j1", Path::new("/r"));
-        let get = |k: &str| {
-            e.iter()
-                .find(|(n, _)| n == k)
-                .map(|(_, v)| v.to_str().unwrap().to_string())
-        };
+        let get = |k: &str| e.iter().find(|(n, _)| n == k).map(|(_, v)| v.to_str().unwrap().to_string());
         assert_eq!(get(env::RANK).as_deref(), Some("2"));
         assert_eq!(get(env::LOCAL_RANK).as_deref(), Some("2"));
         assert_eq!(get(env::WORLD_SIZE).as_deref(), Some("3"));
@@ -559,9 +497,6 @@ mod tests {
         assert_eq!(get(env::JOB_ID).as_deref(), Some("j1"));
         assert_eq!(get(env::RUN_DIR).as_deref(), Some("/r"));
         let args = worker_args(Path::new("/r"), true, Path::new("/c.toml"), &["k=v".into()]);
-        assert_eq!(
-            args,
-            ["--run-dir", "/r", "--resume", "/c.toml", "--set", "k=v"]
-        );
+        assert_eq!(args, ["--run-dir", "/r", "--resume", "/c.toml", "--set", "k=v"]);
     }
 }

@@ -42,25 +42,14 @@ mod tests {
     #[test]
     fn removes_only_this_jobs_segments() {
         let dir = tempfile::tempdir().unwrap();
-        for name in [
-            "gradbus-j1-node0",
-            "gradbus-j1-x",
-            "gradbus-j12-node0",
-            "gradbus-j2-node0",
-            "other",
-        ] {
+        for name in ["gradbus-j1-node0", "gradbus-j1-x", "gradbus-j12-node0", "gradbus-j2-node0", "other"] {
             std::fs::write(dir.path().join(name), b"").unwrap();
         }
         let removed = remove_job_segments_local(dir.path(), "j1");
-        let names: Vec<_> = removed
-            .iter()
-            .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
-            .collect();
+        let names: Vec<_> = removed.iter().map(|p| p.file_name().unwrap().to_str().unwrap().to_string()).collect();
         assert_eq!(names, ["gradbus-j1-node0", "gradbus-j1-x"]);
-        let mut left: Vec<_> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
+        let mut left: Vec<_> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         left.sort();
         assert_eq!(left, ["gradbus-j12-node0", "gradbus-j2-node0", "other"]);
     }

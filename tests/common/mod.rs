@@ -29,7 +29,13 @@ impl Run {
     /// Panic with the whole story unless the exit code is `want`.
     pub fn expect_code(&self, want: i32) -> &Run {
         if self.code() != Some(want) {
-            panic!("{}\nexpected exit {want}, got {:?}\n--- stdout\n{}\n--- stderr\n{}", self.cmd, self.out.status, self.stdout(), self.stderr());
+            panic!(
+                "{}\nexpected exit {want}, got {:?}\n--- stdout\n{}\n--- stderr\n{}",
+                self.cmd,
+                self.out.status,
+                self.stdout(),
+                self.stderr()
+            );
         }
         self
     }
@@ -42,7 +48,11 @@ pub fn gradbus(args: &[&str], env: &[(&str, &str)]) -> Run {
     for (k, v) in env {
         c.env(k, v);
     }
-    let cmd = format!("{} gradbus {}", env.iter().map(|(k, v)| format!("{k}='{v}'")).collect::<Vec<_>>().join(" "), args.join(" "));
+    let cmd = format!(
+        "{} gradbus {}",
+        env.iter().map(|(k, v)| format!("{k}='{v}'")).collect::<Vec<_>>().join(" "),
+        args.join(" ")
+    );
     Run { cmd, out: c.output().expect("spawn gradbus") }
 }
 
@@ -61,6 +71,11 @@ pub fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
 /// No shared-memory segment of any gradbus job is left (tests use unique job ids; this checks all).
 pub fn segments_left(job_hint: &str) -> Vec<String> {
     std::fs::read_dir("/dev/shm")
-        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("gradbus-") && n.contains(job_hint)).collect())
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("gradbus-") && n.contains(job_hint))
+                .collect()
+        })
         .unwrap_or_default()
 }

@@ -228,13 +228,15 @@ impl Config {
 
     /// Parse TOML text (named `origin` in errors), apply overrides, check ranges.
     pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<(Config, u64, String), ConfigError> {
-        let invalid = |path: &str, e: &dyn std::fmt::Display| ConfigError::Invalid { path: path.into(), message: e.to_string() };
+        let invalid =
+            |path: &str, e: &dyn std::fmt::Display| ConfigError::Invalid { path: path.into(), message: e.to_string() };
         let mut table: toml::Table = text.parse().map_err(|e| invalid(origin, &e))?;
         for arg in overrides {
             apply_override(&mut table, arg)?;
         }
         let canonical = table.to_string();
-        let cfg: Config = toml::from_str(&canonical).map_err(|e| invalid(&format!("{origin} (with --set overrides)"), &e))?;
+        let cfg: Config =
+            toml::from_str(&canonical).map_err(|e| invalid(&format!("{origin} (with --set overrides)"), &e))?;
         cfg.check()?;
         let mut h = Fnv::default();
         h.write(canonical.as_bytes());
@@ -245,13 +247,25 @@ impl Config {
         let range = |key, value: String, why| Err(ConfigError::Range { key, value, why });
         let rl = &self.rl;
         if rl.prompts_per_rank == 0 || rl.group_size < 2 {
-            return range("rl.group_size", rl.group_size.to_string(), "need prompts_per_rank >= 1 and group_size >= 2 (group-normalised advantages)");
+            return range(
+                "rl.group_size",
+                rl.group_size.to_string(),
+                "need prompts_per_rank >= 1 and group_size >= 2 (group-normalised advantages)",
+            );
         }
         if rl.epochs == 0 || rl.minibatches == 0 || (rl.prompts_per_rank * rl.group_size) % rl.minibatches != 0 {
-            return range("rl.minibatches", rl.minibatches.to_string(), "must be >= 1 and divide prompts_per_rank * group_size");
+            return range(
+                "rl.minibatches",
+                rl.minibatches.to_string(),
+                "must be >= 1 and divide prompts_per_rank * group_size",
+            );
         }
         if rl.response_len == 0 || 2 + rl.response_len > self.model.max_seq {
-            return range("rl.response_len", rl.response_len.to_string(), "must be >= 1 and 2 + response_len <= model.max_seq");
+            return range(
+                "rl.response_len",
+                rl.response_len.to_string(),
+                "must be >= 1 and 2 + response_len <= model.max_seq",
+            );
         }
         if self.rollout_sync_interval == 0 {
             return range("rollout_sync_interval", "0".into(), "must be >= 1 (1 = on-policy)");

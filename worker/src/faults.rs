@@ -119,7 +119,10 @@ impl FaultPlan {
                     unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
                 }
                 FaultKind::Stall => {
-                    eprintln!("fault plan: stall {}s at step {} update {} ({:?})", f.seconds, at.step, at.minibatch, phase);
+                    eprintln!(
+                        "fault plan: stall {}s at step {} update {} ({:?})",
+                        f.seconds, at.step, at.minibatch, phase
+                    );
                     std::thread::sleep(std::time::Duration::from_secs_f64(f.seconds));
                 }
                 FaultKind::Exit => {

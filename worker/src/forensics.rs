@@ -192,7 +192,10 @@ fn pick_dump(path: &Path) -> Result<PathBuf, String> {
             return Ok(f.clone());
         }
     }
-    files.into_iter().next().ok_or_else(|| format!("{}: no dump files (hint: dumps are written when the job aborts)", dumps.display()))
+    files
+        .into_iter()
+        .next()
+        .ok_or_else(|| format!("{}: no dump files (hint: dumps are written when the job aborts)", dumps.display()))
 }
 
 /// Re-execute the dumped update in this process.
@@ -201,7 +204,8 @@ pub fn replay(path: &Path, trace: bool) -> Result<Replay, String> {
     let l = tensorfile::load(&dump)?;
     let meta = &l.meta;
     let text = meta["config"].as_str().ok_or_else(|| format!("{}: no config in the dump", dump.display()))?;
-    let (cfg, _, _) = Config::from_toml(text, &format!("{} (embedded config)", dump.display()), &[]).map_err(|e| e.to_string())?;
+    let (cfg, _, _) =
+        Config::from_toml(text, &format!("{} (embedded config)", dump.display()), &[]).map_err(|e| e.to_string())?;
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let gpt = Gpt::new(&cfg.model, &layout);
     let get = |n: &str| l.get(n).ok_or_else(|| format!("{}: no tensor {n}", dump.display()));
@@ -227,7 +231,8 @@ pub fn replay(path: &Path, trace: bool) -> Result<Replay, String> {
     } else {
         train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, &mut grads, &mut crate::probe::NoProbe)
     };
-    let buckets: Vec<serde_json::Value> = layout.buckets.iter().map(|bk| health_json(&health_scan(&grads[bk.range.clone()]))).collect();
+    let buckets: Vec<serde_json::Value> =
+        layout.buckets.iter().map(|bk| health_json(&health_scan(&grads[bk.range.clone()]))).collect();
     let recorded = meta["local_health"].as_array().cloned().unwrap_or_default();
     Ok(Replay {
         dump,

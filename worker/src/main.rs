@@ -19,7 +19,9 @@ fn parse() -> Result<WorkerArgs, String> {
         match arg {
             Long("run-dir") => args.run_dir = Some(p.value().map_err(|e| e.to_string())?.into()),
             Long("resume") => args.resume = true,
-            Long("set") => args.overrides.push(p.value().map_err(|e| e.to_string())?.string().map_err(|e| e.to_string())?),
+            Long("set") => {
+                args.overrides.push(p.value().map_err(|e| e.to_string())?.string().map_err(|e| e.to_string())?)
+            }
             Long("help") | Short('h') => {
                 println!("{USAGE}");
                 std::process::exit(0);

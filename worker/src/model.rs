@@ -136,8 +136,8 @@ pub struct Activations {
     v: usize,
     b: usize,
     t: usize,
-    tokens: Vec<u32>,   // (B, T)
-    encoded: Vec<f32>,  // (B, T, C)
+    tokens: Vec<u32>,  // (B, T)
+    encoded: Vec<f32>, // (B, T, C)
     blocks: Vec<BlockActs>,
     lnf: Vec<f32>,      // (B, T, C)
     lnf_mean: Vec<f32>, // (B, T)

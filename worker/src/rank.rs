@@ -36,12 +36,17 @@ fn var(name: &str) -> Option<String> {
 fn num(name: &str) -> Result<Option<usize>, String> {
     match var(name) {
         None => Ok(None),
-        Some(v) => v.trim().parse().map(Some).map_err(|_| format!("environment variable {name}={v:?} is not a non-negative integer")),
+        Some(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("environment variable {name}={v:?} is not a non-negative integer")),
     }
 }
 
 fn need(name: &str) -> Result<usize, String> {
-    num(name)?.ok_or_else(|| format!("environment variable {name} is missing (the launcher sets it with {})", env::RANK))
+    num(name)?
+        .ok_or_else(|| format!("environment variable {name} is missing (the launcher sets it with {})", env::RANK))
 }
 
 impl RankInfo {
@@ -50,7 +55,13 @@ impl RankInfo {
         let (source, rank, world, local_rank, local_size) = if num(env::RANK)?.is_some() {
             ("gradbus", need(env::RANK)?, need(env::WORLD_SIZE)?, need(env::LOCAL_RANK)?, need(env::LOCAL_SIZE)?)
         } else if num(env::OMPI_RANK)?.is_some() {
-            ("openmpi", need(env::OMPI_RANK)?, need(env::OMPI_SIZE)?, need(env::OMPI_LOCAL_RANK)?, need(env::OMPI_LOCAL_SIZE)?)
+            (
+                "openmpi",
+                need(env::OMPI_RANK)?,
+                need(env::OMPI_SIZE)?,
+                need(env::OMPI_LOCAL_RANK)?,
+                need(env::OMPI_LOCAL_SIZE)?,
+            )
         } else if num(env::PMI_RANK)?.is_some() {
             let world = need(env::PMI_SIZE)?;
             let local_rank = num(env::MPICH_LOCAL_RANK)?.unwrap_or(need(env::PMI_RANK)?);

@@ -31,7 +31,12 @@ pub fn prompt_kinds(vocab: usize) -> u32 {
 
 /// Reward of one response (`R` tokens after the prompt).
 pub fn reward(p: u32, response: &[u32], vocab: usize) -> f32 {
-    let hits = response.iter().enumerate().take_while(|(_, &t)| t != EOS && t != PAD).filter(|&(i, &t)| t == target(p, i, vocab)).count();
+    let hits = response
+        .iter()
+        .enumerate()
+        .take_while(|(_, &t)| t != EOS && t != PAD)
+        .filter(|&(i, &t)| t == target(p, i, vocab))
+        .count();
     hits as f32 / response.len() as f32
 }
 
@@ -82,7 +87,8 @@ impl Batch {
     /// The rows `rows` of this batch as a new batch.
     pub fn select(&self, rows: &[usize]) -> Batch {
         let t = self.t;
-        let per_pos = |v: &[f32]| rows.iter().flat_map(|&r| v[r * t..(r + 1) * t].iter().copied()).collect::<Vec<f32>>();
+        let per_pos =
+            |v: &[f32]| rows.iter().flat_map(|&r| v[r * t..(r + 1) * t].iter().copied()).collect::<Vec<f32>>();
         let tok = |v: &[u32]| rows.iter().flat_map(|&r| v[r * t..(r + 1) * t].iter().copied()).collect::<Vec<u32>>();
         Batch {
             b: rows.len(),

@@ -72,7 +72,8 @@ pub fn save(path: &Path, meta: &Value, tensors: &[(&str, &[f32])]) -> std::io::R
 pub fn load(path: &Path) -> Result<Loaded, String> {
     let mut bytes = Vec::new();
     File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)).map_err(|e| format!("{}: {e}", path.display()))?;
-    let bad = |why: &str| format!("{}: {why} (hint: the file is not a complete gradbus checkpoint or dump)", path.display());
+    let bad =
+        |why: &str| format!("{}: {why} (hint: the file is not a complete gradbus checkpoint or dump)", path.display());
     if bytes.len() < 16 || &bytes[..4] != MAGIC {
         return Err(bad("bad magic"));
     }
@@ -81,7 +82,8 @@ pub fn load(path: &Path) -> Result<Loaded, String> {
         return Err(bad(&format!("format version {version}, this build reads {VERSION}")));
     }
     let hlen = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")) as usize;
-    let header: Value = bytes.get(16..16 + hlen).and_then(|h| serde_json::from_slice(h).ok()).ok_or_else(|| bad("bad header"))?;
+    let header: Value =
+        bytes.get(16..16 + hlen).and_then(|h| serde_json::from_slice(h).ok()).ok_or_else(|| bad("bad header"))?;
     let mut at = 16 + hlen;
     let mut tensors = Vec::new();
     for t in header["tensors"].as_array().ok_or_else(|| bad("no tensor table"))? {

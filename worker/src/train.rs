@@ -13,7 +13,9 @@ use std::time::Instant;
 
 use serde_json::json;
 
-use gradbus_collectives::{decide, Action, HealthTable, History, Layout, LocalReport, Progress, Report, StepId, Transport};
+use gradbus_collectives::{
+    decide, Action, HealthTable, History, Layout, LocalReport, Progress, Report, StepId, Transport,
+};
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::Health;
 
@@ -200,7 +202,12 @@ impl Trainer {
 
     /// A one-line summary of the step just finished, from the last metrics the ranks agreed on.
     fn step_summary(&self) -> String {
-        format!("step {} done: {} updates, {} skipped in total", self.step, self.cfg.rl.epochs * self.cfg.rl.minibatches, self.history.skipped)
+        format!(
+            "step {} done: {} updates, {} skipped in total",
+            self.step,
+            self.cfg.rl.epochs * self.cfg.rl.minibatches,
+            self.history.skipped
+        )
     }
 
     /// One RL step: rollout, then every update of every epoch. Returns the abort report, if any.
@@ -328,7 +335,8 @@ impl Trainer {
     /// Forward, loss and backward onto the bus, with the planned faults of this update.
     fn forward_backward(&mut self, mb: &Batch, at: StepId) -> LossStats {
         self.faults.at_phase(FaultPhase::Forward, at);
-        let stats = compute_gradients(&self.gpt, &self.cfg, &self.params, &mut self.acts, mb, self.bus.grads(), &mut NoProbe);
+        let stats =
+            compute_gradients(&self.gpt, &self.cfg, &self.params, &mut self.acts, mb, self.bus.grads(), &mut NoProbe);
         self.faults.at_phase(FaultPhase::Backward, at);
         let layout = self.bus.layout().clone();
         self.faults.poison(at, &layout, self.bus.grads());
@@ -357,15 +365,34 @@ impl Trainer {
         }
         self.adam_t += 1;
         let o = &self.cfg.optim;
-        gradbus_kernels::ops::adamw::adamw_update(&mut self.params, grads, &mut self.m, &mut self.v, lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.adam_t as u32);
+        gradbus_kernels::ops::adamw::adamw_update(
+            &mut self.params,
+            grads,
+            &mut self.m,
+            &mut self.v,
+            lr,
+            o.beta1,
+            o.beta2,
+            o.eps,
+            o.weight_decay,
+            self.adam_t as u32,
+        );
     }
 
-    fn write_metrics(&mut self, table: &HealthTable, at: StepId, action: Action, lr: f32, start: Instant) -> Result<(), WorkerError> {
+    fn write_metrics(
+        &mut self,
+        table: &HealthTable,
+        at: StepId,
+        action: Action,
+        lr: f32,
+        start: Instant,
+    ) -> Result<(), WorkerError> {
         let Some(f) = self.metrics.as_mut() else { return Ok(()) };
         let world = table.world as f64;
         let avg = |k: usize| table.reports.iter().map(|r| r.values[k]).sum::<f64>() / world;
         let max = |k: usize| table.reports.iter().map(|r| r.values[k]).fold(f64::NEG_INFINITY, f64::max);
-        let bad: Vec<usize> = (0..table.world).filter(|&r| (0..table.buckets).any(|b| !table.cell(b, r).is_finite())).collect();
+        let bad: Vec<usize> =
+            (0..table.world).filter(|&r| (0..table.buckets).any(|b| !table.cell(b, r).is_finite())).collect();
         let line = json!({
             "step": at.step,
             "minibatch": at.minibatch,
@@ -411,7 +438,10 @@ impl Trainer {
                 "suspects": self.history.suspects,
             },
         });
-        let bytes = tensorfile::encode(&meta, &[("params", &self.params), ("m", &self.m), ("v", &self.v), ("rollout", &self.rollout)]);
+        let bytes = tensorfile::encode(
+            &meta,
+            &[("params", &self.params), ("m", &self.m), ("v", &self.v), ("rollout", &self.rollout)],
+        );
         let state = dir.join("state.bin");
         let tmp = dir.join("state.bin.tmp");
         let io = |e| WorkerError::io(&state.display().to_string(), e);
@@ -419,7 +449,8 @@ impl Trainer {
         self.faults.at_checkpoint(self.step);
         std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io)?;
         std::fs::rename(&tmp, &state).map_err(io)?;
-        tensorfile::write_atomic(&dir.join("DONE"), format!("{:016x}\n", checksum(&self.params)).as_bytes()).map_err(io)?;
+        tensorfile::write_atomic(&dir.join("DONE"), format!("{:016x}\n", checksum(&self.params)).as_bytes())
+            .map_err(io)?;
         log::info!("checkpoint {}", dir.display());
         Ok(())
     }
@@ -437,7 +468,9 @@ impl Trainer {
         if l.meta["layout_hash"].as_str() != Some(want.as_str()) {
             return Err(WorkerError::Usage(format!("{}: saved for a different model or bucket layout", dir.display())));
         }
-        let get = |n: &str| l.get(n).map(<[f32]>::to_vec).ok_or_else(|| WorkerError::Usage(format!("{}: no tensor {n}", dir.display())));
+        let get = |n: &str| {
+            l.get(n).map(<[f32]>::to_vec).ok_or_else(|| WorkerError::Usage(format!("{}: no tensor {n}", dir.display())))
+        };
         self.params = get("params")?;
         self.m = get("m")?;
         self.v = get("v")?;
@@ -447,8 +480,14 @@ impl Trainer {
         let h = &l.meta["history"];
         self.history.consecutive_skips = h["consecutive_skips"].as_u64().unwrap_or(0) as u32;
         self.history.skipped = h["skipped"].as_u64().unwrap_or(0);
-        self.history.recent = h["recent"].as_array().map(|a| a.iter().map(|b| b.as_bool().unwrap_or(false)).collect()).unwrap_or_default();
-        self.history.suspects = h["suspects"].as_array().map(|a| a.iter().filter_map(|b| b.as_u64()).map(|b| b as usize).collect()).unwrap_or_default();
+        self.history.recent = h["recent"]
+            .as_array()
+            .map(|a| a.iter().map(|b| b.as_bool().unwrap_or(false)).collect())
+            .unwrap_or_default();
+        self.history.suspects = h["suspects"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|b| b.as_u64()).map(|b| b as usize).collect())
+            .unwrap_or_default();
         log::info!("rank {}: resumed from {} at step {}", self.info.rank, dir.display(), self.step);
         Ok(())
     }
@@ -525,10 +564,17 @@ pub fn describe(r: &Report) -> String {
 }
 
 fn check_replicas(table: &HealthTable, at: StepId) -> Result<(), WorkerError> {
-    let sums: Vec<(u64, u64)> = table.reports.iter().map(|r| (r.values[slot::CHECKSUM_HI] as u64, r.values[slot::CHECKSUM_LO] as u64)).collect();
+    let sums: Vec<(u64, u64)> = table
+        .reports
+        .iter()
+        .map(|r| (r.values[slot::CHECKSUM_HI] as u64, r.values[slot::CHECKSUM_LO] as u64))
+        .collect();
     if sums.iter().any(|s| *s != sums[0]) {
         let odd: Vec<usize> = (0..sums.len()).filter(|&r| sums[r] != sums[0]).collect();
-        return Err(WorkerError::Diverged(format!("parameters differ between replicas at step {} update {}: rank(s) {odd:?} differ from rank 0", at.step, at.minibatch)));
+        return Err(WorkerError::Diverged(format!(
+            "parameters differ between replicas at step {} update {}: rank(s) {odd:?} differ from rank 0",
+            at.step, at.minibatch
+        )));
     }
     Ok(())
 }
@@ -572,7 +618,12 @@ fn open_metrics(run_dir: &Path, step: u64) -> Result<std::fs::File, WorkerError>
         std::fs::read_to_string(&path)
             .unwrap_or_default()
             .lines()
-            .filter(|l| serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s < step))
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s < step)
+            })
             .map(|l| format!("{l}\n"))
             .collect()
     } else {
@@ -584,7 +635,11 @@ fn open_metrics(run_dir: &Path, step: u64) -> Result<std::fs::File, WorkerError>
 
 /// The newest `step-N` directory that has its DONE marker.
 pub fn latest_checkpoint(dir: &Path) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.join("DONE").exists() && p.join("state.bin").exists()).collect();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("DONE").exists() && p.join("state.bin").exists())
+        .collect();
     dirs.sort();
     dirs.pop()
 }

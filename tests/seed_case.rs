@@ -1,0 +1,93 @@
+//! The seed case (roll-193) on a small, fast config with the same mechanism: a stale rollout engine
+//! (never synced) and a high learning rate drive the current policy's log-prob of a sampled token far
+//! below the reference's, until ROLL's k3 `exp(ref - logp)` overflows. Nothing is injected.
+//! The failure must be deterministic (same step on a second run and after resume), every rank must
+//! stop with the same report, replay must reproduce it bit for bit and name the exp, and the safe
+//! loss must pass the same step.
+
+mod common;
+
+use common::{gradbus, metrics};
+use serde_json::Value;
+
+/// The fast seed-case config: examples/tiny.toml with a stale rollout engine and lr 1e-2.
+const SETS: &[&str] = &[
+    "--set",
+    "steps=200",
+    "--set",
+    "rollout_sync_interval=1000",
+    "--set",
+    "optim.lr=1e-2",
+    "--set",
+    "rl.epochs=2",
+    "--set",
+    "rl.minibatches=2",
+    "--set",
+    "checkpoint.every=40",
+];
+
+fn run(dir: &std::path::Path, extra: &[&str]) -> common::Run {
+    let mut args = vec!["run", "--np", "2", "--run-dir", dir.to_str().unwrap(), "examples/tiny.toml"];
+    args.extend_from_slice(SETS);
+    args.extend_from_slice(extra);
+    gradbus(&args, &[])
+}
+
+fn report(dir: &std::path::Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).unwrap()
+}
+
+#[test]
+fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a");
+    let r = run(&a, &[]);
+    r.expect_code(3);
+    let rep = report(&a);
+    for key in ["step", "minibatch", "verdict", "ranks", "bucket", "param", "element", "nan", "inf", "loss_finite"] {
+        assert!(rep.get(key).is_some(), "report.json lacks {key}: {rep}");
+    }
+    let step = rep["step"].as_u64().unwrap();
+    assert!(step > 40, "the failure comes from the dynamics, not at the start (step {step})");
+    assert_eq!(rep["verdict"], "abort");
+    assert_eq!(rep["bucket"], 0, "the NaN enters at the loss: the head's bucket #0 sees it first");
+    assert_eq!(rep["param"], "head.weight");
+    assert_eq!(rep["loss_finite"], true, "ROLL's clamp keeps the loss finite while the gradient is NaN");
+    assert!(rep["nan"].as_u64().unwrap() > 0);
+    // Every rank stopped with the same report line.
+    let line = format!("non-finite gradients at step {step} update {}", rep["minibatch"]);
+    for rank in 0..2 {
+        let log = std::fs::read_to_string(a.join(format!("rank-{rank}.log"))).unwrap();
+        assert!(log.contains(&line), "rank {rank} log lacks `{line}`:\n{log}");
+    }
+
+    // Deterministic: a second run fails at the same update with the same report.
+    let b = tmp.path().join("b");
+    run(&b, &[]).expect_code(3);
+    assert_eq!(report(&b), rep);
+    assert_eq!(metrics(&b), metrics(&a));
+
+    // Resume from the last checkpoint before the failure: the same failure again.
+    let ckpt = (step / 40) * 40;
+    assert!(a.join(format!("checkpoints/step-{ckpt:06}/DONE")).exists());
+    let mut args = vec!["run", "--np", "2", "--resume", a.to_str().unwrap(), "examples/tiny.toml"];
+    args.extend_from_slice(SETS);
+    gradbus(&args, &[]).expect_code(3);
+    assert_eq!(report(&a), rep);
+
+    // Replay in one process: bit for bit, and the trace names the k3 exp.
+    let out = gradbus(&["replay", a.to_str().unwrap(), "--trace", "--json"], &[]);
+    out.expect_code(0);
+    let replay: Value = serde_json::from_str(out.stdout().trim()).unwrap();
+    assert_eq!(replay["identical"], true, "{replay}");
+    assert_eq!(replay["first"]["phase"], "forward");
+    assert_eq!(replay["first"]["op"], "loss.kl_exp", "{replay}");
+    assert!(replay["first"]["exp_input"].as_f64().unwrap() > 88.72);
+
+    // The fix: the safe loss passes that step with no non-finite gradient.
+    let c = tmp.path().join("c");
+    run(&c, &["--set", "loss.style=safe", "--set", &format!("steps={}", step + 5)]).expect_code(0);
+    let m = metrics(&c);
+    assert!(m.iter().all(|l| l["verdict"] == "proceed"), "safe run skipped or aborted");
+    assert_eq!(m.last().unwrap()["step"].as_u64(), Some(step + 4));
+}
