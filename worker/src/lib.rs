@@ -3,3 +3,6 @@
 
 pub mod env;
 pub mod exit;
+pub mod loss;
+pub mod model;
+pub mod probe;

@@ -1,0 +1,499 @@
+//! The reference policy: a tiny GPT with explicit forward and backward, llm.c style. Token + position
+//! embeddings, L pre-LN blocks (ln1, causal multi-head attention with fused qkv and an output
+//! projection, ln2, GELU MLP C -> 4C -> C), a final layer norm and an UNTIED, bias-free head C -> V.
+//!
+//! Invariants: parameters and gradients live in flat buffers laid out by a [`Layout`] built from
+//! [`param_specs`]; the model only holds each parameter's range in them. Parameters are declared in
+//! forward order, head last, so the layout puts the head at offset 0 (bucket #0). Backward runs last
+//! layer first, ACCUMULATES into the gradient buffer, and reports each parameter as soon as its
+//! gradient is final, in strictly descending parameter order. Everything is plain f32 on one thread
+//! in a fixed order of operations: the same inputs give the same bits. Non-finite values are not
+//! guarded against; every op's output goes to a [`Probe`] so the trace can find where they are born.
+
+use std::ops::Range;
+
+use gradbus_collectives::{Layout, ParamSpec};
+use gradbus_kernels::ops::*;
+use gradbus_kernels::rng::Rng;
+use serde::{Deserialize, Serialize};
+
+pub use crate::probe::{ExpOp, NoProbe, Phase, Probe};
+
+/// Shape of the model. Defaults are the calibration model of the field notes (~103k parameters).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GptConfig {
+    /// Vocabulary size V.
+    pub vocab: usize,
+    /// Longest sequence (rows of the position embedding).
+    pub max_seq: usize,
+    /// Channels C.
+    pub channels: usize,
+    /// Attention heads NH (must divide C).
+    pub heads: usize,
+    /// Blocks L.
+    pub layers: usize,
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        GptConfig { vocab: 16, max_seq: 16, channels: 64, heads: 4, layers: 2 }
+    }
+}
+
+impl GptConfig {
+    /// Check the shape; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        for (key, v) in [("vocab", self.vocab), ("max_seq", self.max_seq), ("channels", self.channels)] {
+            if v == 0 {
+                return Err(format!("model.{key} must be at least 1"));
+            }
+        }
+        if self.heads == 0 || self.channels % self.heads != 0 {
+            return Err(format!("model.heads = {} must divide model.channels = {}", self.heads, self.channels));
+        }
+        Ok(())
+    }
+}
+
+/// Parameters of one block, in forward order; index within the block.
+const BLOCK_PARAMS: [&str; 12] = [
+    "ln1.weight",
+    "ln1.bias",
+    "attn.qkv.weight",
+    "attn.qkv.bias",
+    "attn.proj.weight",
+    "attn.proj.bias",
+    "ln2.weight",
+    "ln2.bias",
+    "mlp.fc.weight",
+    "mlp.fc.bias",
+    "mlp.proj.weight",
+    "mlp.proj.bias",
+];
+const LN1_W: usize = 0;
+const LN1_B: usize = 1;
+const QKV_W: usize = 2;
+const QKV_B: usize = 3;
+const PROJ_W: usize = 4;
+const PROJ_B: usize = 5;
+const LN2_W: usize = 6;
+const LN2_B: usize = 7;
+const FC_W: usize = 8;
+const FC_B: usize = 9;
+const FCPROJ_W: usize = 10;
+const FCPROJ_B: usize = 11;
+const WTE: usize = 0;
+const WPE: usize = 1;
+
+/// Forward-order index of parameter `k` of block `l`.
+fn bp(l: usize, k: usize) -> usize {
+    2 + l * BLOCK_PARAMS.len() + k
+}
+
+/// The model's parameters in forward order: `wte`, `wpe`, `blocks.{l}.*`, `ln_f.weight`, `ln_f.bias`,
+/// `head.weight` (last, so the layout puts it in bucket #0).
+pub fn param_specs(cfg: &GptConfig) -> Vec<ParamSpec> {
+    let (v, c) = (cfg.vocab, cfg.channels);
+    let mut specs = vec![ParamSpec::new("wte", v * c), ParamSpec::new("wpe", cfg.max_seq * c)];
+    let sizes = [c, c, 3 * c * c, 3 * c, c * c, c, c, c, 4 * c * c, 4 * c, c * 4 * c, c];
+    for l in 0..cfg.layers {
+        for (name, n) in BLOCK_PARAMS.iter().zip(sizes) {
+            specs.push(ParamSpec::new(format!("blocks.{l}.{name}"), n));
+        }
+    }
+    specs.push(ParamSpec::new("ln_f.weight", c));
+    specs.push(ParamSpec::new("ln_f.bias", c));
+    specs.push(ParamSpec::new("head.weight", v * c));
+    specs
+}
+
+/// Activations of one block, each sized for the capacity (B, T) of [`Activations`].
+struct BlockActs {
+    ln1: Vec<f32>,      // (B, T, C)
+    ln1_mean: Vec<f32>, // (B, T)
+    ln1_rstd: Vec<f32>, // (B, T)
+    qkv: Vec<f32>,      // (B, T, 3C)
+    atty: Vec<f32>,     // (B, T, C)
+    att: Vec<f32>,      // (B, NH, T, T)
+    attproj: Vec<f32>,  // (B, T, C)
+    res2: Vec<f32>,     // (B, T, C)
+    ln2: Vec<f32>,      // (B, T, C)
+    ln2_mean: Vec<f32>, // (B, T)
+    ln2_rstd: Vec<f32>, // (B, T)
+    fch: Vec<f32>,      // (B, T, 4C)
+    fch_gelu: Vec<f32>, // (B, T, 4C)
+    fcproj: Vec<f32>,   // (B, T, C)
+    res3: Vec<f32>,     // (B, T, C)
+}
+
+/// Forward activations and backward scratch for up to (B, T) = the capacity given to [`new`].
+/// Forward may run with any smaller B and T; backward uses the B and T of the last forward.
+///
+/// [`new`]: Activations::new
+pub struct Activations {
+    cap: (usize, usize),
+    v: usize,
+    b: usize,
+    t: usize,
+    tokens: Vec<u32>,  // (B, T)
+    encoded: Vec<f32>, // (B, T, C)
+    blocks: Vec<BlockActs>,
+    lnf: Vec<f32>,      // (B, T, C)
+    lnf_mean: Vec<f32>, // (B, T)
+    lnf_rstd: Vec<f32>, // (B, T)
+    logits: Vec<f32>,   // (B, T, V)
+    // Backward scratch, reused by every block.
+    dx: Vec<f32>,   // (B, T, C): gradient of the residual stream
+    dres: Vec<f32>, // (B, T, C): gradient of the mid-block residual
+    d1: Vec<f32>,   // (B, T, C)
+    d2: Vec<f32>,   // (B, T, C)
+    dqkv: Vec<f32>, // (B, T, 3C)
+    dh1: Vec<f32>,  // (B, T, 4C)
+    dh2: Vec<f32>,  // (B, T, 4C)
+}
+
+impl Activations {
+    /// Buffers for up to `b` sequences of up to `t` positions.
+    pub fn new(cfg: &GptConfig, b: usize, t: usize) -> Activations {
+        let (c, v, nh) = (cfg.channels, cfg.vocab, cfg.heads);
+        let bt = b * t;
+        let z = |n: usize| vec![0.0f32; n];
+        let blocks = (0..cfg.layers)
+            .map(|_| BlockActs {
+                ln1: z(bt * c),
+                ln1_mean: z(bt),
+                ln1_rstd: z(bt),
+                qkv: z(bt * 3 * c),
+                atty: z(bt * c),
+                att: z(b * nh * t * t),
+                attproj: z(bt * c),
+                res2: z(bt * c),
+                ln2: z(bt * c),
+                ln2_mean: z(bt),
+                ln2_rstd: z(bt),
+                fch: z(bt * 4 * c),
+                fch_gelu: z(bt * 4 * c),
+                fcproj: z(bt * c),
+                res3: z(bt * c),
+            })
+            .collect();
+        Activations {
+            cap: (b, t),
+            v,
+            b: 0,
+            t: 0,
+            tokens: vec![0; bt],
+            encoded: z(bt * c),
+            blocks,
+            lnf: z(bt * c),
+            lnf_mean: z(bt),
+            lnf_rstd: z(bt),
+            logits: z(bt * v),
+            dx: z(bt * c),
+            dres: z(bt * c),
+            d1: z(bt * c),
+            d2: z(bt * c),
+            dqkv: z(bt * 3 * c),
+            dh1: z(bt * 4 * c),
+            dh2: z(bt * 4 * c),
+        }
+    }
+
+    /// The logits of the last forward, (B, T, V).
+    pub fn logits(&self) -> &[f32] {
+        &self.logits[..self.b * self.t * self.v]
+    }
+}
+
+/// Two disjoint ranges of one buffer, both mutable.
+fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&mut lo[a], &mut hi[..b.len()])
+    } else {
+        assert!(b.end <= a.start, "two_mut: overlapping ranges {a:?} and {b:?}");
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&mut hi[..a.len()], &mut lo[b])
+    }
+}
+
+/// The model: its shape and where each parameter lives in the flat buffers.
+#[derive(Clone, Debug)]
+pub struct Gpt {
+    cfg: GptConfig,
+    ranges: Vec<Range<usize>>,
+}
+
+impl Gpt {
+    /// The model for `cfg`, with each parameter's range taken from the layout's slots. Panics if the
+    /// layout was not made from `param_specs(cfg)`.
+    pub fn new(cfg: &GptConfig, layout: &Layout) -> Gpt {
+        cfg.validate().expect("valid model config");
+        let specs = param_specs(cfg);
+        assert_eq!(specs.len(), layout.slots.len(), "layout has a different parameter count");
+        let ranges = specs
+            .iter()
+            .zip(&layout.slots)
+            .map(|(s, slot)| {
+                assert!(s.name == slot.name && s.numel == slot.numel, "layout slot {slot:?} is not parameter {s:?}");
+                slot.range()
+            })
+            .collect();
+        Gpt { cfg: cfg.clone(), ranges }
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    /// Number of parameter tensors.
+    pub fn num_params(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// The range of parameter `p` (forward-order index) in the flat buffers.
+    pub fn param_range(&self, p: usize) -> Range<usize> {
+        self.ranges[p].clone()
+    }
+
+    fn w<'a>(&self, params: &'a [f32], p: usize) -> &'a [f32] {
+        &params[self.ranges[p].clone()]
+    }
+
+    /// GPT-2 initialisation: weights N(0, 0.02), the two projections into the residual stream
+    /// N(0, 0.02 / sqrt(2L)), layer-norm weights 1, biases 0. Draws in parameter order, element order.
+    pub fn init(&self, params: &mut [f32], rng: &mut Rng) {
+        let proj_std = 0.02 / ((2 * self.cfg.layers) as f32).sqrt();
+        for (p, spec) in param_specs(&self.cfg).iter().enumerate() {
+            let dst = &mut params[self.ranges[p].clone()];
+            let name = spec.name.as_str();
+            if name.contains(".ln") || name.starts_with("ln_f") {
+                dst.fill(if name.ends_with(".weight") { 1.0 } else { 0.0 });
+            } else if name.ends_with(".bias") {
+                dst.fill(0.0);
+            } else {
+                let std = if name.ends_with("proj.weight") { proj_std } else { 0.02 };
+                for x in dst.iter_mut() {
+                    *x = std * rng.normal();
+                }
+            }
+        }
+    }
+
+    /// Forward pass. tokens: (B, T) with B, T within the capacity of `acts` and T <= max_seq.
+    /// Returns the logits, (B, T, V).
+    pub fn forward<'a, P: Probe + ?Sized>(
+        &self,
+        params: &[f32],
+        tokens: &[u32],
+        b: usize,
+        t: usize,
+        acts: &'a mut Activations,
+        probe: &mut P,
+    ) -> &'a [f32] {
+        let GptConfig { vocab: v, channels: c, heads: nh, layers: nl, .. } = self.cfg;
+        assert!(b <= acts.cap.0 && t <= acts.cap.1 && t <= self.cfg.max_seq, "forward: (B, T) = ({b}, {t}) too large");
+        assert_eq!(tokens.len(), b * t, "forward: tokens are not (B, T)");
+        let bt = b * t;
+        let (n, n3, n4) = (bt * c, bt * 3 * c, bt * 4 * c);
+        let a = acts;
+        a.b = b;
+        a.t = t;
+        a.tokens[..bt].copy_from_slice(tokens);
+        let fwd = Phase::Forward;
+
+        encoder_forward(&mut a.encoded, tokens, self.w(params, WTE), self.w(params, WPE), b, t, c, v);
+        probe.check("encoder", None, fwd, &a.encoded[..n], &[b, t, c]);
+        for l in 0..nl {
+            let (done, rest) = a.blocks.split_at_mut(l);
+            let x: &[f32] = if l == 0 { &a.encoded } else { &done[l - 1].res3 };
+            let k = &mut rest[0];
+            let w = |i| self.w(params, bp(l, i));
+            let lo = Some(l);
+            layernorm_forward(&mut k.ln1, &mut k.ln1_mean, &mut k.ln1_rstd, x, w(LN1_W), w(LN1_B), bt, c);
+            probe.check("ln1", lo, fwd, &k.ln1[..n], &[b, t, c]);
+            matmul_forward(&mut k.qkv, &k.ln1, w(QKV_W), Some(w(QKV_B)), bt, c, 3 * c);
+            probe.check("attn.qkv", lo, fwd, &k.qkv[..n3], &[b, t, 3 * c]);
+            attention_forward(&mut k.atty, &mut k.att, &k.qkv, b, t, c, nh);
+            probe.check("attn", lo, fwd, &k.atty[..n], &[b, t, c]);
+            matmul_forward(&mut k.attproj, &k.atty, w(PROJ_W), Some(w(PROJ_B)), bt, c, c);
+            probe.check("attn.proj", lo, fwd, &k.attproj[..n], &[b, t, c]);
+            residual_forward(&mut k.res2, x, &k.attproj, n);
+            probe.check("residual1", lo, fwd, &k.res2[..n], &[b, t, c]);
+            layernorm_forward(&mut k.ln2, &mut k.ln2_mean, &mut k.ln2_rstd, &k.res2, w(LN2_W), w(LN2_B), bt, c);
+            probe.check("ln2", lo, fwd, &k.ln2[..n], &[b, t, c]);
+            matmul_forward(&mut k.fch, &k.ln2, w(FC_W), Some(w(FC_B)), bt, c, 4 * c);
+            probe.check("mlp.fc", lo, fwd, &k.fch[..n4], &[b, t, 4 * c]);
+            gelu_forward(&mut k.fch_gelu, &k.fch, n4);
+            probe.check("mlp.gelu", lo, fwd, &k.fch_gelu[..n4], &[b, t, 4 * c]);
+            matmul_forward(&mut k.fcproj, &k.fch_gelu, w(FCPROJ_W), Some(w(FCPROJ_B)), bt, 4 * c, c);
+            probe.check("mlp.proj", lo, fwd, &k.fcproj[..n], &[b, t, c]);
+            residual_forward(&mut k.res3, &k.res2, &k.fcproj, n);
+            probe.check("residual2", lo, fwd, &k.res3[..n], &[b, t, c]);
+        }
+        let x: &[f32] = if nl == 0 { &a.encoded } else { &a.blocks[nl - 1].res3 };
+        let (wf, bf) = (self.w(params, bp(nl, 0)), self.w(params, bp(nl, 1)));
+        layernorm_forward(&mut a.lnf, &mut a.lnf_mean, &mut a.lnf_rstd, x, wf, bf, bt, c);
+        probe.check("ln_f", None, fwd, &a.lnf[..n], &[b, t, c]);
+        matmul_forward(&mut a.logits, &a.lnf, self.w(params, bp(nl, 2)), None, bt, c, v);
+        probe.check("head", None, fwd, &a.logits[..bt * v], &[b, t, v]);
+        &a.logits[..bt * v]
+    }
+
+    /// Backward pass of the last forward on `acts`. dlogits: (B, T, V); grads: the flat gradient
+    /// buffer (same layout as `params`), ACCUMULATED into. `on_param_ready(p)` is called once per
+    /// parameter, in strictly descending p, as soon as p's gradient is final.
+    pub fn backward<P: Probe + ?Sized>(
+        &self,
+        params: &[f32],
+        acts: &mut Activations,
+        dlogits: &[f32],
+        grads: &mut [f32],
+        probe: &mut P,
+        on_param_ready: &mut dyn FnMut(usize),
+    ) {
+        let GptConfig { vocab: v, channels: c, heads: nh, layers: nl, .. } = self.cfg;
+        let a = acts;
+        let (b, t) = (a.b, a.t);
+        let bt = b * t;
+        let (n, n3, n4) = (bt * c, bt * 3 * c, bt * 4 * c);
+        assert_eq!(dlogits.len(), bt * v, "backward: dlogits are not (B, T, V) of the last forward");
+        let bwd = Phase::Backward;
+        let mut ready = |p: usize, grads: &[f32], probe: &mut P| {
+            probe.grad(p, &grads[self.ranges[p].clone()]);
+            on_param_ready(p);
+        };
+        let (lnf_w, lnf_b, head) = (bp(nl, 0), bp(nl, 1), bp(nl, 2));
+
+        // head: logits = lnf @ head^T
+        let d_lnf = &mut a.d1[..n];
+        d_lnf.fill(0.0);
+        let dhead = &mut grads[self.ranges[head].clone()];
+        matmul_backward(d_lnf, dhead, None, dlogits, &a.lnf, self.w(params, head), bt, c, v);
+        probe.check("head", None, bwd, d_lnf, &[b, t, c]);
+        ready(head, grads, probe);
+
+        // ln_f
+        let x: &[f32] = if nl == 0 { &a.encoded } else { &a.blocks[nl - 1].res3 };
+        let dx = &mut a.dx[..n];
+        dx.fill(0.0);
+        let (dw, db) = two_mut(grads, self.ranges[lnf_w].clone(), self.ranges[lnf_b].clone());
+        let wf = self.w(params, lnf_w);
+        layernorm_backward(dx, dw, db, &a.d1, x, wf, &a.lnf_mean, &a.lnf_rstd, bt, c);
+        probe.check("ln_f", None, bwd, dx, &[b, t, c]);
+        ready(lnf_b, grads, probe);
+        ready(lnf_w, grads, probe);
+
+        for l in (0..nl).rev() {
+            let k = &a.blocks[l];
+            let x: &[f32] = if l == 0 { &a.encoded } else { &a.blocks[l - 1].res3 };
+            let w = |i| self.w(params, bp(l, i));
+            let rg = |i| self.ranges[bp(l, i)].clone();
+            let lo = Some(l);
+
+            // res3 = res2 + fcproj
+            let (dres, dfcproj) = (&mut a.dres[..n], &mut a.d1[..n]);
+            dres.fill(0.0);
+            dfcproj.fill(0.0);
+            residual_backward(dres, dfcproj, &a.dx, n);
+            probe.check("residual2", lo, bwd, dres, &[b, t, c]);
+            // fcproj = gelu @ W^T + b
+            let dgelu = &mut a.dh2[..n4];
+            dgelu.fill(0.0);
+            let (dw, db) = two_mut(grads, rg(FCPROJ_W), rg(FCPROJ_B));
+            matmul_backward(dgelu, dw, Some(db), &a.d1, &k.fch_gelu, w(FCPROJ_W), bt, 4 * c, c);
+            probe.check("mlp.proj", lo, bwd, dgelu, &[b, t, 4 * c]);
+            ready(bp(l, FCPROJ_B), grads, probe);
+            ready(bp(l, FCPROJ_W), grads, probe);
+            // gelu
+            let dfch = &mut a.dh1[..n4];
+            dfch.fill(0.0);
+            gelu_backward(dfch, &k.fch, &a.dh2, n4);
+            probe.check("mlp.gelu", lo, bwd, dfch, &[b, t, 4 * c]);
+            // fch = ln2 @ W^T + b
+            let dln2 = &mut a.d2[..n];
+            dln2.fill(0.0);
+            let (dw, db) = two_mut(grads, rg(FC_W), rg(FC_B));
+            matmul_backward(dln2, dw, Some(db), &a.dh1, &k.ln2, w(FC_W), bt, c, 4 * c);
+            probe.check("mlp.fc", lo, bwd, dln2, &[b, t, c]);
+            ready(bp(l, FC_B), grads, probe);
+            ready(bp(l, FC_W), grads, probe);
+            // ln2, accumulating into the mid-block residual gradient
+            let dres = &mut a.dres[..n];
+            let (dw, db) = two_mut(grads, rg(LN2_W), rg(LN2_B));
+            layernorm_backward(dres, dw, db, &a.d2, &k.res2, w(LN2_W), &k.ln2_mean, &k.ln2_rstd, bt, c);
+            probe.check("ln2", lo, bwd, dres, &[b, t, c]);
+            ready(bp(l, LN2_B), grads, probe);
+            ready(bp(l, LN2_W), grads, probe);
+
+            // res2 = x + attproj
+            let (dx, dattproj) = (&mut a.dx[..n], &mut a.d1[..n]);
+            dx.fill(0.0);
+            dattproj.fill(0.0);
+            residual_backward(dx, dattproj, &a.dres, n);
+            probe.check("residual1", lo, bwd, dx, &[b, t, c]);
+            // attproj = atty @ W^T + b
+            let datty = &mut a.d2[..n];
+            datty.fill(0.0);
+            let (dw, db) = two_mut(grads, rg(PROJ_W), rg(PROJ_B));
+            matmul_backward(datty, dw, Some(db), &a.d1, &k.atty, w(PROJ_W), bt, c, c);
+            probe.check("attn.proj", lo, bwd, datty, &[b, t, c]);
+            ready(bp(l, PROJ_B), grads, probe);
+            ready(bp(l, PROJ_W), grads, probe);
+            // attention
+            let dqkv = &mut a.dqkv[..n3];
+            dqkv.fill(0.0);
+            attention_backward(dqkv, &a.d2, &k.qkv, &k.att, b, t, c, nh);
+            probe.check("attn", lo, bwd, dqkv, &[b, t, 3 * c]);
+            // qkv = ln1 @ W^T + b
+            let dln1 = &mut a.d1[..n];
+            dln1.fill(0.0);
+            let (dw, db) = two_mut(grads, rg(QKV_W), rg(QKV_B));
+            matmul_backward(dln1, dw, Some(db), &a.dqkv, &k.ln1, w(QKV_W), bt, c, 3 * c);
+            probe.check("attn.qkv", lo, bwd, dln1, &[b, t, c]);
+            ready(bp(l, QKV_B), grads, probe);
+            ready(bp(l, QKV_W), grads, probe);
+            // ln1, accumulating into the block input's gradient
+            let dx = &mut a.dx[..n];
+            let (dw, db) = two_mut(grads, rg(LN1_W), rg(LN1_B));
+            layernorm_backward(dx, dw, db, &a.d1, x, w(LN1_W), &k.ln1_mean, &k.ln1_rstd, bt, c);
+            probe.check("ln1", lo, bwd, dx, &[b, t, c]);
+            ready(bp(l, LN1_B), grads, probe);
+            ready(bp(l, LN1_W), grads, probe);
+        }
+
+        let (dwte, dwpe) = two_mut(grads, self.ranges[WTE].clone(), self.ranges[WPE].clone());
+        encoder_backward(dwte, dwpe, &a.dx[..n], &a.tokens[..bt], b, t, c);
+        ready(WPE, grads, probe);
+        ready(WTE, grads, probe);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calibration_model_has_about_103k_parameters_and_head_in_bucket_0() {
+        let cfg = GptConfig::default();
+        let specs = param_specs(&cfg);
+        assert_eq!(specs.iter().map(|s| s.numel).sum::<usize>(), 103_168);
+        assert_eq!(specs.last().unwrap().name, "head.weight");
+        assert_eq!(specs[2].name, "blocks.0.ln1.weight");
+        let layout = Layout::new(&specs, 1 << 20);
+        assert_eq!(layout.slots[specs.len() - 1].offset, 0);
+        assert_eq!(layout.buckets[0].params[0], specs.len() - 1);
+        let gpt = Gpt::new(&cfg, &layout);
+        assert_eq!(gpt.param_range(specs.len() - 1), 0..16 * 64);
+    }
+
+    #[test]
+    fn config_rejects_unknown_keys_and_bad_heads() {
+        let c: GptConfig = toml::from_str("channels = 32\nheads = 2").unwrap();
+        assert_eq!((c.channels, c.heads, c.vocab), (32, 2, 16));
+        assert!(toml::from_str::<GptConfig>("chanels = 32").is_err());
+        assert!(GptConfig { heads: 3, ..GptConfig::default() }.validate().is_err());
+    }
+}

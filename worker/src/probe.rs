@@ -1,0 +1,67 @@
+//! The probe interface between the model/loss and the forensics trace: forward, backward and the loss
+//! hand every op's output to a [`Probe`] right after computing it, in execution order, so a trace can
+//! name the FIRST op whose output holds a non-finite value.
+//!
+//! Invariants: a probe only observes (shared slices); it can change no number. Calls come in the order
+//! the ops run (forward layer 0 up, then the loss, then backward from the loss down to layer 0), and
+//! each call's `dims` give the row-major shape of `data`. Activation tensors have `dims[0] = B` and
+//! `dims[1] = T`, so a flat index unravels to (sample, token); parameter gradients come through
+//! [`Probe::grad`] instead. [`NoProbe`] does nothing and, being a generic parameter, compiles away.
+
+/// Which pass an op belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The forward pass (including the loss's forward).
+    Forward,
+    /// The backward pass (including the loss's backward).
+    Backward,
+}
+
+/// One exp in the loss, with its operands, so a trace can say "exp of a log-ratio of 91.3 at a masked
+/// position, sample b, token t". All slices are (B, T): every position, whether or not the exp was
+/// evaluated there (see `evaluated`).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpOp<'a> {
+    /// `"loss.ratio_exp"` (PPO ratio, `exp(logp - old)`) or `"loss.kl_exp"` (k3, `exp(ref - logp)`).
+    pub op: &'static str,
+    /// The log-ratio fed to exp (after the [-20, 20] clamp in the safe style).
+    pub input: &'a [f32],
+    /// The exp's output.
+    pub output: &'a [f32],
+    /// Response mask: 1 at response tokens, 0 at prompt or padding.
+    pub mask: &'a [f32],
+    /// Whether exp was evaluated at this position (the safe style skips masked positions; there
+    /// `input` and `output` hold 0 and 1).
+    pub evaluated: &'a [bool],
+    /// (B, T).
+    pub dims: [usize; 2],
+}
+
+/// Observer of every op's output; all methods default to doing nothing.
+pub trait Probe {
+    /// The output of `op` (of block `layer`, if any) in `phase`; `data` has shape `dims`, whose first
+    /// two entries are (B, T). In backward, `data` is the gradient the op produced for its input.
+    #[inline(always)]
+    fn check(&mut self, op: &'static str, layer: Option<usize>, phase: Phase, data: &[f32], dims: &[usize]) {
+        let _ = (op, layer, phase, data, dims);
+    }
+
+    /// The final gradient of parameter `param` (forward-order index) for this backward, as it
+    /// stands in the flat gradient buffer (accumulated over earlier micro-batches, if any).
+    #[inline(always)]
+    fn grad(&mut self, param: usize, data: &[f32]) {
+        let _ = (param, data);
+    }
+
+    /// An exp of the loss (forward only), with its input and output at every position.
+    #[inline(always)]
+    fn exp(&mut self, op: ExpOp<'_>) {
+        let _ = op;
+    }
+}
+
+/// The probe that checks nothing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoProbe;
+
+impl Probe for NoProbe {}
