@@ -157,3 +157,20 @@ fn logsoftmax_gather_gradient_sums_to_zero_and_is_one_minus_p_at_target() {
     assert!((d[2] - (1.0 - 3f32.exp() / z)).abs() < 1e-6);
     assert!(d.iter().sum::<f32>().abs() < 1e-6);
 }
+
+#[test]
+fn gelu_tanh_through_exp_stays_within_a_few_ulps_of_libm_and_keeps_limits() {
+    let mut rng = Rng::new(&[7, 5]);
+    let x: Vec<f32> =
+        (0..10_000).map(|i| if i < 20 { [-1e30, 1e30, -90.0, 90.0][i % 4] } else { 6.0 * rng.normal() }).collect();
+    let mut out = vec![0.0; x.len()];
+    gelu_forward(&mut out, &x, x.len());
+    for (&xi, &o) in x.iter().zip(&out) {
+        let u = 0.797_884_6f64 * (xi as f64 + 0.044_715 * (xi as f64).powi(3));
+        let want = 0.5 * xi as f64 * (1.0 + u.tanh());
+        assert!((o as f64 - want).abs() <= 1e-6 * (xi as f64).abs().max(1.0), "gelu({xi}) = {o}, want {want}");
+    }
+    let mut nan = [0.0f32];
+    gelu_forward(&mut nan, &[f32::NAN], 1);
+    assert!(nan[0].is_nan());
+}

@@ -150,6 +150,7 @@ fn clamp_grad(g: f32, x: f32, lo: f32, hi: f32) -> f32 {
 }
 
 /// Forward of the loss. logits: (B, T, V). Fills `cache` for [`loss_backward`].
+#[allow(clippy::needless_range_loop)] // one index runs over six parallel (B, T) arrays
 pub fn loss_forward<P: Probe + ?Sized>(
     cfg: &LossConfig,
     logits: &[f32],
@@ -321,4 +322,134 @@ pub fn rl_loss<P: Probe + ?Sized>(
     let mut dlogits = vec![0.0; logits.len()];
     loss_backward(cfg, logits, inp, v, &cache, &mut dlogits, probe);
     (stats, dlogits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probe::NoProbe;
+
+    const V: usize = 4;
+
+    /// B = 1, T = 2. Position 0 carries the planted log-ratios (`ref - logp = kl_gap`,
+    /// `logp - old = ratio_gap`) and mask `mask0`; position 1 is an ordinary response token.
+    fn run(style: LossStyle, kl_gap: f32, ratio_gap: f32, mask0: f32, adv: f32) -> (LossStats, Vec<f32>) {
+        let logits = [0.3, -0.2, 0.1, 0.0, -0.5, 0.2, 0.4, 0.1];
+        let targets = [1, 2];
+        let logp = target_logp(&logits, &targets, V);
+        let old_logp = [logp[0] - ratio_gap, logp[1] + 0.05];
+        let ref_logp = [logp[0] + kl_gap, logp[1] - 0.1];
+        let inp = LossInputs {
+            b: 1,
+            t: 2,
+            targets: &targets,
+            mask: &[mask0, 1.0],
+            adv: &[adv],
+            old_logp: &old_logp,
+            ref_logp: &ref_logp,
+        };
+        rl_loss(&LossConfig { style, clip: 0.2, kl_coef: 0.01 }, &logits, &inp, V, &mut NoProbe)
+    }
+
+    fn all_finite(x: &[f32]) -> bool {
+        x.iter().all(|v| v.is_finite())
+    }
+
+    #[test]
+    fn k3_gap_past_88_72_roll_gives_finite_loss_and_nan_gradient_safe_stays_finite() {
+        for gap in [89.0, 120.0] {
+            for mask0 in [1.0, 0.0] {
+                let (st, d) = run(LossStyle::Roll, gap, 0.0, mask0, 0.5);
+                assert!(st.loss.is_finite(), "roll gap {gap} mask {mask0}: loss {}", st.loss);
+                assert!(d[..V].iter().all(|x| x.is_nan()), "roll gap {gap} mask {mask0}: row 0 is NaN: {d:?}");
+                assert!(all_finite(&d[V..]), "the other position is untouched");
+                let (st, d) = run(LossStyle::Safe, gap, 0.0, mask0, 0.5);
+                assert!(st.loss.is_finite() && all_finite(&d), "safe gap {gap} mask {mask0}: {st:?} {d:?}");
+                let which = if mask0 == 1.0 { st.max_kl_logratio_response } else { st.max_kl_logratio_masked };
+                assert!((which - gap).abs() < 1e-3, "stats report the raw gap: {which}");
+            }
+        }
+    }
+
+    #[test]
+    fn masked_positions_contribute_nothing_in_either_style_when_benign() {
+        let (roll, droll) = run(LossStyle::Roll, 0.3, -0.2, 0.0, 0.7);
+        let (safe, dsafe) = run(LossStyle::Safe, 0.3, -0.2, 0.0, 0.7);
+        assert_eq!(roll.loss, safe.loss);
+        assert_eq!(droll, dsafe);
+        assert!(dsafe[..V].iter().all(|&x| x == 0.0));
+        assert_eq!(safe.response_tokens, 1);
+    }
+
+    #[test]
+    fn ppo_ratio_log_ratio_90_with_advantage_plus_one_roll_nan_gradient_finite_loss() {
+        let (st, d) = run(LossStyle::Roll, 0.0, 90.0, 1.0, 1.0);
+        assert!(st.loss.is_finite(), "loss {}", st.loss);
+        assert!(d[..V].iter().all(|x| x.is_nan()));
+        // Advantage 0: inf * 0 = NaN already in the loss.
+        let (st, _) = run(LossStyle::Roll, 0.0, 90.0, 1.0, 0.0);
+        assert!(st.loss.is_nan());
+        let (st, d) = run(LossStyle::Safe, 0.0, 90.0, 1.0, 1.0);
+        assert!(st.loss.is_finite() && all_finite(&d));
+        assert!((st.max_ratio_logratio_response - 90.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn loss_value_matches_the_formula_on_ordinary_values() {
+        // Position 0: lr1 = 0.1 (ratio 1.105, inside the clip), lr2 = 0.3; position 1 as in `run`.
+        let logits = [0.3, -0.2, 0.1, 0.0, -0.5, 0.2, 0.4, 0.1];
+        let logp = target_logp(&logits, &[1, 2], V);
+        let (st, _) = run(LossStyle::Safe, 0.3, 0.1, 1.0, 0.5);
+        let k3 = |x: f64| x.exp() - 1.0 - x;
+        let pg = |lr: f64, a: f64| -(lr.exp() * a).min(lr.exp().clamp(0.8, 1.2) * a);
+        let lr1_1 = (logp[1] as f64) - (logp[1] as f64 + 0.05);
+        let want = (pg(0.1, 0.5) + pg(lr1_1, 0.5)) / 2.0 + 0.01 * (k3(0.3) + k3(-0.1)) / 2.0;
+        assert!((st.loss as f64 - want).abs() < 1e-6, "{} vs {want}", st.loss);
+        let (roll, _) = run(LossStyle::Roll, 0.3, 0.1, 1.0, 0.5);
+        assert_eq!(roll.loss, st.loss, "the styles agree where nothing is masked or clamped");
+    }
+
+    #[test]
+    fn probe_sees_the_exp_operands_and_the_first_nan_is_the_kl_exp_backward() {
+        #[derive(Default)]
+        struct Rec {
+            first_bad: Option<(&'static str, Phase)>,
+            kl_input: Vec<f32>,
+        }
+        impl Probe for Rec {
+            fn check(&mut self, op: &'static str, _: Option<usize>, phase: Phase, data: &[f32], _: &[usize]) {
+                if self.first_bad.is_none() && data.iter().any(|x| !x.is_finite()) {
+                    self.first_bad = Some((op, phase));
+                }
+            }
+            fn exp(&mut self, op: ExpOp<'_>) {
+                if op.op == "loss.kl_exp" {
+                    self.kl_input = op.input.to_vec();
+                }
+            }
+        }
+        let logits = [0.3, -0.2, 0.1, 0.0, -0.5, 0.2, 0.4, 0.1];
+        let logp = target_logp(&logits, &[1, 2], V);
+        let inp = LossInputs {
+            b: 1,
+            t: 2,
+            targets: &[1, 2],
+            mask: &[0.0, 1.0],
+            adv: &[1.0],
+            old_logp: &logp,
+            ref_logp: &[logp[0] + 91.3, logp[1]],
+        };
+        let mut rec = Rec::default();
+        let (st, _) = rl_loss(&LossConfig::default(), &logits, &inp, V, &mut rec);
+        assert!(st.loss.is_finite());
+        assert!((rec.kl_input[0] - 91.3).abs() < 1e-3);
+        assert_eq!(rec.first_bad, Some(("loss.kl_exp", Phase::Backward)));
+    }
+
+    #[test]
+    fn style_parses_lowercase() {
+        let c: LossConfig = toml::from_str("style = \"safe\"\nclip = 0.1").unwrap();
+        assert_eq!((c.style, c.clip, c.kl_coef), (LossStyle::Safe, 0.1, 0.01));
+        assert!(toml::from_str::<LossConfig>("style = \"Safe\"").is_err());
+    }
 }
