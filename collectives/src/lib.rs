@@ -4,6 +4,7 @@
 //!
 //! This crate knows nothing about models: it sees named slots of f32 and ranks.
 
+pub mod bench;
 pub mod layout;
 pub mod shm;
 pub mod transport;
