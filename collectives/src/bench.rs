@@ -104,7 +104,9 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: usize = num.parse().map_err(|_| format!("size {s:?}: expected a number with an optional unit (e.g. 64MiB)"))?;
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("size {s:?}: expected a number with an optional unit (e.g. 64MiB)"))?;
     let mult: usize = match unit.trim() {
         "" | "B" => 1,
         "K" | "KiB" | "k" => 1 << 10,
@@ -113,23 +115,38 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         "kB" | "KB" => 1_000,
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
-        u => return Err(format!("size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB)")),
+        u => {
+            return Err(format!(
+                "size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB)"
+            ))
+        }
     };
-    let bytes = n.checked_mul(mult).ok_or_else(|| format!("size {s:?} is too large"))?;
+    let bytes = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} is too large"))?;
     if bytes == 0 || bytes % 4 != 0 {
-        return Err(format!("size {s:?} = {bytes} bytes: must be a positive multiple of 4 (whole floats)"));
+        return Err(format!(
+            "size {s:?} = {bytes} bytes: must be a positive multiple of 4 (whole floats)"
+        ));
     }
     Ok(bytes)
 }
 
 /// Parse a comma-separated list of sizes.
 pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
-    s.split(',').filter(|p| !p.trim().is_empty()).map(parse_size).collect()
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(parse_size)
+        .collect()
 }
 
 /// The layout of the benchmark: one parameter (and so one bucket) per size.
 fn bench_layout(sizes: &[usize]) -> Layout {
-    let specs: Vec<_> = sizes.iter().enumerate().map(|(i, &b)| ParamSpec::new(format!("size{i}"), b / 4)).collect();
+    let specs: Vec<_> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| ParamSpec::new(format!("size{i}"), b / 4))
+        .collect();
     Layout::new(&specs, 0)
 }
 
@@ -180,8 +197,17 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
         bus.barrier("bench-fill", at)?;
         bus.allreduce_bucket(at, bucket)?;
         let want = (n * (n + 1) / 2) as f32;
-        let wrong = bus.grads()[range.clone()].iter().filter(|&&x| x != want).count();
-        let table = bus.agree(at, LocalReport { loss: wrong as f64, values: [0.0; 7] })?;
+        let wrong = bus.grads()[range.clone()]
+            .iter()
+            .filter(|&&x| x != want)
+            .count();
+        let table = bus.agree(
+            at,
+            LocalReport {
+                loss: wrong as f64,
+                values: [0.0; 7],
+            },
+        )?;
         let wrong: u64 = table.reports.iter().map(|r| r.loss as u64).sum();
 
         // The single-process ceilings, measured by rank 0 while the others wait in a barrier.
@@ -256,14 +282,40 @@ fn plain_sum(x: &[f32]) -> f32 {
 pub fn format_table(rows: &[BenchRow]) -> String {
     let mut s = String::new();
     let np = rows.first().map_or(0, |r| r.np);
-    s.push_str(&format!("# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average)\n#\n"));
     s.push_str(&format!(
-        "# {:>12} {:>12} {:>6} {:>6} {:>11} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}\n",
-        "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong", "memcpy", "scan", "read", "novalid", "valid+"
+        "# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average)\n#\n"
     ));
     s.push_str(&format!(
         "# {:>12} {:>12} {:>6} {:>6} {:>11} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}\n",
-        "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(GB/s)", "(GB/s)", "(GB/s)", "(us)", "(%)"
+        "size",
+        "count",
+        "type",
+        "redop",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "memcpy",
+        "scan",
+        "read",
+        "novalid",
+        "valid+"
+    ));
+    s.push_str(&format!(
+        "# {:>12} {:>12} {:>6} {:>6} {:>11} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}\n",
+        "(B)",
+        "(elements)",
+        "",
+        "",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)",
+        "",
+        "(GB/s)",
+        "(GB/s)",
+        "(GB/s)",
+        "(us)",
+        "(%)"
     ));
     for r in rows {
         s.push_str(&format!(
@@ -283,15 +335,29 @@ pub fn format_table(rows: &[BenchRow]) -> String {
             r.validation_pct
         ));
     }
-    let avg = if rows.is_empty() { 0.0 } else { rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len() as f64 };
-    s.push_str(&format!("# Out of bounds values : {} {}\n", rows.iter().map(|r| r.wrong).sum::<u64>(), if rows.iter().all(|r| r.wrong == 0) { "OK" } else { "FAILED" }));
+    let avg = if rows.is_empty() {
+        0.0
+    } else {
+        rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len() as f64
+    };
+    s.push_str(&format!(
+        "# Out of bounds values : {} {}\n",
+        rows.iter().map(|r| r.wrong).sum::<u64>(),
+        if rows.iter().all(|r| r.wrong == 0) {
+            "OK"
+        } else {
+            "FAILED"
+        }
+    ));
     s.push_str(&format!("# Avg bus bandwidth    : {avg:.3} GB/s\n"));
     s
 }
 
 /// One JSON object per row and line (keys as in `BenchRow`, `type` for the element type).
 pub fn json_lines(rows: &[BenchRow]) -> String {
-    rows.iter().map(|r| serde_json::to_string(r).expect("rows serialize") + "\n").collect()
+    rows.iter()
+        .map(|r| serde_json::to_string(r).expect("rows serialize") + "\n")
+        .collect()
 }
 
 #[cfg(test)]
@@ -300,7 +366,10 @@ mod tests {
 
     #[test]
     fn sizes_parse_with_units_and_reject_partial_floats() {
-        assert_eq!(parse_sizes("1MiB,16MiB, 64M,4096,1KiB,1GiB").unwrap(), vec![1 << 20, 16 << 20, 64 << 20, 4096, 1024, 1 << 30]);
+        assert_eq!(
+            parse_sizes("1MiB,16MiB, 64M,4096,1KiB,1GiB").unwrap(),
+            vec![1 << 20, 16 << 20, 64 << 20, 4096, 1024, 1 << 30]
+        );
         assert_eq!(parse_size("1MB").unwrap(), 1_000_000);
         assert!(parse_size("6").is_err());
         assert!(parse_size("0").is_err());
@@ -333,9 +402,22 @@ mod tests {
             validation_pct: 2.04,
         };
         let t = format_table(std::slice::from_ref(&row));
-        assert!(t.contains("67108864") && t.contains("Avg bus bandwidth") && t.contains("OK"), "{t}");
-        let j: serde_json::Value = serde_json::from_str(json_lines(&[row]).lines().next().unwrap()).unwrap();
-        for k in ["size_bytes", "algbw_gbps", "busbw_gbps", "memcpy_gbps", "wrong", "type", "time_us", "validation_pct"] {
+        assert!(
+            t.contains("67108864") && t.contains("Avg bus bandwidth") && t.contains("OK"),
+            "{t}"
+        );
+        let j: serde_json::Value =
+            serde_json::from_str(json_lines(&[row]).lines().next().unwrap()).unwrap();
+        for k in [
+            "size_bytes",
+            "algbw_gbps",
+            "busbw_gbps",
+            "memcpy_gbps",
+            "wrong",
+            "type",
+            "time_us",
+            "validation_pct",
+        ] {
             assert!(j.get(k).is_some(), "{k}");
         }
     }

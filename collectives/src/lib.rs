@@ -13,7 +13,9 @@ pub mod verdict;
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use shm::{read_progress, remove_job_segments, BusConfig, ShmBus};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
-pub use verdict::{decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict};
+pub use verdict::{
+    decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict,
+};
 
 /// Errors of the collectives layer.
 #[derive(Debug, thiserror::Error)]

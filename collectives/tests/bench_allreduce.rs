@@ -21,9 +21,16 @@ const CHILD_ENV: &str = "GRADBUS_BENCH_CHILD";
 /// The child's entry: rank `GRADBUS_BENCH_CHILD` of the benchmark; rank 0 writes the results.
 #[test]
 fn bench_child() {
-    let Ok(rank) = std::env::var(CHILD_ENV) else { return };
+    let Ok(rank) = std::env::var(CHILD_ENV) else {
+        return;
+    };
     let get = |k: &str| std::env::var(k).unwrap();
-    let mut args = BenchArgs::new(rank.parse().unwrap(), get("GB_NP").parse().unwrap(), get("GB_JOB"), parse_sizes(&get("GB_SIZES")).unwrap());
+    let mut args = BenchArgs::new(
+        rank.parse().unwrap(),
+        get("GB_NP").parse().unwrap(),
+        get("GB_JOB"),
+        parse_sizes(&get("GB_SIZES")).unwrap(),
+    );
     args.iters = get("GB_ITERS").parse().unwrap();
     args.timeout = Duration::from_secs(60);
     let code = match rank_main(args) {
@@ -78,8 +85,15 @@ fn run(np: usize, sizes: &str, iters: usize) -> String {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert_eq!(remove_job_segments(Path::new("/dev/shm"), &job).unwrap(), 0, "the creator removed the segment");
-    assert!(codes.iter().all(|&c| c == Some(Some(0))), "exit codes {codes:?}");
+    assert_eq!(
+        remove_job_segments(Path::new("/dev/shm"), &job).unwrap(),
+        0,
+        "the creator removed the segment"
+    );
+    assert!(
+        codes.iter().all(|&c| c == Some(Some(0))),
+        "exit codes {codes:?}"
+    );
     std::fs::read_to_string(dir.path().join("rows.txt")).unwrap()
 }
 
@@ -87,7 +101,11 @@ fn run(np: usize, sizes: &str, iters: usize) -> String {
 fn bench_smoke() {
     for np in [2, 3] {
         let out = run(np, "4KiB,65540", 2);
-        let rows: Vec<serde_json::Value> = out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).unwrap()).collect();
+        let rows: Vec<serde_json::Value> = out
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
         assert_eq!(rows.len(), 2, "{out}");
         assert_eq!(rows[1]["count"], 65540 / 4);
         for r in &rows {
