@@ -84,8 +84,17 @@ pub fn scan_block(x: &[f32]) -> Health {
             ss[l] += ss[l + w];
         }
     }
-    let first_bad = if bad > 0 { x.iter().position(|v| !v.is_finite()).map(|i| i as u64) } else { None };
-    Health { nan, inf: bad - nan, sumsq: ss[0], first_bad }
+    let first_bad = if bad > 0 {
+        x.iter().position(|v| !v.is_finite()).map(|i| i as u64)
+    } else {
+        None
+    };
+    Health {
+        nan,
+        inf: bad - nan,
+        sumsq: ss[0],
+        first_bad,
+    }
 }
 
 /// Health of a whole slice in one pass.
