@@ -4,6 +4,7 @@
 //!
 //! This crate knows nothing about models: it sees named slots of f32 and ranks.
 
+pub mod bench;
 pub mod layout;
 pub mod shm;
 pub mod transport;
@@ -12,7 +13,9 @@ pub mod verdict;
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use shm::{read_progress, remove_job_segments, BusConfig, ShmBus};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
-pub use verdict::{decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict};
+pub use verdict::{
+    decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict,
+};
 
 /// Errors of the collectives layer.
 #[derive(Debug, thiserror::Error)]

@@ -24,7 +24,12 @@ impl Rng {
             x ^= k;
             splitmix(&mut x);
         }
-        let s = [splitmix(&mut x), splitmix(&mut x), splitmix(&mut x), splitmix(&mut x)];
+        let s = [
+            splitmix(&mut x),
+            splitmix(&mut x),
+            splitmix(&mut x),
+            splitmix(&mut x),
+        ];
         Rng { s }
     }
 

@@ -1,0 +1,424 @@
+//! The all-reduce benchmark behind `gradbus bench allreduce`: N processes on one node, one `ShmBus`,
+//! one bucket per message size, nccl-tests-like figures, plus the two ceilings the bus is judged
+//! against - a single-thread memcpy of the same bytes, and a plain read of them - and the cost of
+//! the fused validation (the same reduce with and without the per-rank health tallies).
+//!
+//! Every rank runs `rank_main` with the same arguments but its own rank; rank 0 returns the rows.
+//! Each rank fills its slot with `rank + 1`, so every reduced element must equal `n(n+1)/2`
+//! exactly (`wrong` counts those that do not, over all ranks). Times are those of rank 0, each the
+//! average of `iters` back-to-back all-reduces (barrier, reduce, barrier: the time until every rank
+//! is done), the best of `ROUNDS` rounds. A benchmark, not a test: it prints numbers.
+
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use gradbus_kernels::health_scan;
+use serde::Serialize;
+
+use crate::layout::{Fnv, Layout, ParamSpec};
+use crate::shm::{BusConfig, ShmBus};
+use crate::transport::Transport;
+use crate::verdict::{LocalReport, StepId};
+use crate::Error;
+
+/// Timed rounds per size (the best round is reported).
+const ROUNDS: usize = 3;
+/// Repetitions of the single-process ceilings (memcpy, scan, read); the best is reported.
+const CEILING_REPS: usize = 5;
+
+/// What one benchmark process is told.
+#[derive(Clone, Debug)]
+pub struct BenchArgs {
+    /// This process's rank, 0..np.
+    pub rank: usize,
+    /// Number of processes.
+    pub np: usize,
+    /// Job id, the same for all processes of one benchmark (names the shm segment).
+    pub job_id: String,
+    /// Message sizes in bytes (multiples of 4).
+    pub sizes: Vec<usize>,
+    /// Timed all-reduces per round.
+    pub iters: usize,
+    /// Untimed all-reduces before timing each size.
+    pub warmup: usize,
+    /// Where the segment lives (`/dev/shm`).
+    pub shm_dir: PathBuf,
+    /// Deadline of every barrier.
+    pub timeout: Duration,
+}
+
+impl BenchArgs {
+    /// Defaults: 20 iterations, 3 warm-up, `/dev/shm`, 120 s deadline.
+    pub fn new(rank: usize, np: usize, job_id: impl Into<String>, sizes: Vec<usize>) -> BenchArgs {
+        BenchArgs {
+            rank,
+            np,
+            job_id: job_id.into(),
+            sizes,
+            iters: 20,
+            warmup: 3,
+            shm_dir: PathBuf::from("/dev/shm"),
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// One line of results (rank 0).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BenchRow {
+    /// Bytes per rank.
+    pub size_bytes: u64,
+    /// Elements per rank.
+    pub count: u64,
+    /// Element type (`float`).
+    #[serde(rename = "type")]
+    pub dtype: String,
+    /// Reduction (`sum`).
+    pub redop: String,
+    /// Processes.
+    pub np: usize,
+    /// All-reduce time with the fused validation (microseconds).
+    pub time_us: f64,
+    /// `size_bytes / time`, GB/s (1e9 bytes).
+    pub algbw_gbps: f64,
+    /// `algbw * 2(n-1)/n`, GB/s.
+    pub busbw_gbps: f64,
+    /// Elements differing from the closed-form sum, over all ranks.
+    pub wrong: u64,
+    /// Single-thread memcpy of `size_bytes`, GB/s.
+    pub memcpy_gbps: f64,
+    /// The fused health scan (NaN/Inf counts, f64 sum of squares) over `size_bytes`, GB/s.
+    pub scan_gbps: f64,
+    /// A plain read (vectorized f32 sum) of `size_bytes`, GB/s.
+    pub read_gbps: f64,
+    /// The same all-reduce without the health tallies (microseconds).
+    pub plain_time_us: f64,
+    /// What validation adds: `(time_us - plain_time_us) / plain_time_us`, percent.
+    pub validation_pct: f64,
+}
+
+/// Parse a size such as `1MiB`, `64M`, `4KiB`, `1GiB`, `4096` (binary units; `kB`/`MB`/`GB` are
+/// decimal). Must be a positive multiple of 4 bytes (whole floats).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("size {s:?}: expected a number with an optional unit (e.g. 64MiB)"))?;
+    let mult: usize = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" | "k" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "kB" | "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        u => {
+            return Err(format!(
+                "size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB)"
+            ))
+        }
+    };
+    let bytes = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} is too large"))?;
+    if bytes == 0 || bytes % 4 != 0 {
+        return Err(format!(
+            "size {s:?} = {bytes} bytes: must be a positive multiple of 4 (whole floats)"
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Parse a comma-separated list of sizes.
+pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(parse_size)
+        .collect()
+}
+
+/// The layout of the benchmark: one parameter (and so one bucket) per size.
+fn bench_layout(sizes: &[usize]) -> Layout {
+    let specs: Vec<_> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| ParamSpec::new(format!("size{i}"), b / 4))
+        .collect();
+    Layout::new(&specs, 0)
+}
+
+/// Run one benchmark process; rank 0 returns the rows, the others `None`. Every process must be
+/// given the same arguments except `rank`.
+pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
+    let layout = bench_layout(&args.sizes);
+    let mut h = Fnv::default();
+    h.write(b"gradbus bench allreduce");
+    h.write(&layout.hash().to_le_bytes());
+    h.write(&(args.iters as u64).to_le_bytes());
+    h.write(&(args.warmup as u64).to_le_bytes());
+    let mut cfg = BusConfig::new(args.job_id.clone(), args.rank, args.np, layout.clone());
+    cfg.shm_dir = args.shm_dir.clone();
+    cfg.timeout = args.timeout;
+    cfg.config_hash = h.0;
+    let mut bus = ShmBus::open(cfg)?;
+    let n = args.np;
+    let mut rows = Vec::new();
+    let mut at = StepId::default();
+    for (i, &size) in args.sizes.iter().enumerate() {
+        let slot = &layout.slots[i];
+        let (bucket, range) = (slot.bucket, slot.range());
+        let fill = |bus: &mut ShmBus| bus.grads()[range.clone()].fill((args.rank + 1) as f32);
+        at.step = i as u64;
+
+        fill(&mut bus);
+        for _ in 0..args.warmup {
+            bus.allreduce_bucket_with(at, bucket, true)?;
+        }
+        let mut best = [f64::INFINITY; 2];
+        for _ in 0..ROUNDS {
+            for (v, validate) in [(0, true), (1, false)] {
+                // Refill so that values stay small and finite (they grow n-fold per all-reduce).
+                fill(&mut bus);
+                bus.barrier("bench-fill", at)?;
+                let t0 = Instant::now();
+                for _ in 0..args.iters {
+                    bus.allreduce_bucket_with(at, bucket, validate)?;
+                }
+                let us = t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64;
+                best[v] = best[v].min(us);
+            }
+        }
+
+        // Correctness: one validated all-reduce of rank + 1 must give n(n+1)/2 everywhere.
+        fill(&mut bus);
+        bus.barrier("bench-fill", at)?;
+        bus.allreduce_bucket(at, bucket)?;
+        let want = (n * (n + 1) / 2) as f32;
+        let wrong = bus.grads()[range.clone()]
+            .iter()
+            .filter(|&&x| x != want)
+            .count();
+        let table = bus.agree(
+            at,
+            LocalReport {
+                loss: wrong as f64,
+                values: [0.0; 7],
+            },
+        )?;
+        let wrong: u64 = table.reports.iter().map(|r| r.loss as u64).sum();
+
+        // The single-process ceilings, measured by rank 0 while the others wait in a barrier.
+        if args.rank == 0 {
+            let (memcpy, scan, read) = ceilings(&bus.grads()[range.clone()]);
+            let time = best[0];
+            let algbw = size as f64 / (time * 1e-6) / 1e9;
+            rows.push(BenchRow {
+                size_bytes: size as u64,
+                count: (size / 4) as u64,
+                dtype: "float".into(),
+                redop: "sum".into(),
+                np: n,
+                time_us: time,
+                algbw_gbps: algbw,
+                busbw_gbps: algbw * 2.0 * (n as f64 - 1.0) / n as f64,
+                wrong,
+                memcpy_gbps: memcpy,
+                scan_gbps: scan,
+                read_gbps: read,
+                plain_time_us: best[1],
+                validation_pct: (best[0] - best[1]) / best[1] * 100.0,
+            });
+        }
+        bus.barrier("bench-size-done", at)?;
+    }
+    bus.barrier("bench-end", at)?;
+    Ok((args.rank == 0).then_some(rows))
+}
+
+/// GB/s of a single-thread memcpy, the fused health scan and a plain read of `x`'s bytes.
+fn ceilings(x: &[f32]) -> (f64, f64, f64) {
+    let bytes = std::mem::size_of_val(x) as f64;
+    let gbps = |secs: f64| bytes / secs / 1e9;
+    let best = |f: &mut dyn FnMut()| {
+        (0..CEILING_REPS)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min)
+    };
+    let src: Vec<f32> = x.to_vec();
+    let mut dst = vec![1f32; x.len()];
+    let memcpy = best(&mut || {
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+    });
+    let scan = best(&mut || {
+        black_box(health_scan(black_box(&src)));
+    });
+    let read = best(&mut || {
+        black_box(plain_sum(black_box(&src)));
+    });
+    (gbps(memcpy), gbps(scan), gbps(read))
+}
+
+/// A read of every element that vectorizes: 16 independent f32 lanes.
+fn plain_sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for l in 0..16 {
+            acc[l] += c[l];
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// The rows as an nccl-tests-like table, with the average bus bandwidth at the end.
+pub fn format_table(rows: &[BenchRow]) -> String {
+    let mut s = String::new();
+    let np = rows.first().map_or(0, |r| r.np);
+    s.push_str(&format!(
+        "# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average)\n#\n"
+    ));
+    s.push_str(&format!(
+        "# {:>12} {:>12} {:>6} {:>6} {:>11} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}\n",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "memcpy",
+        "scan",
+        "read",
+        "novalid",
+        "valid+"
+    ));
+    s.push_str(&format!(
+        "# {:>12} {:>12} {:>6} {:>6} {:>11} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}\n",
+        "(B)",
+        "(elements)",
+        "",
+        "",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)",
+        "",
+        "(GB/s)",
+        "(GB/s)",
+        "(GB/s)",
+        "(us)",
+        "(%)"
+    ));
+    for r in rows {
+        s.push_str(&format!(
+            "  {:>12} {:>12} {:>6} {:>6} {:>11.1} {:>7.2} {:>7.2} {:>7} {:>7.2} {:>7.2} {:>7.2} {:>11.1} {:>7.1}\n",
+            r.size_bytes,
+            r.count,
+            r.dtype,
+            r.redop,
+            r.time_us,
+            r.algbw_gbps,
+            r.busbw_gbps,
+            r.wrong,
+            r.memcpy_gbps,
+            r.scan_gbps,
+            r.read_gbps,
+            r.plain_time_us,
+            r.validation_pct
+        ));
+    }
+    let avg = if rows.is_empty() {
+        0.0
+    } else {
+        rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len() as f64
+    };
+    s.push_str(&format!(
+        "# Out of bounds values : {} {}\n",
+        rows.iter().map(|r| r.wrong).sum::<u64>(),
+        if rows.iter().all(|r| r.wrong == 0) {
+            "OK"
+        } else {
+            "FAILED"
+        }
+    ));
+    s.push_str(&format!("# Avg bus bandwidth    : {avg:.3} GB/s\n"));
+    s
+}
+
+/// One JSON object per row and line (keys as in `BenchRow`, `type` for the element type).
+pub fn json_lines(rows: &[BenchRow]) -> String {
+    rows.iter()
+        .map(|r| serde_json::to_string(r).expect("rows serialize") + "\n")
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units_and_reject_partial_floats() {
+        assert_eq!(
+            parse_sizes("1MiB,16MiB, 64M,4096,1KiB,1GiB").unwrap(),
+            vec![1 << 20, 16 << 20, 64 << 20, 4096, 1024, 1 << 30]
+        );
+        assert_eq!(parse_size("1MB").unwrap(), 1_000_000);
+        assert!(parse_size("6").is_err());
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("MiB").is_err());
+    }
+
+    #[test]
+    fn plain_sum_reads_everything() {
+        let x: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        assert_eq!(plain_sum(&x), 499_500.0);
+    }
+
+    #[test]
+    fn table_and_json_carry_every_figure() {
+        let row = BenchRow {
+            size_bytes: 64 << 20,
+            count: 16 << 20,
+            dtype: "float".into(),
+            redop: "sum".into(),
+            np: 2,
+            time_us: 10_000.0,
+            algbw_gbps: 6.71,
+            busbw_gbps: 6.71,
+            wrong: 0,
+            memcpy_gbps: 10.0,
+            scan_gbps: 20.0,
+            read_gbps: 25.0,
+            plain_time_us: 9_800.0,
+            validation_pct: 2.04,
+        };
+        let t = format_table(std::slice::from_ref(&row));
+        assert!(
+            t.contains("67108864") && t.contains("Avg bus bandwidth") && t.contains("OK"),
+            "{t}"
+        );
+        let j: serde_json::Value =
+            serde_json::from_str(json_lines(&[row]).lines().next().unwrap()).unwrap();
+        for k in [
+            "size_bytes",
+            "algbw_gbps",
+            "busbw_gbps",
+            "memcpy_gbps",
+            "wrong",
+            "type",
+            "time_us",
+            "validation_pct",
+        ] {
+            assert!(j.get(k).is_some(), "{k}");
+        }
+    }
+}
