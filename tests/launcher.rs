@@ -337,6 +337,16 @@ fn two_and_four_ranks_succeed_with_prefixed_output_and_rank_logs() {
 }
 
 #[test]
+fn leftover_children_of_a_worker_that_exited_are_killed() {
+    // The worker exits 0 but leaves a sleeping child in its process group (holding its stdout).
+    let job = Job::new(r#"sleep 300 & echo $! > "$D/child-$R"; exit 0"#);
+    let ran = run(job.gradbus(&["run", "--np", "2", "c.toml"]));
+    ran.assert_code(0);
+    assert_eq!(job.pids("child-").len(), 2, "{}", ran.explain());
+    job.assert_clean(&ran, 2);
+}
+
+#[test]
 fn default_run_dir_is_under_runs() {
     let job = Job::new("exit 0");
     let ran = run(job.gradbus(&["run", "c.toml"]));
