@@ -164,11 +164,14 @@ fn wait_dead(pid: i32, ran: &Ran) {
     }
 }
 
+/// One output pipe of the launcher: the bytes read so far and the thread reading them.
+type Captured = (Arc<Mutex<Vec<u8>>>, JoinHandle<()>);
+
 /// A launcher process being run, its output collected by threads.
 struct Running {
     desc: String,
     child: Child,
-    out: Vec<(Arc<Mutex<Vec<u8>>>, JoinHandle<()>)>,
+    out: Vec<Captured>,
     started: Instant,
 }
 

@@ -387,6 +387,10 @@ pub fn supervise(
     let mut pumps = 0usize;
     let mut procs: Vec<Running> = Vec::with_capacity(specs.len());
     for spec in &specs {
+        if signals::received() > 0 {
+            // Interrupted while starting: start no more; the loop below stops the rest.
+            break;
+        }
         let log = match &spec.log {
             Some(path) => match File::create(path) {
                 Ok(f) => Some(Arc::new(Mutex::new(f))),
@@ -465,6 +469,13 @@ pub fn supervise(
                 log: p.log.clone(),
             });
         }
+        // Checked before the end test, so that a signal that stopped the spawning (no process
+        // started at all) still makes the job an interrupted one.
+        let signals_now = signals::received();
+        if signals_now > 0 && interrupted_at.is_none() {
+            log::info!("signal received: stopping every process");
+            interrupted_at = Some(signals_now);
+        }
         let live: Vec<usize> = (0..procs.len())
             .filter(|&i| procs[i].exit.is_none())
             .collect();
@@ -472,11 +483,6 @@ pub fn supervise(
             break;
         }
 
-        let signals_now = signals::received();
-        if signals_now > 0 && interrupted_at.is_none() {
-            log::info!("signal received: stopping every process");
-            interrupted_at = Some(signals_now);
-        }
         let begin_teardown = match (interrupted_at, first_failure) {
             _ if term_sent.is_some() => false,
             (Some(_), _) => true,
