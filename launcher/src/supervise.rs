@@ -70,7 +70,7 @@ impl Default for Options {
     fn default() -> Options {
         Options {
             grace: Duration::from_secs(3),
-            settle: Duration::from_secs(1),
+            settle: Duration::from_secs(2),
             poll: Duration::from_millis(20),
         }
     }
