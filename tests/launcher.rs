@@ -566,3 +566,24 @@ fn real_worker_is_found_next_to_the_launcher() {
         .with_file_name("gradbus-worker")
         .is_file());
 }
+
+#[test]
+fn two_local_host_names_make_two_nodes_with_local_ranks() {
+    let job = Job::new("exit 0");
+    std::fs::write(
+        job.path().join("hosts"),
+        "localhost slots=2\n127.0.0.1 slots=2 # same machine\n",
+    )
+    .unwrap();
+    let ran = run(job.gradbus(&["run", "--hostfile", "hosts", "c.toml"]));
+    ran.assert_code(0);
+    for (r, local, node) in [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)] {
+        let line = format!("[rank {r}] rank {r} of 4 local {local}/2 node {node}\n");
+        assert!(
+            ran.stdout.contains(&line),
+            "lacks {line:?}\n{}",
+            ran.explain()
+        );
+    }
+    job.assert_clean(&ran, 4);
+}
