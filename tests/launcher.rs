@@ -1,0 +1,594 @@
+//! End-to-end tests of the `gradbus` launcher: they spawn the real binary in a fresh temp directory.
+//!
+//! The worker is a small `/bin/sh` script per test, put in place with `GRADBUS_WORKER_BIN`, so that
+//! supervision (teardown, signals, exit codes, orphans, shm cleanup) is tested without the real
+//! worker. Every script prints its environment, writes its pid (and its child's pid) to files in the
+//! temp dir and creates a fake shared-memory segment `/dev/shm/gradbus-{job}-rankK` that the launcher
+//! must remove. Waits are bounded polls on conditions; time bounds are generous (the workers that
+//! must be stopped sleep 300 s, the bounds are 60 s).
+
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const GRADBUS: &str = env!("CARGO_BIN_EXE_gradbus");
+/// Generous bound for anything that should take a second or two.
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// A temp directory with a config file and a worker script.
+struct Job {
+    dir: tempfile::TempDir,
+}
+
+impl Job {
+    /// A job whose worker runs the common prologue, then `body` (sh; `$R` is the rank, `$D` the dir).
+    fn new(body: &str) -> Job {
+        let dir = tempfile::Builder::new()
+            .prefix("gradbus-launcher-test")
+            .tempdir()
+            .unwrap();
+        let d = dir.path().canonicalize().unwrap();
+        std::fs::write(d.join("c.toml"), "# test config\n").unwrap();
+        let script = format!(
+            r#"#!/bin/sh
+D='{d}'
+R="$GRADBUS_RANK"
+echo "rank $R of $GRADBUS_WORLD_SIZE local $GRADBUS_LOCAL_RANK/$GRADBUS_LOCAL_SIZE node $GRADBUS_NODE_ID"
+echo "args: $*"
+echo "run dir: $GRADBUS_RUN_DIR"
+echo "err from rank $R" >&2
+touch "/dev/shm/gradbus-$GRADBUS_JOB_ID-rank$R"
+echo "$GRADBUS_JOB_ID" > "$D/job"
+echo $$ > "$D/pid-$R.tmp" && mv "$D/pid-$R.tmp" "$D/pid-$R"
+# Waits (bounded) until every rank has written its pid file.
+all_ready() {{
+  i=0
+  while [ $i -lt 600 ]; do
+    n=$(ls "$D" | grep -c '^pid-[0-9]*$')
+    [ "$n" -ge "$GRADBUS_WORLD_SIZE" ] && return 0
+    sleep 0.05; i=$((i+1))
+  done
+  return 1
+}}
+# Sleeps in a child (whose pid is recorded) so that group-wide teardown is tested too.
+nap() {{
+  sleep 300 &
+  echo $! > "$D/child-$R"
+  wait
+}}
+{body}
+"#,
+            d = d.display()
+        );
+        let path = d.join("worker.sh");
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Job { dir }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().canonicalize().unwrap()
+    }
+
+    /// `gradbus ARGS` in the temp dir with the script as worker.
+    fn gradbus(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(GRADBUS);
+        cmd.args(args)
+            .current_dir(self.path())
+            .env("GRADBUS_WORKER_BIN", self.path().join("worker.sh"))
+            .env_remove("RUST_LOG");
+        cmd
+    }
+
+    /// Pids of the workers (and of their sleeping children) that have written their files.
+    fn pids(&self, prefix: &str) -> Vec<i32> {
+        let mut pids = Vec::new();
+        for e in std::fs::read_dir(self.path()).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            if name
+                .strip_prefix(prefix)
+                .is_some_and(|r| r.chars().all(|c| c.is_ascii_digit()))
+            {
+                let text = std::fs::read_to_string(self.path().join(&name)).unwrap();
+                if let Ok(pid) = text.trim().parse() {
+                    pids.push(pid);
+                }
+            }
+        }
+        pids
+    }
+
+    /// Waits until `n` ranks wrote their pid files (bounded).
+    fn wait_ready(&self, n: usize, launcher: &mut Running) {
+        let deadline = Instant::now() + LIMIT;
+        while self.pids("pid-").len() < n {
+            if let Ok(Some(_)) = launcher.child.try_wait() {
+                panic!("launcher exited before the workers were ready");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "workers did not start within {LIMIT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Asserts that every recorded worker and child pid is gone and the job's segments are removed.
+    fn assert_clean(&self, ran: &Ran, ranks: usize) {
+        let workers = self.pids("pid-");
+        assert_eq!(workers.len(), ranks, "pid files missing\n{}", ran.explain());
+        for pid in workers.iter().chain(&self.pids("child-")) {
+            wait_dead(*pid, ran);
+        }
+        let job = std::fs::read_to_string(self.path().join("job")).unwrap();
+        let prefix = format!("gradbus-{}-", job.trim());
+        let left: Vec<_> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with(&prefix))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "segments left: {left:?}\n{}",
+            ran.explain()
+        );
+    }
+}
+
+/// Whether `pid` is gone (no /proc entry, or a zombie nobody reaped yet).
+fn is_dead(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => {
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next());
+            matches!(state, Some('Z' | 'X'))
+        }
+    }
+}
+
+fn wait_dead(pid: i32, ran: &Ran) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !is_dead(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "pid {pid} still alive\n{}",
+            ran.explain()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One output pipe of the launcher: the bytes read so far and the thread reading them.
+type Captured = (Arc<Mutex<Vec<u8>>>, JoinHandle<()>);
+
+/// A launcher process being run, its output collected by threads.
+struct Running {
+    desc: String,
+    child: Child,
+    out: Vec<Captured>,
+    started: Instant,
+}
+
+/// A finished launcher.
+struct Ran {
+    desc: String,
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    elapsed: Duration,
+}
+
+impl Ran {
+    fn explain(&self) -> String {
+        format!(
+            "command: {}\nexit: {:?} after {:?}\n--- stdout\n{}--- stderr\n{}---",
+            self.desc, self.code, self.elapsed, self.stdout, self.stderr
+        )
+    }
+
+    fn assert_code(&self, code: i32) {
+        assert_eq!(self.code, Some(code), "{}", self.explain());
+    }
+
+    fn assert_stderr(&self, needle: &str) {
+        assert!(
+            self.stderr.contains(needle),
+            "stderr lacks {needle:?}\n{}",
+            self.explain()
+        );
+    }
+}
+
+fn start(mut cmd: Command) -> Running {
+    let desc = format!("{cmd:?}");
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .stdin(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let mut out = Vec::new();
+    let pipes: [Box<dyn Read + Send>; 2] = [
+        Box::new(child.stdout.take().unwrap()),
+        Box::new(child.stderr.take().unwrap()),
+    ];
+    for mut pipe in pipes {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let b = buf.clone();
+        let h = std::thread::spawn(move || {
+            let mut chunk = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                b.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+        });
+        out.push((buf, h));
+    }
+    Running {
+        desc,
+        child,
+        out,
+        started: Instant::now(),
+    }
+}
+
+impl Running {
+    /// Waits (bounded) for the launcher to exit; on timeout kills it and fails with its output.
+    fn finish(mut self) -> Ran {
+        let deadline = self.started + LIMIT;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break Some(s);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let elapsed = self.started.elapsed();
+        let mut texts = Vec::new();
+        for (buf, h) in self.out {
+            let _ = h.join();
+            texts.push(String::from_utf8_lossy(&buf.lock().unwrap()).into_owned());
+        }
+        let ran = Ran {
+            desc: self.desc,
+            code: status.and_then(|s| s.code()),
+            stdout: texts.remove(0),
+            stderr: texts.remove(0),
+            elapsed,
+        };
+        assert!(
+            status.is_some(),
+            "launcher did not exit within {LIMIT:?}\n{}",
+            ran.explain()
+        );
+        ran
+    }
+}
+
+fn run(cmd: Command) -> Ran {
+    start(cmd).finish()
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) has no memory-safety preconditions; pid is our own unreaped child.
+    assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0);
+}
+
+#[test]
+fn two_and_four_ranks_succeed_with_prefixed_output_and_rank_logs() {
+    for np in [2usize, 4] {
+        let job = Job::new("exit 0");
+        let mut args = vec!["run", "--run-dir", "run", "c.toml", "--set", "a.b=1"];
+        let np_s = np.to_string();
+        if np == 2 {
+            args.extend(["--np", &np_s]);
+        } else {
+            // Four ranks from a hostfile's slots.
+            std::fs::write(job.path().join("hosts"), "# one node\nlocalhost slots=4\n").unwrap();
+            args.extend(["--hostfile", "hosts"]);
+        }
+        let ran = run(job.gradbus(&args));
+        ran.assert_code(0);
+        let d = job.path();
+        let run_dir = d.join("run");
+        for r in 0..np {
+            let hello = format!("rank {r} of {np} local {r}/{np} node 0");
+            assert!(
+                ran.stdout.contains(&format!("[rank {r}] {hello}\n")),
+                "{}",
+                ran.explain()
+            );
+            assert!(
+                ran.stderr
+                    .contains(&format!("[rank {r}] err from rank {r}\n")),
+                "{}",
+                ran.explain()
+            );
+            let log = std::fs::read_to_string(run_dir.join(format!("rank-{r}.log"))).unwrap();
+            assert!(log.lines().any(|l| l == hello), "rank-{r}.log: {log}");
+            assert!(
+                log.lines().any(|l| l == format!("err from rank {r}")),
+                "rank-{r}.log: {log}"
+            );
+            let args_line = format!(
+                "args: --run-dir {} {} --set a.b=1",
+                run_dir.display(),
+                d.join("c.toml").display()
+            );
+            assert!(
+                log.lines().any(|l| l == args_line),
+                "rank-{r}.log lacks {args_line:?}: {log}"
+            );
+            assert!(
+                !log.contains("[rank"),
+                "log lines must be unprefixed: {log}"
+            );
+        }
+        assert!(run_dir.join("launch.json").is_file());
+        job.assert_clean(&ran, np);
+    }
+}
+
+#[test]
+fn leftover_children_of_a_worker_that_exited_are_killed() {
+    // The worker exits 0 but leaves a sleeping child in its process group (holding its stdout).
+    let job = Job::new(r#"sleep 300 & echo $! > "$D/child-$R"; exit 0"#);
+    let ran = run(job.gradbus(&["run", "--np", "2", "c.toml"]));
+    ran.assert_code(0);
+    assert_eq!(job.pids("child-").len(), 2, "{}", ran.explain());
+    job.assert_clean(&ran, 2);
+}
+
+#[test]
+fn default_run_dir_is_under_runs() {
+    let job = Job::new("exit 0");
+    let ran = run(job.gradbus(&["run", "c.toml"]));
+    ran.assert_code(0);
+    let runs: Vec<_> = std::fs::read_dir(job.path().join("runs"))
+        .unwrap()
+        .collect();
+    assert_eq!(runs.len(), 1, "{}", ran.explain());
+    let dir = runs.into_iter().next().unwrap().unwrap().path();
+    assert!(dir.join("rank-0.log").is_file(), "{}", ran.explain());
+}
+
+#[test]
+fn failing_rank_stops_the_others_and_is_named_first() {
+    let job = Job::new(r#"if [ "$R" = 1 ]; then all_ready; exit 7; fi; nap"#);
+    let ran = run(job.gradbus(&["run", "--np", "3", "c.toml"]));
+    ran.assert_code(4);
+    ran.assert_stderr("root cause: rank 1 failed first: exited with code 7");
+    assert!(ran.elapsed < LIMIT, "{}", ran.explain());
+    job.assert_clean(&ran, 3);
+}
+
+#[test]
+fn rank_killed_by_a_signal_is_named_with_the_signal() {
+    let job = Job::new(r#"if [ "$R" = 0 ]; then all_ready; kill -9 $$; fi; nap"#);
+    let ran = run(job.gradbus(&["run", "--np", "2", "c.toml"]));
+    ran.assert_code(4);
+    ran.assert_stderr("rank 0 failed first: killed by SIGKILL");
+    job.assert_clean(&ran, 2);
+}
+
+#[test]
+fn all_ranks_exiting_non_finite_pass_the_code_through() {
+    let job = Job::new("all_ready; exit 3");
+    let ran = run(job.gradbus(&["run", "--np", "3", "c.toml"]));
+    ran.assert_code(3);
+    ran.assert_stderr("aborted on non-finite gradients");
+    job.assert_clean(&ran, 3);
+}
+
+#[test]
+fn first_rank_timing_out_gives_exit_5() {
+    let job = Job::new(r#"if [ "$R" = 1 ]; then all_ready; exit 5; fi; nap"#);
+    let ran = run(job.gradbus(&["run", "--np", "2", "--grace", "1", "c.toml"]));
+    ran.assert_code(5);
+    job.assert_clean(&ran, 2);
+}
+
+#[test]
+fn sigint_to_the_launcher_stops_every_worker_and_exits_130() {
+    let job = Job::new("nap");
+    let mut launcher = start(job.gradbus(&["run", "--np", "3", "c.toml"]));
+    job.wait_ready(3, &mut launcher);
+    signal(launcher.child.id(), libc::SIGINT);
+    let ran = launcher.finish();
+    ran.assert_code(130);
+    ran.assert_stderr("interrupted");
+    job.assert_clean(&ran, 3);
+}
+
+#[test]
+fn sigterm_to_the_launcher_also_exits_130() {
+    let job = Job::new("nap");
+    let mut launcher = start(job.gradbus(&["run", "--np", "2", "c.toml"]));
+    job.wait_ready(2, &mut launcher);
+    signal(launcher.child.id(), libc::SIGTERM);
+    let ran = launcher.finish();
+    ran.assert_code(130);
+    job.assert_clean(&ran, 2);
+}
+
+#[test]
+fn worker_ignoring_sigterm_is_sigkilled_after_the_grace() {
+    let job = Job::new(r#"if [ "$R" = 0 ]; then all_ready; exit 9; fi; trap '' TERM; nap"#);
+    let ran = run(job.gradbus(&["run", "--np", "2", "--grace", "1", "c.toml"]));
+    ran.assert_code(4);
+    ran.assert_stderr("rank 0 failed first: exited with code 9");
+    ran.assert_stderr("ignored SIGTERM and were SIGKILLed");
+    ran.assert_stderr("rank 1: killed by SIGKILL");
+    job.assert_clean(&ran, 2);
+}
+
+#[test]
+fn sigkill_of_the_launcher_takes_the_workers_down() {
+    // `exec` makes the worker process itself the sleeper: PR_SET_PDEATHSIG survives exec.
+    let job = Job::new("exec sleep 300");
+    let mut launcher = start(job.gradbus(&["run", "--np", "2", "c.toml"]));
+    job.wait_ready(2, &mut launcher);
+    signal(launcher.child.id(), libc::SIGKILL);
+    let ran = launcher.finish();
+    assert_eq!(ran.code, None, "{}", ran.explain());
+    for pid in job.pids("pid-") {
+        wait_dead(pid, &ran);
+    }
+    // A SIGKILLed launcher cannot sweep shared memory: remove this test's fake segments.
+    let jobid = std::fs::read_to_string(job.path().join("job")).unwrap();
+    for r in 0..2 {
+        let _ = std::fs::remove_file(format!("/dev/shm/gradbus-{}-rank{r}", jobid.trim()));
+    }
+}
+
+#[test]
+fn malformed_hostfile_is_exit_2_with_file_and_line() {
+    let job = Job::new("exit 0");
+    std::fs::write(
+        job.path().join("hosts"),
+        "# ok\nlocalhost slots=2\nnode2 slots=two\n",
+    )
+    .unwrap();
+    let ran = run(job.gradbus(&["run", "--hostfile", "hosts", "c.toml"]));
+    ran.assert_code(2);
+    ran.assert_stderr("hosts:3: ");
+    ran.assert_stderr("hint:");
+    assert!(
+        job.pids("pid-").is_empty(),
+        "no worker may start\n{}",
+        ran.explain()
+    );
+}
+
+#[test]
+fn too_many_ranks_for_the_hostfile_is_exit_2_with_an_oversubscribe_hint() {
+    let job = Job::new("exit 0");
+    std::fs::write(job.path().join("hosts"), "localhost slots=2\n").unwrap();
+    let ran = run(job.gradbus(&["run", "--hostfile", "hosts", "--np", "3", "c.toml"]));
+    ran.assert_code(2);
+    ran.assert_stderr("--oversubscribe");
+    let ran = run(job.gradbus(&[
+        "run",
+        "--hostfile",
+        "hosts",
+        "--np",
+        "3",
+        "--oversubscribe",
+        "c.toml",
+    ]));
+    ran.assert_code(0);
+}
+
+#[test]
+fn missing_config_is_exit_2_naming_it() {
+    let job = Job::new("exit 0");
+    let ran = run(job.gradbus(&["run", "--np", "2", "no-such-config.toml"]));
+    ran.assert_code(2);
+    ran.assert_stderr("no-such-config.toml");
+    assert!(
+        !job.path().join("runs").exists(),
+        "no run dir for a failed launch"
+    );
+}
+
+#[test]
+fn missing_worker_binary_is_exit_2_naming_the_path() {
+    let job = Job::new("exit 0");
+    let mut cmd = job.gradbus(&["run", "c.toml"]);
+    cmd.env("GRADBUS_WORKER_BIN", job.path().join("no-such-worker"));
+    let ran = run(cmd);
+    ran.assert_code(2);
+    ran.assert_stderr("no-such-worker");
+    ran.assert_stderr("hint:");
+}
+
+#[test]
+fn mpirun_missing_from_path_is_exit_2_with_an_install_hint() {
+    let job = Job::new("exit 0");
+    let empty = job.path().join("empty-bin");
+    std::fs::create_dir(&empty).unwrap();
+    let mut cmd = job.gradbus(&["run", "--launcher", "mpirun", "--np", "2", "c.toml"]);
+    cmd.env("PATH", &empty);
+    let ran = run(cmd);
+    ran.assert_code(2);
+    ran.assert_stderr("mpirun");
+    ran.assert_stderr("Open MPI");
+}
+
+#[test]
+fn help_and_bad_usage() {
+    let job = Job::new("exit 0");
+    let ran = run(job.gradbus(&["--help"]));
+    ran.assert_code(0);
+    assert!(
+        ran.stdout.contains("EXIT CODES") && ran.stdout.contains("130"),
+        "{}",
+        ran.explain()
+    );
+    let ran = run(job.gradbus(&["run", "--help"]));
+    ran.assert_code(0);
+    assert!(ran.stdout.contains("--hostfile"), "{}", ran.explain());
+    for args in [
+        &[][..],
+        &["frobnicate"],
+        &["run"],
+        &["run", "--np", "many", "c.toml"],
+        &["bench"],
+    ] {
+        let ran = run(job.gradbus(args));
+        ran.assert_code(2);
+        ran.assert_stderr("hint:");
+        assert!(!ran.stderr.contains("panicked"), "{}", ran.explain());
+    }
+}
+
+#[test]
+fn real_worker_is_found_next_to_the_launcher() {
+    // Without the override the launcher starts target/.../gradbus-worker; whatever that worker does
+    // with this config, the launcher must find and start it (not exit 2 for a missing binary).
+    let job = Job::new("exit 0");
+    // Not TOML: a real worker must reject it at once rather than train on defaults.
+    std::fs::write(job.path().join("bad.toml"), "this is [not toml\n").unwrap();
+    let mut cmd = job.gradbus(&["run", "bad.toml"]);
+    cmd.env_remove("GRADBUS_WORKER_BIN");
+    let ran = run(cmd);
+    assert!(
+        !ran.stderr.contains("worker binary not found"),
+        "{}",
+        ran.explain()
+    );
+    assert!(Path::new(GRADBUS)
+        .with_file_name("gradbus-worker")
+        .is_file());
+}
+
+#[test]
+fn two_local_host_names_make_two_nodes_with_local_ranks() {
+    let job = Job::new("exit 0");
+    std::fs::write(
+        job.path().join("hosts"),
+        "localhost slots=2\n127.0.0.1 slots=2 # same machine\n",
+    )
+    .unwrap();
+    let ran = run(job.gradbus(&["run", "--hostfile", "hosts", "c.toml"]));
+    ran.assert_code(0);
+    for (r, local, node) in [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)] {
+        let line = format!("[rank {r}] rank {r} of 4 local {local}/2 node {node}\n");
+        assert!(
+            ran.stdout.contains(&line),
+            "lacks {line:?}\n{}",
+            ran.explain()
+        );
+    }
+    job.assert_clean(&ran, 4);
+}
