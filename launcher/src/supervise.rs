@@ -274,8 +274,13 @@ fn has_ended(pid: u32) -> bool {
             libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
         )
     };
+    if rc != 0 {
+        // ECHILD: not (or no longer) our child to wait for; treat it as ended rather than poll
+        // forever. Any other error (EINTR) just means "ask again next round".
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD);
+    }
     // SAFETY: after a successful waitid, si_pid is initialised (0 when no child was waitable).
-    rc == 0 && unsafe { info.si_pid() } != 0
+    unsafe { info.si_pid() != 0 }
 }
 
 /// Spawns one process in its own group, with the parent-death signal set.
