@@ -1014,6 +1014,10 @@ impl Transport for ShmBus {
         &self.cfg.layout
     }
 
+    fn health_chunks(&self) -> usize {
+        self.cfg.local_size
+    }
+
     fn grads(&mut self) -> &mut [f32] {
         // SAFETY: this rank's slot holds `layout.len` f32s inside the mapping, page-aligned. Peers
         // write into it only between the two barriers of a bucket reduce, while this rank is inside

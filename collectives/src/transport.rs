@@ -40,10 +40,28 @@ pub trait Transport {
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error>;
     /// After the last bucket: exchange the local reports and return the agreed table.
     fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error>;
+    /// How many chunks a bucket's local health is tallied in (merged in chunk order); `bucket_health`
+    /// with this count gives the same bits as the table, which is what lets a replay compare exactly.
+    fn health_chunks(&self) -> usize {
+        1
+    }
     /// Publish progress for the launcher (a no-op where nobody reads it).
     fn publish(&mut self, _progress: Progress) {}
     /// Mark this rank as failed so peers stop waiting for it and fail at once (best effort).
     fn mark_failed(&mut self) {}
+}
+
+/// The health of one bucket's elements as a transport that tallies it in `chunks` reducer chunks
+/// reports it: each chunk scanned, the chunks merged in order. With `chunks == 1` this is
+/// `health_scan`; the sum of squares of other chunkings differs in its last bits (another order of
+/// f64 additions), so a bitwise comparison must use the transport's own count.
+pub fn bucket_health(x: &[f32], chunks: usize) -> Health {
+    let mut h = Health::default();
+    for r in 0..chunks {
+        let c = crate::shm::chunk_range(x.len(), chunks, r, crate::layout::ALIGN_FLOATS);
+        h.merge(&health_scan(&x[c.clone()]), c.start as u64);
+    }
+    h
 }
 
 /// A 64-byte aligned, zeroed f32 buffer on the heap.

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use gradbus_collectives::transport::bucket_health;
 use gradbus_collectives::Layout;
-use gradbus_kernels::health_scan;
 
 use crate::config::Config;
 use crate::model::{self, Gpt};
@@ -231,8 +231,9 @@ pub fn replay(path: &Path, trace: bool) -> Result<Replay, String> {
     } else {
         train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, &mut grads, &mut crate::probe::NoProbe)
     };
+    let chunks = meta["health_chunks"].as_u64().unwrap_or(1).max(1) as usize;
     let buckets: Vec<serde_json::Value> =
-        layout.buckets.iter().map(|bk| health_json(&health_scan(&grads[bk.range.clone()]))).collect();
+        layout.buckets.iter().map(|bk| health_json(&bucket_health(&grads[bk.range.clone()], chunks))).collect();
     let recorded = meta["local_health"].as_array().cloned().unwrap_or_default();
     Ok(Replay {
         dump,

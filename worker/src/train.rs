@@ -511,6 +511,7 @@ impl Trainer {
             "t": mb.t,
             "loss": table.reports[rank].loss,
             "local_health": local,
+            "health_chunks": self.bus.health_chunks(),
             "report": report,
         });
         let (inputs, targets) = (f32s(&mb.inputs), f32s(&mb.targets));
