@@ -174,3 +174,19 @@ fn gelu_tanh_through_exp_stays_within_a_few_ulps_of_libm_and_keeps_limits() {
     gelu_forward(&mut nan, &[f32::NAN], 1);
     assert!(nan[0].is_nan());
 }
+
+#[test]
+fn adamw_matches_pytorch_over_three_steps() {
+    // torch 2.15 `optim.AdamW(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+    // foreach=False)` on these parameters and gradients. Same formula in f32: a few ulps apart.
+    let mut p = vec![1.0f32, -2.0, 0.5, 0.0];
+    let grads = [[0.3f32, -0.01, 0.0, 1e-3], [-0.2, 0.05, 0.1, 1e-3], [0.1, 0.0, -0.3, -2.0]];
+    let (mut m, mut v) = (vec![0.0; 4], vec![0.0; 4]);
+    for (t, g) in grads.iter().enumerate() {
+        adamw_update(&mut p, g, &mut m, &mut v, 0.01, 0.9, 0.999, 1e-8, 0.1, t as u64 + 1);
+    }
+    let want = [0.982_794_17f32, -1.994_629, 0.495_31, -0.013_587_138];
+    for (x, w) in p.iter().zip(want) {
+        assert!((x - w).abs() <= 1e-6 * w.abs().max(1e-2), "adamw {x} vs PyTorch {w}");
+    }
+}

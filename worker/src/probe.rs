@@ -7,6 +7,14 @@
 //! each call's `dims` give the row-major shape of `data`. Activation tensors have `dims[0] = B` and
 //! `dims[1] = T`, so a flat index unravels to (sample, token); parameter gradients come through
 //! [`Probe::grad`] instead. [`NoProbe`] does nothing and, being a generic parameter, compiles away.
+//!
+//! Op names, in call order. Forward: `encoder`; per block `ln1`, `attn.qkv`, `attn`, `attn.proj`,
+//! `residual1`, `ln2`, `mlp.fc`, `mlp.gelu`, `mlp.proj`, `residual2`; `ln_f`, `head` (the logits).
+//! Loss forward: `loss.logp`, then [`Probe::exp`] for `loss.ratio_exp` and `loss.kl_exp`, then
+//! `loss.terms` (each position's masked contribution). Loss backward: `loss.ratio_exp` and
+//! `loss.kl_exp` (the gradients of the log-ratios, where `0 * inf = NaN` appears first), `loss.logp`,
+//! `loss.logits`. Model backward: the forward names in reverse, each with the gradient of the op's
+//! input, and [`Probe::grad`] for each parameter as it becomes final.
 
 /// Which pass an op belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

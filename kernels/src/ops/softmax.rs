@@ -1,5 +1,6 @@
-//! Log-softmax over the vocabulary, gathered at one target per row: `logp[i] = logits[i, target[i]]
-//! - logsumexp(logits[i, :])`. The loss only ever needs the log-probability of the token taken.
+//! Log-softmax over the vocabulary, gathered at one target per row:
+//! `logp[i] = logits[i, target[i]] - logsumexp(logits[i, :])`. The loss only ever needs the
+//! log-probability of the token taken.
 //!
 //! Invariants: forward subtracts the row max before exp (as PyTorch does), so logits of any finite
 //! size give a finite log-probability; backward is PyTorch's log_softmax backward for a gradient that
