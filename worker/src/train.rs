@@ -375,7 +375,7 @@ impl Trainer {
             o.beta2,
             o.eps,
             o.weight_decay,
-            self.adam_t as u32,
+            self.adam_t,
         );
     }
 
