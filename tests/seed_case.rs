@@ -61,6 +61,13 @@ fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes
         assert!(log.contains(&line), "rank {rank} log lacks `{line}`:\n{log}");
     }
 
+    // The early warning fired before the first non-finite gradient, from the agreed headroom.
+    let m = metrics(&a);
+    let warned = m.iter().position(|l| l["headroom"].as_f64().is_some_and(|h| h < 20.0)).expect("no warning");
+    let failed = m.iter().position(|l| l["verdict"] == "abort").expect("no abort line");
+    assert!(warned < failed, "warning at update {warned}, failure at {failed}");
+    assert!(std::fs::read_to_string(a.join("rank-0.log")).unwrap().contains("nats from exp overflow"));
+
     // Deterministic: a second run fails at the same update with the same report.
     let b = tmp.path().join("b");
     run(&b, &[]).expect_code(3);

@@ -37,6 +37,9 @@ mod purpose {
     pub const SHUFFLE: u64 = 4;
 }
 
+/// ln(f32::MAX): exp of anything larger is +inf (the same for bf16, whose exponent has 8 bits too).
+pub const EXP_OVERFLOW: f32 = 88.72284;
+
 /// Indices of `LocalReport::values`.
 mod slot {
     pub const REWARD: usize = 0;
@@ -296,6 +299,7 @@ impl Trainer {
             let mut values = [0.0; 7];
             values[slot::REWARD] = mean(&mb.reward) as f64;
             values[slot::KL] = stats.kl as f64;
+            self.warn_headroom(&stats, at);
             values[slot::MAX_LR_RESPONSE] = stats.max_logratio_response as f64;
             values[slot::MAX_LR_MASKED] = stats.max_logratio_masked as f64;
             values[slot::MIN_LOGP] = stats.min_response_logp as f64;
@@ -341,6 +345,28 @@ impl Trainer {
         let layout = self.bus.layout().clone();
         self.faults.poison(at, &layout, self.bus.grads());
         stats
+    }
+
+    /// Warn when a log-ratio fed to an exp of the loss comes within `warn.headroom` nats of
+    /// overflowing - before anything is non-finite. Each rank names its own term.
+    fn warn_headroom(&self, stats: &LossStats, at: StepId) {
+        let terms = [
+            ("ratio exp(logp - old), response", stats.max_ratio_logratio_response),
+            ("ratio exp(logp - old), masked", stats.max_ratio_logratio_masked),
+            ("k3 exp(ref - logp), response", stats.max_kl_logratio_response),
+            ("k3 exp(ref - logp), masked", stats.max_kl_logratio_masked),
+        ];
+        for (term, x) in terms {
+            let headroom = EXP_OVERFLOW - x;
+            if headroom < self.cfg.warn.headroom {
+                log::warn!(
+                    "rank {}: step {} update {}: log-ratio {x:.2} of the {term} is {headroom:.2} nats from exp overflow (88.72)",
+                    self.info.rank,
+                    at.step,
+                    at.minibatch
+                );
+            }
+        }
     }
 
     fn lr(&self) -> f32 {
@@ -405,6 +431,7 @@ impl Trainer {
             "nonfinite_ranks": bad,
             "max_logratio_response": finite_or_null(max(slot::MAX_LR_RESPONSE)),
             "max_logratio_masked": finite_or_null(max(slot::MAX_LR_MASKED)),
+            "headroom": finite_or_null(EXP_OVERFLOW as f64 - max(slot::MAX_LR_RESPONSE).max(max(slot::MAX_LR_MASKED))),
             "min_response_logp": finite_or_null(table.reports.iter().map(|r| r.values[slot::MIN_LOGP]).fold(f64::INFINITY, f64::min)),
             "lr": lr,
             "verdict": action,
