@@ -362,3 +362,136 @@ fn suspects(fp: &[(u64, u64, Option<u64>)], world: usize) -> Vec<usize> {
     out.dedup();
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::ParamSpec;
+
+    fn layout() -> Layout {
+        Layout::new(&[ParamSpec::new("w0", 40), ParamSpec::new("w1", 20), ParamSpec::new("head", 10)], 0)
+    }
+
+    /// A table for 3 ranks over `layout()`, with `bad = (rank, bucket, offset in bucket, nan?)` planted.
+    fn table(bad: &[(usize, usize, u64, bool)]) -> HealthTable {
+        let (world, buckets) = (3, 3);
+        let mut local = vec![Health { sumsq: 1.0, ..Health::default() }; world * buckets];
+        for &(r, b, off, nan) in bad {
+            let h = &mut local[b * world + r];
+            if nan {
+                h.nan += 1
+            } else {
+                h.inf += 1
+            }
+            h.first_bad = Some(h.first_bad.map_or(off, |o| o.min(off)));
+        }
+        let reduced = (0..buckets)
+            .map(|b| {
+                let mut h = Health::default();
+                for r in 0..world {
+                    h.merge(&local[b * world + r], 0);
+                }
+                h
+            })
+            .collect();
+        HealthTable { world, buckets, local, reduced, reports: vec![LocalReport { loss: 0.5, values: [0.0; 7] }; world] }
+    }
+
+    const AT: StepId = StepId { step: 7, minibatch: 2, attempt: 0 };
+
+    #[test]
+    fn finite_tables_proceed_under_every_policy() {
+        let skip = Policy::Skip { max_consecutive: 1, max_fraction: 0.5, window: 4 };
+        for p in [Policy::Abort, Policy::Rerun, skip] {
+            let v = decide(&table(&[]), &layout(), &p, &History::default(), AT);
+            assert_eq!(v, Verdict { action: Action::Proceed, report: None });
+        }
+    }
+
+    #[test]
+    fn report_names_rank_bucket_param_and_element_of_the_first_bad_value() {
+        let l = layout();
+        // Bucket #0 holds `head` (the last parameter); rank 2 is bad there at element 3, rank 1 only later.
+        let t = table(&[(2, 0, 3, true), (1, 2, 5, false)]);
+        let v = decide(&t, &l, &Policy::Abort, &History::default(), AT);
+        assert_eq!(v.action, Action::Abort);
+        let r = v.report.unwrap();
+        assert_eq!((r.step, r.minibatch, r.bucket), (7, 2, 0));
+        assert_eq!((r.param.as_str(), r.element), ("head", 3));
+        assert_eq!(r.ranks, vec![1, 2]);
+        assert_eq!((r.nan, r.inf), (1, 1));
+        assert!(r.loss_finite);
+        assert_eq!(r.per_rank[0], RankHealth { rank: 1, nan: 0, inf: 1, first_bucket: 2 });
+    }
+
+    #[test]
+    fn skip_is_bounded_by_consecutive_count_and_window_fraction() {
+        let l = layout();
+        let bad = table(&[(0, 1, 0, true)]);
+        let good = table(&[]);
+        let p = Policy::Skip { max_consecutive: 2, max_fraction: 0.5, window: 6 };
+        let mut h = History::default();
+        let mut actions = Vec::new();
+        for t in [&bad, &bad, &bad] {
+            let v = decide(t, &l, &p, &h, AT);
+            h.record(t, &v);
+            actions.push(v.action);
+        }
+        assert_eq!(actions, vec![Action::Skip, Action::Skip, Action::Abort], "third in a row exceeds max_consecutive");
+        assert_eq!(h.skipped, 2);
+
+        // Alternating bad/good: never 3 in a row, but a third skip in 6 updates exceeds 40% of them.
+        let p = Policy::Skip { max_consecutive: 2, max_fraction: 0.4, window: 6 };
+        let mut h = History::default();
+        let mut actions = Vec::new();
+        for t in [&bad, &good, &bad, &good, &bad] {
+            let v = decide(t, &l, &p, &h, AT);
+            h.record(t, &v);
+            actions.push(v.action);
+        }
+        assert_eq!(actions.last(), Some(&Action::Abort));
+        assert_eq!(actions.iter().filter(|&&a| a == Action::Skip).count(), 2);
+        assert_eq!(decide(&bad, &l, &p, &h, AT).report.unwrap().classification.as_deref(), Some("skip-budget"));
+    }
+
+    #[test]
+    fn rerun_classifies_identical_as_deterministic_and_different_as_transient() {
+        let l = layout();
+        let bad = table(&[(1, 0, 4, true)]);
+        let rerun = StepId { attempt: 1, ..AT };
+
+        let mut h = History::default();
+        let v = decide(&bad, &l, &Policy::Rerun, &h, AT);
+        assert_eq!(v.action, Action::Rerun);
+        h.record(&bad, &v);
+        let v = decide(&bad, &l, &Policy::Rerun, &h, rerun);
+        assert_eq!(v.action, Action::Abort);
+        assert_eq!(v.report.unwrap().classification.as_deref(), Some("deterministic"));
+
+        let mut h = History::default();
+        let v = decide(&bad, &l, &Policy::Rerun, &h, AT);
+        h.record(&bad, &v);
+        let good = table(&[]);
+        let v = decide(&good, &l, &Policy::Rerun, &h, rerun);
+        assert_eq!(v.action, Action::Proceed);
+        assert_eq!(v.report.as_ref().unwrap().classification.as_deref(), Some("transient"));
+        h.record(&good, &v);
+        assert_eq!(h.suspects, vec![1], "the rank that was bad once is suspect");
+
+        // A rerun that is non-finite in another place: transient, skipped.
+        let mut h = History::default();
+        let v = decide(&bad, &l, &Policy::Rerun, &h, AT);
+        h.record(&bad, &v);
+        let other = table(&[(2, 1, 0, false)]);
+        let v = decide(&other, &l, &Policy::Rerun, &h, rerun);
+        assert_eq!((v.action, v.report.unwrap().classification.as_deref()), (Action::Skip, Some("transient")));
+    }
+
+    #[test]
+    fn non_finite_loss_is_reported() {
+        let mut t = table(&[(0, 0, 0, true)]);
+        t.reports[2].loss = f64::NAN;
+        let r = decide(&t, &layout(), &Policy::Abort, &History::default(), AT).report.unwrap();
+        assert!(!r.loss_finite);
+    }
+}
