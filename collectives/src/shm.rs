@@ -211,8 +211,8 @@ pub fn chunk_range(len: usize, n: usize, r: usize, align: usize) -> std::ops::Ra
     (start * align).min(len)..(end * align).min(len)
 }
 
-/// Nanoseconds of CLOCK_MONOTONIC (shared by every process of the machine).
-fn monotonic_ns() -> u64 {
+/// Nanoseconds of CLOCK_MONOTONIC (shared by every process of the machine): the clock of heartbeats.
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -378,6 +378,42 @@ pub fn read_progress(path: &Path) -> Option<Vec<Progress>> {
     Some(cells.iter().map(read_cell_progress).collect())
 }
 
+/// What the launcher can see of one local rank without attaching.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RankStatus {
+    /// Its process id (0 until it attached).
+    pub pid: u32,
+    /// It left the bus (dropped it).
+    pub departed: bool,
+    /// It marked itself failed or gave up on an error.
+    pub failed: bool,
+    /// Barriers it has entered.
+    pub barriers: u64,
+    /// CLOCK_MONOTONIC nanoseconds of its last barrier or publish (compare with `monotonic_ns()`).
+    pub heartbeat_ns: u64,
+    /// Its last published progress.
+    pub progress: Progress,
+}
+
+/// Read every local rank's status from a segment, without attaching. `None` when the segment does
+/// not exist or is not initialised yet.
+pub fn read_status(path: &Path) -> Option<Vec<RankStatus>> {
+    let peek = Peek::open(path)?;
+    if !peek.initialised() {
+        return None;
+    }
+    let cells = peek.cells()?;
+    let status = |c: &RankCell| RankStatus {
+        pid: c.pid.load(Ordering::Acquire) as u32,
+        departed: c.state.load(Ordering::Acquire) == ST_DEPARTED,
+        failed: c.failed.load(Ordering::Acquire) != 0,
+        barriers: c.arrive.load(Ordering::Acquire),
+        heartbeat_ns: c.heartbeat_ns.load(Ordering::Relaxed),
+        progress: read_cell_progress(c),
+    };
+    Some(cells.iter().map(status).collect())
+}
+
 fn read_cell_progress(c: &RankCell) -> Progress {
     let mut p = Progress::default();
     for _ in 0..1000 {
@@ -430,17 +466,13 @@ pub struct ShmBus {
     /// Kept open: its inode tells our segment apart from a later one with the same name.
     file: File,
     creator: bool,
+    /// Whether this rank's cell is ours (claimed); Drop marks only a claimed cell departed.
+    claimed: bool,
     /// Barriers entered so far (this rank's arrival counter).
     barriers: u64,
     /// `agree` calls so far: the update number, whose parity picks the table buffer.
     update: u64,
 }
-
-// The bus is one rank's handle; the raw mapping is only touched through `&self`/`&mut self` with the
-// protocol above, so moving it to another thread is fine.
-// SAFETY: the mapping pointer is owned by this value (no aliases in this process besides the ones
-// handed out by borrowing `self`), so sending it to another thread moves the sole owner.
-unsafe impl Send for ShmBus {}
 
 impl ShmBus {
     /// The segment of a job on a node: `{shm_dir}/gradbus-{job_id}-n{node_id}`.
@@ -479,6 +511,7 @@ impl ShmBus {
             map,
             file,
             creator,
+            claimed: false,
             barriers: 0,
             update: 0,
         };
@@ -575,6 +608,7 @@ impl ShmBus {
         c.start_time.store(self_start_time(), Ordering::Relaxed);
         c.heartbeat_ns.store(monotonic_ns(), Ordering::Relaxed);
         c.state.store(ST_ATTACHED, Ordering::Release);
+        self.claimed = true;
         Ok(())
     }
 
