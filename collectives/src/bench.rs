@@ -24,6 +24,8 @@ use crate::Error;
 
 /// Timed rounds per size (the best round is reported).
 const ROUNDS: usize = 3;
+/// Barriers timed for `barrier_us`.
+const BARRIERS: usize = 2000;
 /// Repetitions of the single-process ceilings (memcpy, scan, read); the best is reported.
 const CEILING_REPS: usize = 5;
 
@@ -96,6 +98,8 @@ pub struct BenchRow {
     pub plain_time_us: f64,
     /// What validation adds: `(time_us - plain_time_us) / plain_time_us`, percent.
     pub validation_pct: f64,
+    /// One empty barrier of all ranks (microseconds, average of `BARRIERS`), measured once.
+    pub barrier_us: f64,
 }
 
 /// Parse a size such as `1MiB`, `64M`, `4KiB`, `1GiB`, `4096` (binary units; `kB`/`MB`/`GB` are
@@ -167,6 +171,12 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
     let n = args.np;
     let mut rows = Vec::new();
     let mut at = StepId::default();
+    bus.barrier("bench-start", at)?;
+    let t0 = Instant::now();
+    for _ in 0..BARRIERS {
+        bus.barrier("bench-barrier", at)?;
+    }
+    let barrier_us = t0.elapsed().as_secs_f64() * 1e6 / BARRIERS as f64;
     for (i, &size) in args.sizes.iter().enumerate() {
         let slot = &layout.slots[i];
         let (bucket, range) = (slot.bucket, slot.range());
@@ -230,6 +240,7 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
                 read_gbps: read,
                 plain_time_us: best[1],
                 validation_pct: (best[0] - best[1]) / best[1] * 100.0,
+                barrier_us,
             });
         }
         bus.barrier("bench-size-done", at)?;
@@ -350,6 +361,12 @@ pub fn format_table(rows: &[BenchRow]) -> String {
         }
     ));
     s.push_str(&format!("# Avg bus bandwidth    : {avg:.3} GB/s\n"));
+    if let Some(r) = rows.first() {
+        s.push_str(&format!(
+            "# Barrier (all ranks)  : {:.2} us\n",
+            r.barrier_us
+        ));
+    }
     s
 }
 
@@ -400,6 +417,7 @@ mod tests {
             read_gbps: 25.0,
             plain_time_us: 9_800.0,
             validation_pct: 2.04,
+            barrier_us: 3.5,
         };
         let t = format_table(std::slice::from_ref(&row));
         assert!(
