@@ -23,7 +23,10 @@
 //!   with the same `Error::Mismatch` instead of summing the wrong buckets.
 //! - A waiting rank polls the liveness of the ranks it is waiting for: failed flag, departed flag,
 //!   process gone (or a zombie). A dead peer ends the wait at once with `PeerFailed`; a live but
-//!   stalled one with `Timeout` at the deadline. No rank waits forever.
+//!   stalled one with `Timeout` at the deadline. No rank waits forever. A rank that returns any
+//!   error sets its failed flag, and every rank checks the flags after each barrier before it
+//!   touches another rank's slot, so a late peer does not reduce into the slot of a rank that gave
+//!   up (bar a flag set in the instant after that check: a failed rank's gradients are undefined).
 //! - The health table and the reports are double-buffered by update parity (the count of `agree`
 //!   calls). A rank writes the buffer of update `u + 2` only after a barrier of update `u + 1`, which
 //!   every rank reaches only after it has read update `u`. So no rank overwrites what a slow rank
