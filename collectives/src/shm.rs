@@ -143,6 +143,10 @@ struct RankCell {
     start_time: AtomicU64,
     state: AtomicU64,
     failed: AtomicU64,
+    /// The first barrier this rank will not pass, once failed.
+    failed_at: AtomicU64,
+    /// The rank this one blames for its failure (itself, or the peer that failed or stalled first).
+    blame: AtomicU64,
     /// Number of barriers this rank has entered.
     arrive: AtomicU64,
     /// CLOCK_MONOTONIC nanoseconds of the last publish or barrier.
@@ -640,11 +644,34 @@ impl ShmBus {
         let r = self
             .wait_all(k, phase, at, bucket)
             .and_then(|()| self.check_tags(k, &tag))
-            .and_then(|()| self.check_no_failed(phase, at, bucket));
-        if r.is_err() {
-            self.cell(me).failed.store(FAIL_ERROR, Ordering::SeqCst);
+            .and_then(|()| self.check_no_failed(k, phase, at, bucket));
+        if let Err(e) = &r {
+            let blame = match e {
+                Error::PeerFailed { rank, .. } => *rank,
+                Error::Timeout { missing, .. } => missing.first().copied().unwrap_or(me),
+                _ => me,
+            };
+            self.set_failed(FAIL_ERROR, k, blame);
         }
         r
+    }
+
+    /// Raise this rank's failed flag: it will not pass barrier `at_barrier`, because of `blame`.
+    fn set_failed(&self, reason: u64, at_barrier: u64, blame: usize) {
+        let c = self.cell(self.cfg.local_rank);
+        c.failed_at.store(at_barrier, Ordering::Relaxed);
+        c.blame.store(blame as u64, Ordering::Relaxed);
+        c.failed.store(reason, Ordering::SeqCst);
+    }
+
+    /// The rank to name when rank `j` has failed: the root cause it recorded, unless that is us.
+    fn culprit(&self, j: usize) -> usize {
+        let blame = self.cell(j).blame.load(Ordering::Relaxed) as usize;
+        if blame < self.geo.n && blame != self.cfg.local_rank {
+            blame
+        } else {
+            j
+        }
     }
 
     /// Wait until every rank's arrival counter is at least `k`.
@@ -684,8 +711,10 @@ impl ShmBus {
                     }
                     let pid = c.pid.load(Ordering::Acquire);
                     let state = c.state.load(Ordering::Acquire);
-                    let gone = c.failed.load(Ordering::SeqCst) != 0
-                        || state == ST_DEPARTED
+                    if c.failed.load(Ordering::SeqCst) != 0 {
+                        return Err(self.peer_failed(self.culprit(j), phase, at, bucket));
+                    }
+                    let gone = state == ST_DEPARTED
                         || (state == ST_ATTACHED
                             && !process_alive(pid, c.start_time.load(Ordering::Relaxed)));
                     if gone {
@@ -719,12 +748,24 @@ impl ShmBus {
         }
     }
 
-    /// After a barrier: a rank that gave up (its failed flag is set although it arrived) is not
-    /// waiting for the reduce we are about to run; stop instead of writing into its slot.
-    fn check_no_failed(&self, phase: &str, at: StepId, bucket: Option<usize>) -> Result<(), Error> {
+    /// After barrier `k`: a rank that gave up in it (it arrived, then failed before passing) is not
+    /// taking part in the reduce we are about to run; stop instead of writing into its slot. A rank
+    /// that failed at a LATER barrier passed this one and is no reason to stop here (the next
+    /// barrier names the real culprit).
+    fn check_no_failed(
+        &self,
+        k: u64,
+        phase: &str,
+        at: StepId,
+        bucket: Option<usize>,
+    ) -> Result<(), Error> {
         for j in 0..self.geo.n {
-            if j != self.cfg.local_rank && self.cell(j).failed.load(Ordering::SeqCst) != 0 {
-                return Err(self.peer_failed(j, phase, at, bucket));
+            let c = self.cell(j);
+            if j != self.cfg.local_rank
+                && c.failed.load(Ordering::SeqCst) != 0
+                && c.failed_at.load(Ordering::Relaxed) <= k
+            {
+                return Err(self.peer_failed(self.culprit(j), phase, at, bucket));
             }
         }
         Ok(())
@@ -1131,9 +1172,8 @@ impl Transport for ShmBus {
     }
 
     fn mark_failed(&mut self) {
-        self.cell(self.cfg.local_rank)
-            .failed
-            .store(FAIL_MARKED, Ordering::SeqCst);
+        // It passed its last barrier; it will not pass the next one.
+        self.set_failed(FAIL_MARKED, self.barriers + 1, self.cfg.local_rank);
     }
 }
 
