@@ -8,6 +8,14 @@
 //! exactly (`wrong` counts those that do not, over all ranks). Times are those of rank 0, each the
 //! average of `iters` back-to-back all-reduces (barrier, reduce, barrier: the time until every rank
 //! is done), the best of `ROUNDS` rounds. A benchmark, not a test: it prints numbers.
+//!
+//! How `gradbus bench allreduce --np N --sizes 1MiB,64MiB [--iters K] [--json]` drives it: pick a
+//! job id unique on the machine (e.g. `bench-{pid}`), parse the sizes with `parse_sizes`, start N
+//! processes (e.g. the same binary with a hidden per-rank subcommand) that each call
+//! `rank_main(BenchArgs { rank, np: N, job_id, sizes, iters: K, ..BenchArgs::new(..) })`; rank 0
+//! prints `format_table(&rows)` or `json_lines(&rows)`. A non-zero exit of any rank fails the
+//! benchmark; afterwards call `shm::remove_job_segments("/dev/shm", job_id)` in case a rank was
+//! killed. The segment holds every size at once: N x (sum of sizes) bytes of /dev/shm.
 
 use std::hint::black_box;
 use std::path::PathBuf;
