@@ -479,6 +479,8 @@ pub struct ShmBus {
     barriers: u64,
     /// `agree` calls so far: the update number, whose parity picks the table buffer.
     update: u64,
+    /// Wall time of this rank's last reduce phase (between the two barriers), for the benchmark.
+    pub(crate) last_reduce: Duration,
 }
 
 impl ShmBus {
@@ -521,6 +523,7 @@ impl ShmBus {
             claimed: false,
             barriers: 0,
             update: 0,
+            last_reduce: Duration::ZERO,
         };
         bus.claim_cell()?;
         bus.barrier("attach", StepId::default())?;
@@ -825,6 +828,7 @@ impl ShmBus {
                 std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len())
             })
             .collect();
+        let t0 = Instant::now();
         if validate {
             let mut tally = vec![Health::default(); n];
             let sum = reduce_in_place(&mut slices, &mut tally);
@@ -837,6 +841,7 @@ impl ShmBus {
         } else {
             reduce_plain(&mut slices);
         }
+        self.last_reduce = t0.elapsed();
         self.barrier_tagged("reduced", at, Some(bucket))
     }
 }
