@@ -11,7 +11,7 @@ pub mod transport;
 pub mod verdict;
 
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
-pub use shm::{read_progress, remove_job_segments, BusConfig, ShmBus};
+pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
 pub use verdict::{
     decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict,

@@ -23,7 +23,10 @@
 //!   with the same `Error::Mismatch` instead of summing the wrong buckets.
 //! - A waiting rank polls the liveness of the ranks it is waiting for: failed flag, departed flag,
 //!   process gone (or a zombie). A dead peer ends the wait at once with `PeerFailed`; a live but
-//!   stalled one with `Timeout` at the deadline. No rank waits forever.
+//!   stalled one with `Timeout` at the deadline. No rank waits forever. A rank that returns any
+//!   error sets its failed flag, and every rank checks the flags after each barrier before it
+//!   touches another rank's slot, so a late peer does not reduce into the slot of a rank that gave
+//!   up (bar a flag set in the instant after that check: a failed rank's gradients are undefined).
 //! - The health table and the reports are double-buffered by update parity (the count of `agree`
 //!   calls). A rank writes the buffer of update `u + 2` only after a barrier of update `u + 1`, which
 //!   every rank reaches only after it has read update `u`. So no rank overwrites what a slow rank
@@ -140,6 +143,10 @@ struct RankCell {
     start_time: AtomicU64,
     state: AtomicU64,
     failed: AtomicU64,
+    /// The first barrier this rank will not pass, once failed.
+    failed_at: AtomicU64,
+    /// The rank this one blames for its failure (itself, or the peer that failed or stalled first).
+    blame: AtomicU64,
     /// Number of barriers this rank has entered.
     arrive: AtomicU64,
     /// CLOCK_MONOTONIC nanoseconds of the last publish or barrier.
@@ -211,8 +218,8 @@ pub fn chunk_range(len: usize, n: usize, r: usize, align: usize) -> std::ops::Ra
     (start * align).min(len)..(end * align).min(len)
 }
 
-/// Nanoseconds of CLOCK_MONOTONIC (shared by every process of the machine).
-fn monotonic_ns() -> u64 {
+/// Nanoseconds of CLOCK_MONOTONIC (shared by every process of the machine): the clock of heartbeats.
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -378,6 +385,42 @@ pub fn read_progress(path: &Path) -> Option<Vec<Progress>> {
     Some(cells.iter().map(read_cell_progress).collect())
 }
 
+/// What the launcher can see of one local rank without attaching.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RankStatus {
+    /// Its process id (0 until it attached).
+    pub pid: u32,
+    /// It left the bus (dropped it).
+    pub departed: bool,
+    /// It marked itself failed or gave up on an error.
+    pub failed: bool,
+    /// Barriers it has entered.
+    pub barriers: u64,
+    /// CLOCK_MONOTONIC nanoseconds of its last barrier or publish (compare with `monotonic_ns()`).
+    pub heartbeat_ns: u64,
+    /// Its last published progress.
+    pub progress: Progress,
+}
+
+/// Read every local rank's status from a segment, without attaching. `None` when the segment does
+/// not exist or is not initialised yet.
+pub fn read_status(path: &Path) -> Option<Vec<RankStatus>> {
+    let peek = Peek::open(path)?;
+    if !peek.initialised() {
+        return None;
+    }
+    let cells = peek.cells()?;
+    let status = |c: &RankCell| RankStatus {
+        pid: c.pid.load(Ordering::Acquire) as u32,
+        departed: c.state.load(Ordering::Acquire) == ST_DEPARTED,
+        failed: c.failed.load(Ordering::Acquire) != 0,
+        barriers: c.arrive.load(Ordering::Acquire),
+        heartbeat_ns: c.heartbeat_ns.load(Ordering::Relaxed),
+        progress: read_cell_progress(c),
+    };
+    Some(cells.iter().map(status).collect())
+}
+
 fn read_cell_progress(c: &RankCell) -> Progress {
     let mut p = Progress::default();
     for _ in 0..1000 {
@@ -430,17 +473,15 @@ pub struct ShmBus {
     /// Kept open: its inode tells our segment apart from a later one with the same name.
     file: File,
     creator: bool,
+    /// Whether this rank's cell is ours (claimed); Drop marks only a claimed cell departed.
+    claimed: bool,
     /// Barriers entered so far (this rank's arrival counter).
     barriers: u64,
     /// `agree` calls so far: the update number, whose parity picks the table buffer.
     update: u64,
+    /// Wall time of this rank's last reduce phase (between the two barriers), for the benchmark.
+    pub(crate) last_reduce: Duration,
 }
-
-// The bus is one rank's handle; the raw mapping is only touched through `&self`/`&mut self` with the
-// protocol above, so moving it to another thread is fine.
-// SAFETY: the mapping pointer is owned by this value (no aliases in this process besides the ones
-// handed out by borrowing `self`), so sending it to another thread moves the sole owner.
-unsafe impl Send for ShmBus {}
 
 impl ShmBus {
     /// The segment of a job on a node: `{shm_dir}/gradbus-{job_id}-n{node_id}`.
@@ -479,8 +520,10 @@ impl ShmBus {
             map,
             file,
             creator,
+            claimed: false,
             barriers: 0,
             update: 0,
+            last_reduce: Duration::ZERO,
         };
         bus.claim_cell()?;
         bus.barrier("attach", StepId::default())?;
@@ -575,6 +618,7 @@ impl ShmBus {
         c.start_time.store(self_start_time(), Ordering::Relaxed);
         c.heartbeat_ns.store(monotonic_ns(), Ordering::Relaxed);
         c.state.store(ST_ATTACHED, Ordering::Release);
+        self.claimed = true;
         Ok(())
     }
 
@@ -603,11 +647,34 @@ impl ShmBus {
         let r = self
             .wait_all(k, phase, at, bucket)
             .and_then(|()| self.check_tags(k, &tag))
-            .and_then(|()| self.check_no_failed(phase, at, bucket));
-        if r.is_err() {
-            self.cell(me).failed.store(FAIL_ERROR, Ordering::SeqCst);
+            .and_then(|()| self.check_no_failed(k, phase, at, bucket));
+        if let Err(e) = &r {
+            let blame = match e {
+                Error::PeerFailed { rank, .. } => *rank,
+                Error::Timeout { missing, .. } => missing.first().copied().unwrap_or(me),
+                _ => me,
+            };
+            self.set_failed(FAIL_ERROR, k, blame);
         }
         r
+    }
+
+    /// Raise this rank's failed flag: it will not pass barrier `at_barrier`, because of `blame`.
+    fn set_failed(&self, reason: u64, at_barrier: u64, blame: usize) {
+        let c = self.cell(self.cfg.local_rank);
+        c.failed_at.store(at_barrier, Ordering::Relaxed);
+        c.blame.store(blame as u64, Ordering::Relaxed);
+        c.failed.store(reason, Ordering::SeqCst);
+    }
+
+    /// The rank to name when rank `j` has failed: the root cause it recorded, unless that is us.
+    fn culprit(&self, j: usize) -> usize {
+        let blame = self.cell(j).blame.load(Ordering::Relaxed) as usize;
+        if blame < self.geo.n && blame != self.cfg.local_rank {
+            blame
+        } else {
+            j
+        }
     }
 
     /// Wait until every rank's arrival counter is at least `k`.
@@ -647,8 +714,10 @@ impl ShmBus {
                     }
                     let pid = c.pid.load(Ordering::Acquire);
                     let state = c.state.load(Ordering::Acquire);
-                    let gone = c.failed.load(Ordering::SeqCst) != 0
-                        || state == ST_DEPARTED
+                    if c.failed.load(Ordering::SeqCst) != 0 {
+                        return Err(self.peer_failed(self.culprit(j), phase, at, bucket));
+                    }
+                    let gone = state == ST_DEPARTED
                         || (state == ST_ATTACHED
                             && !process_alive(pid, c.start_time.load(Ordering::Relaxed)));
                     if gone {
@@ -682,12 +751,24 @@ impl ShmBus {
         }
     }
 
-    /// After a barrier: a rank that gave up (its failed flag is set although it arrived) is not
-    /// waiting for the reduce we are about to run; stop instead of writing into its slot.
-    fn check_no_failed(&self, phase: &str, at: StepId, bucket: Option<usize>) -> Result<(), Error> {
+    /// After barrier `k`: a rank that gave up in it (it arrived, then failed before passing) is not
+    /// taking part in the reduce we are about to run; stop instead of writing into its slot. A rank
+    /// that failed at a LATER barrier passed this one and is no reason to stop here (the next
+    /// barrier names the real culprit).
+    fn check_no_failed(
+        &self,
+        k: u64,
+        phase: &str,
+        at: StepId,
+        bucket: Option<usize>,
+    ) -> Result<(), Error> {
         for j in 0..self.geo.n {
-            if j != self.cfg.local_rank && self.cell(j).failed.load(Ordering::SeqCst) != 0 {
-                return Err(self.peer_failed(j, phase, at, bucket));
+            let c = self.cell(j);
+            if j != self.cfg.local_rank
+                && c.failed.load(Ordering::SeqCst) != 0
+                && c.failed_at.load(Ordering::Relaxed) <= k
+            {
+                return Err(self.peer_failed(self.culprit(j), phase, at, bucket));
             }
         }
         Ok(())
@@ -747,6 +828,7 @@ impl ShmBus {
                 std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len())
             })
             .collect();
+        let t0 = Instant::now();
         if validate {
             let mut tally = vec![Health::default(); n];
             let sum = reduce_in_place(&mut slices, &mut tally);
@@ -759,6 +841,7 @@ impl ShmBus {
         } else {
             reduce_plain(&mut slices);
         }
+        self.last_reduce = t0.elapsed();
         self.barrier_tagged("reduced", at, Some(bucket))
     }
 }
@@ -1098,9 +1181,8 @@ impl Transport for ShmBus {
     }
 
     fn mark_failed(&mut self) {
-        self.cell(self.cfg.local_rank)
-            .failed
-            .store(FAIL_MARKED, Ordering::SeqCst);
+        // It passed its last barrier; it will not pass the next one.
+        self.set_failed(FAIL_MARKED, self.barriers + 1, self.cfg.local_rank);
     }
 }
 

@@ -231,6 +231,14 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
             .iter()
             .enumerate()
             .all(|(r, p)| p.grad_norm == r as f32 && p.loss == 0.25 && p.skipped == 1));
+        let st = gradbus_collectives::read_status(bus.path()).expect("segment readable");
+        assert_eq!(st.len(), e.np);
+        assert!(
+            st.iter()
+                .all(|s| s.pid != 0 && !s.failed && !s.departed && s.barriers >= 1),
+            "{st:?}"
+        );
+        assert_eq!(st[0].pid, std::process::id());
     }
     bus.barrier("end", StepId::default())
 }
@@ -647,6 +655,12 @@ fn solo_config(job: &str, dir: &Path, rank: usize, np: usize) -> BusConfig {
     c.shm_dir = dir.to_path_buf();
     c.timeout = Duration::from_millis(300);
     c
+}
+
+#[test]
+fn the_bus_can_move_between_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<ShmBus>();
 }
 
 #[test]
