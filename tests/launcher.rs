@@ -3,9 +3,10 @@
 //! The worker is a small `/bin/sh` script per test, put in place with `GRADBUS_WORKER_BIN`, so that
 //! supervision (teardown, signals, exit codes, orphans, shm cleanup) is tested without the real
 //! worker. Every script prints its environment, writes its pid (and its child's pid) to files in the
-//! temp dir and creates a fake shared-memory segment `/dev/shm/gradbus-{job}-rankK` that the launcher
-//! must remove. Waits are bounded polls on conditions; time bounds are generous (the workers that
-//! must be stopped sleep 300 s, the bounds are 60 s).
+//! temp dir and creates a fake shared-memory segment `/dev/shm/gradbus-{job}-nK` (the bus's naming
+//! rule `gradbus-{job}-n{node}`, with the rank standing in for the node) that the launcher must
+//! remove. Waits are bounded polls on conditions; time bounds are generous (the workers that must be
+//! stopped sleep 300 s, the bounds are 60 s).
 
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
@@ -41,7 +42,7 @@ echo "rank $R of $GRADBUS_WORLD_SIZE local $GRADBUS_LOCAL_RANK/$GRADBUS_LOCAL_SI
 echo "args: $*"
 echo "run dir: $GRADBUS_RUN_DIR"
 echo "err from rank $R" >&2
-touch "/dev/shm/gradbus-$GRADBUS_JOB_ID-rank$R"
+touch "/dev/shm/gradbus-$GRADBUS_JOB_ID-n$R"
 echo "$GRADBUS_JOB_ID" > "$D/job"
 echo $$ > "$D/pid-$R.tmp" && mv "$D/pid-$R.tmp" "$D/pid-$R"
 # Waits (bounded) until every rank has written its pid file.
@@ -447,7 +448,7 @@ fn sigkill_of_the_launcher_takes_the_workers_down() {
     // A SIGKILLed launcher cannot sweep shared memory: remove this test's fake segments.
     let jobid = std::fs::read_to_string(job.path().join("job")).unwrap();
     for r in 0..2 {
-        let _ = std::fs::remove_file(format!("/dev/shm/gradbus-{}-rank{r}", jobid.trim()));
+        let _ = std::fs::remove_file(format!("/dev/shm/gradbus-{}-n{r}", jobid.trim()));
     }
 }
 

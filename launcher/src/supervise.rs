@@ -351,18 +351,21 @@ fn pump(
                 }
             }
             // Console write errors (a closed pipe) must not stop the log, so they are ignored.
-            if to_stderr {
-                let mut err = std::io::stderr().lock();
-                let _ = err
-                    .write_all(prefix.as_bytes())
-                    .and_then(|_| err.write_all(&line));
-            } else {
-                let mut out = std::io::stdout().lock();
-                let _ = out
-                    .write_all(prefix.as_bytes())
-                    .and_then(|_| out.write_all(&line));
-                let _ = out.flush();
-            }
+            // The progress bar, if one is drawn, is lifted while the line is written.
+            crate::progress::with_console(|| {
+                if to_stderr {
+                    let mut err = std::io::stderr().lock();
+                    let _ = err
+                        .write_all(prefix.as_bytes())
+                        .and_then(|_| err.write_all(&line));
+                } else {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out
+                        .write_all(prefix.as_bytes())
+                        .and_then(|_| out.write_all(&line));
+                    let _ = out.flush();
+                }
+            });
         }
         let _ = done.send(());
     });
