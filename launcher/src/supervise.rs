@@ -666,11 +666,18 @@ mod tests {
         lines.sort();
         assert_eq!(lines, ["one", "three", "two"]);
 
+        // `b` fails only once `a` ignores SIGTERM (else the SIGTERM could beat the trap); bounded.
+        let ready = dir.path().join("a-ready");
+        let ready = ready.display();
         let t = Instant::now();
         let failed = supervise(
             vec![
-                sh("a", "trap '' TERM; sleep 60", None),
-                sh("b", "exit 7", None),
+                sh("a", &format!("trap '' TERM; touch '{ready}'; sleep 60"), None),
+                sh(
+                    "b",
+                    &format!("i=0; while [ ! -e '{ready}' ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; exit 7"),
+                    None,
+                ),
             ],
             &opts,
             &mut Silent,
