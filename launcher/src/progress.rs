@@ -153,9 +153,9 @@ impl ShmProgress {
             };
             bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
             let template = if total_steps.is_some() {
-                "{elapsed_precise} [{bar:30}] step {pos}/{len}  {msg}"
+                "{elapsed_precise} [{bar:20}] step {pos}/{len}  {wide_msg}"
             } else {
-                "{elapsed_precise} {spinner} step {pos}  {msg}"
+                "{elapsed_precise} {spinner} step {pos}  {wide_msg}"
             };
             if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
                 bar.set_style(style.progress_chars("=> "));

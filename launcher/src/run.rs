@@ -49,6 +49,9 @@ OPTIONS:
     -h, --help             print this help
 
 Each rank's output is shown prefixed `[rank K] ` and written whole to RUN_DIR/rank-K.log.
+Progress (slowest rank's step, steps/s, loss, grad norm, skipped updates) is read from the
+shared-memory bus: a bar on stderr when it is a terminal, else a `gradbus: progress:` line on
+stderr every 10 s. stdout carries only the ranks' own lines.
 When a rank fails, the others get SIGTERM, then SIGKILL after the grace; the rank that failed
 first is reported. Exit codes: see `gradbus --help`.
 ";
