@@ -28,11 +28,14 @@ const TEARDOWN: Duration = Duration::from_secs(10);
 /// The small, fast workload: examples/tiny.toml with 4 updates per step.
 const FAST: &[&str] = &["--set", "rl.epochs=2", "--set", "rl.minibatches=2"];
 
+/// One output pipe of the launcher: the bytes read so far and the thread reading them.
+type Captured = (Arc<Mutex<Vec<u8>>>, Option<JoinHandle<()>>);
+
 /// A `gradbus run` in progress, its stdout and stderr collected by threads.
 struct Launch {
     desc: String,
     child: Child,
-    out: [(Arc<Mutex<Vec<u8>>>, Option<JoinHandle<()>>); 2],
+    out: [Captured; 2],
     run_dir: PathBuf,
 }
 
