@@ -16,6 +16,12 @@
 //!
 //! A dead launcher's workers are dead too (they get SIGKILL as their parent-death signal), so such a
 //! segment cannot be in use by a job that this launcher started. Each removal is logged.
+//!
+//! Assumption: every launcher that shares this `/dev/shm` shares this pid namespace. A container
+//! with its own pid namespace and a bind-mounted `/dev/shm` would make its live launchers look dead
+//! here, and only the age bound would protect its segments (memory writes through a mapping do not
+//! update a tmpfs file's mtime). The rank heartbeats in the segment header would settle it; they
+//! are not readable through `gradbus_collectives` yet.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
