@@ -3,9 +3,10 @@
 //! The worker is a small `/bin/sh` script per test, put in place with `GRADBUS_WORKER_BIN`, so that
 //! supervision (teardown, signals, exit codes, orphans, shm cleanup) is tested without the real
 //! worker. Every script prints its environment, writes its pid (and its child's pid) to files in the
-//! temp dir and creates a fake shared-memory segment `/dev/shm/gradbus-{job}-rankK` that the launcher
-//! must remove. Waits are bounded polls on conditions; time bounds are generous (the workers that
-//! must be stopped sleep 300 s, the bounds are 60 s).
+//! temp dir and creates a fake shared-memory segment `/dev/shm/gradbus-{job}-nK` (the bus's naming
+//! rule `gradbus-{job}-n{node}`, with the rank standing in for the node) that the launcher must
+//! remove. Waits are bounded polls on conditions; time bounds are generous (the workers that must be
+//! stopped sleep 300 s, the bounds are 60 s).
 
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
@@ -41,7 +42,7 @@ echo "rank $R of $GRADBUS_WORLD_SIZE local $GRADBUS_LOCAL_RANK/$GRADBUS_LOCAL_SI
 echo "args: $*"
 echo "run dir: $GRADBUS_RUN_DIR"
 echo "err from rank $R" >&2
-touch "/dev/shm/gradbus-$GRADBUS_JOB_ID-rank$R"
+touch "/dev/shm/gradbus-$GRADBUS_JOB_ID-n$R"
 echo "$GRADBUS_JOB_ID" > "$D/job"
 echo $$ > "$D/pid-$R.tmp" && mv "$D/pid-$R.tmp" "$D/pid-$R"
 # Waits (bounded) until every rank has written its pid file.
@@ -447,7 +448,7 @@ fn sigkill_of_the_launcher_takes_the_workers_down() {
     // A SIGKILLed launcher cannot sweep shared memory: remove this test's fake segments.
     let jobid = std::fs::read_to_string(job.path().join("job")).unwrap();
     for r in 0..2 {
-        let _ = std::fs::remove_file(format!("/dev/shm/gradbus-{}-rank{r}", jobid.trim()));
+        let _ = std::fs::remove_file(format!("/dev/shm/gradbus-{}-n{r}", jobid.trim()));
     }
 }
 
@@ -591,4 +592,55 @@ fn two_local_host_names_make_two_nodes_with_local_ranks() {
         );
     }
     job.assert_clean(&ran, 4);
+}
+
+#[test]
+fn bench_allreduce_json_prints_only_json_lines_with_no_wrong_element() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(GRADBUS);
+    cmd.args(["bench", "allreduce", "--np", "2", "--sizes", "4KiB,1MiB", "--json", "--iters", "3"])
+        .current_dir(dir.path())
+        .env_remove("RUST_LOG");
+    let ran = run(cmd);
+    ran.assert_code(0);
+    let lines: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "stdout must be the JSON lines only\n{}", ran.explain());
+    for (line, size) in lines.iter().zip([4096u64, 1 << 20]) {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line:?}\n{}", ran.explain()));
+        for k in ["size_bytes", "algbw_gbps", "busbw_gbps", "memcpy_gbps", "wrong"] {
+            assert!(v[k].is_number(), "{k} missing in {line}");
+        }
+        assert_eq!(v["size_bytes"].as_u64(), Some(size), "{line}");
+        assert_eq!(v["wrong"].as_u64(), Some(0), "{line}");
+        assert!(v["algbw_gbps"].as_f64().unwrap() > 0.0, "{line}");
+    }
+    // The job's segment is gone, and nothing was left in the temporary run directory's place.
+    let job = ran.stderr.split("job ").nth(1).and_then(|s| s.split(':').next()).expect("job id on stderr");
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with(&format!("gradbus-{job}-")))
+        .collect();
+    assert!(left.is_empty(), "segments left: {left:?}\n{}", ran.explain());
+    assert!(!std::env::temp_dir().join(format!("gradbus-bench-{job}")).exists(), "{}", ran.explain());
+}
+
+#[test]
+fn bench_allreduce_table_ends_with_the_bus_bandwidth() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(GRADBUS);
+    cmd.args(["bench", "allreduce", "--np", "3", "--sizes", "64KiB", "--iters", "2", "--run-dir", "b"])
+        .current_dir(dir.path())
+        .env_remove("RUST_LOG");
+    let ran = run(cmd);
+    ran.assert_code(0);
+    assert!(ran.stdout.starts_with("# gradbus shm all-reduce, 3 ranks"), "{}", ran.explain());
+    assert!(ran.stdout.contains("# Out of bounds values : 0 OK"), "{}", ran.explain());
+    assert!(ran.stdout.contains("# Avg bus bandwidth"), "{}", ran.explain());
+    assert!(!ran.stdout.contains("[rank"), "rank output must not reach stdout\n{}", ran.explain());
+    // --run-dir keeps the ranks' logs and the result.
+    for f in ["rank-0.log", "rank-2.log", "result.txt"] {
+        assert!(dir.path().join("b").join(f).is_file(), "{f}\n{}", ran.explain());
+    }
 }

@@ -9,6 +9,7 @@ use std::ffi::OsString;
 
 use gradbus_worker::exit::Code;
 
+use crate::bench::{BenchCmd, RankCmd};
 use crate::run::{self, RunArgs};
 use crate::Error;
 
@@ -19,9 +20,9 @@ gradbus - data-parallel training with a validated shared-memory gradient bus
 USAGE:
     gradbus run [OPTIONS] CONFIG.toml [--set key=value ...]   start and supervise a job
     gradbus replay DUMP [--trace] [--json]
-    gradbus bench ...                                         (not implemented yet)
+    gradbus bench allreduce [--np N] [--sizes LIST] [--json]  measure the shm all-reduce
     gradbus report RUN_DIR                                    (not implemented yet)
-    gradbus --help | gradbus run --help
+    gradbus --help | gradbus run --help | gradbus bench --help
 
 EXIT CODES (gradbus_worker::exit::Code):
     0    done
@@ -45,8 +46,10 @@ pub enum Command {
     Run(RunArgs),
     /// `gradbus replay` (arguments not parsed yet).
     Replay(Vec<OsString>),
-    /// `gradbus bench` (arguments not parsed yet).
-    Bench(Vec<OsString>),
+    /// `gradbus bench allreduce`.
+    Bench(BenchCmd),
+    /// The hidden `gradbus __bench-rank`: one process of `gradbus bench` (started by it).
+    BenchRank(RankCmd),
     /// `gradbus report` (arguments not parsed yet).
     Report(Vec<OsString>),
 }
@@ -63,7 +66,8 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Command, Error>
         Some(Value(v)) => match v.to_str() {
             Some("run") => run::parse(&mut parser),
             Some("replay") => Ok(Command::Replay(rest(&mut parser))),
-            Some("bench") => Ok(Command::Bench(rest(&mut parser))),
+            Some("bench") => crate::bench::parse(&mut parser),
+            Some("__bench-rank") => crate::bench::parse_rank(&mut parser),
             Some("report") => Ok(Command::Report(rest(&mut parser))),
             Some("help") => Ok(Command::Help(HELP)),
             _ => Err(Error::usage(
@@ -89,7 +93,8 @@ pub fn execute(cmd: Command) -> Result<Code, Error> {
         }
         Command::Run(args) => run::execute(args),
         Command::Replay(args) => crate::replay::execute(args),
-        Command::Bench(_) => Err(Error::NotImplemented { command: "bench" }),
+        Command::Bench(args) => crate::bench::execute(args),
+        Command::BenchRank(args) => crate::bench::execute_rank(args),
         Command::Report(_) => Err(Error::NotImplemented { command: "report" }),
     }
 }

@@ -8,12 +8,16 @@
 //!   spawns any set of processes, prefixes and logs their output, tears the job down on the first
 //!   failure or on a signal, and maps the ends to the exit-code policy of
 //!   `gradbus_worker::exit::Code`.
-//! - [`mpirun`] builds the `mpirun` command line; [`shm`] sweeps a job's leftover shared memory;
+//! - [`bench`] is `gradbus bench allreduce`: N supervised copies of the launcher's own executable
+//!   (hidden subcommand `__bench-rank`) run the collectives' benchmark; rank 0's result is relayed.
+//! - [`mpirun`] builds the `mpirun` command line; [`shm`] sweeps a job's leftover shared memory
+//!   and the stale segments of dead launchers;
 //!   [`progress`] is the hook for a progress display; [`signals`] counts SIGINT/SIGTERM/SIGHUP.
 //!
 //! Invariant across the crate: once a worker has been started, every path out of the launcher
 //! (success, failure, signal, even SIGKILL of the launcher) leaves no worker process behind.
 
+pub mod bench;
 pub mod cli;
 mod error;
 pub mod hostfile;

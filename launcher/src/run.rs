@@ -16,6 +16,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use gradbus_collectives::ShmBus;
 use gradbus_worker::env;
 use gradbus_worker::exit::Code;
 
@@ -23,7 +24,7 @@ use crate::cli::Command;
 use crate::hostfile;
 use crate::mpirun::{self, MpirunSpec};
 use crate::plan::LaunchPlan;
-use crate::progress::{Progress, Silent};
+use crate::progress::{Progress, ShmProgress};
 use crate::shm;
 use crate::signals;
 use crate::supervise::{self, Options, Outcome, ProcSpec};
@@ -48,6 +49,9 @@ OPTIONS:
     -h, --help             print this help
 
 Each rank's output is shown prefixed `[rank K] ` and written whole to RUN_DIR/rank-K.log.
+Progress (slowest rank's step, steps/s, loss, grad norm, skipped updates) is read from the
+shared-memory bus: a bar on stderr when it is a terminal, else a `gradbus: progress:` line on
+stderr every 10 s. stdout carries only the ranks' own lines.
 When a rank fails, the others get SIGTERM, then SIGKILL after the grace; the rank that failed
 first is reported. Exit codes: see `gradbus --help`.
 ";
@@ -299,7 +303,7 @@ pub fn rank_env(plan: &LaunchPlan, rank: usize, job_id: &str, run_dir: &Path) ->
 }
 
 /// One [`ProcSpec`] per rank of `plan`, running `program args` with the rank's environment and
-/// `RUN_DIR/rank-K.log`. `gradbus bench` can call this with another program.
+/// `RUN_DIR/rank-K.log`. `gradbus bench` calls this with another program.
 pub fn local_specs(
     plan: &LaunchPlan,
     program: &Path,
@@ -318,8 +322,8 @@ pub fn local_specs(
         .collect()
 }
 
-/// Runs the specs under supervision, then removes the job's shm segments and prints the summary.
-/// The common tail of every subcommand that starts a job.
+/// Sweeps stale segments of dead launchers, runs the specs under supervision, then removes the
+/// job's shm segments and prints the summary. The common tail of every subcommand that starts a job.
 pub fn supervise_job(
     specs: Vec<ProcSpec>,
     opts: &Options,
@@ -327,12 +331,11 @@ pub fn supervise_job(
     job_id: &str,
 ) -> Result<Outcome, Error> {
     signals::install()?;
+    shm::sweep_stale_and_log();
     let result = supervise::supervise(specs, opts, progress);
     // Every process is reaped at this point (also on a spawn error), so no live rank can lose a
-    // segment. Swap for gradbus_collectives::shm::remove_job_segments when it lands.
-    for path in shm::remove_job_segments_local(Path::new(shm::SHM_DIR), job_id) {
-        log::info!("removed leftover shared-memory segment {}", path.display());
-    }
+    // segment.
+    shm::remove_job(Path::new(shm::SHM_DIR), job_id);
     let outcome = result?;
     for line in outcome.summary() {
         eprintln!("gradbus: {line}");
@@ -412,7 +415,14 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         }
     };
     let opts = Options { grace: args.grace, ..Options::default() };
-    let outcome = supervise_job(specs, &opts, &mut Silent, &job_id)?;
+    // The bar's length comes from the config when the launcher can read it (the worker reports
+    // config errors itself); segments are those of this machine's nodes.
+    let total_steps = gradbus_worker::config::Config::load(&config, &args.sets).ok().map(|(cfg, _, _)| cfg.steps);
+    let segments = (0..plan.nodes.len())
+        .map(|node| ShmBus::segment_path(Path::new(shm::SHM_DIR), &job_id, node))
+        .collect();
+    let mut progress = ShmProgress::new(segments, total_steps);
+    let outcome = supervise_job(specs, &opts, &mut progress, &job_id)?;
     Ok(outcome.code())
 }
 

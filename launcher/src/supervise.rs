@@ -10,7 +10,10 @@
 //!   module spawns from the caller's thread, which stays alive until supervision ends.)
 //! - When a process exits, its group is SIGKILLed before the process is reaped (the zombie keeps the
 //!   group id reserved), so leftovers of an exited worker cannot outlive it.
-//! - The first process to fail (non-zero exit or a signal) is the root cause. For a gradbus code that
+//! - The first process to fail (non-zero exit or a signal) is the root cause. When several are first
+//!   seen in the same polling round, their order is unknown (the peers of a killed rank notice it
+//!   within milliseconds and exit 4), so a signal death is preferred, then any code but 4, then 4
+//!   (see `cause_rank`); ties go to the lower rank. For a gradbus code that
 //!   every rank is meant to reach together (2, 3, 5), the others get a short settle window to exit on
 //!   their own; then every live group gets SIGTERM, and SIGKILL after the grace period.
 //! - SIGINT/SIGTERM/SIGHUP to the launcher (see [`crate::signals`]) do the same teardown at once; a
@@ -351,21 +354,36 @@ fn pump(
                 }
             }
             // Console write errors (a closed pipe) must not stop the log, so they are ignored.
-            if to_stderr {
-                let mut err = std::io::stderr().lock();
-                let _ = err
-                    .write_all(prefix.as_bytes())
-                    .and_then(|_| err.write_all(&line));
-            } else {
-                let mut out = std::io::stdout().lock();
-                let _ = out
-                    .write_all(prefix.as_bytes())
-                    .and_then(|_| out.write_all(&line));
-                let _ = out.flush();
-            }
+            // The progress bar, if one is drawn, is lifted while the line is written.
+            crate::progress::with_console(|| {
+                if to_stderr {
+                    let mut err = std::io::stderr().lock();
+                    let _ = err
+                        .write_all(prefix.as_bytes())
+                        .and_then(|_| err.write_all(&line));
+                } else {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out
+                        .write_all(prefix.as_bytes())
+                        .and_then(|_| out.write_all(&line));
+                    let _ = out.flush();
+                }
+            });
         }
         let _ = done.send(());
     });
+}
+
+/// How likely an ending is the root cause among failures seen in the same polling round (lower
+/// is likelier): killed by a signal (the process itself crashed or was killed), then an exit code
+/// other than 4, then 4 - the code with which a rank reports that a PEER failed, so usually a
+/// consequence of another ending in the same round.
+fn cause_rank(ending: Option<Ending>) -> u8 {
+    match ending {
+        Some(Ending::Signal(_)) => 0,
+        Some(Ending::Code(c)) if c != Code::RankFailed as i32 => 1,
+        _ => 2,
+    }
 }
 
 /// Kills and reaps everything started so far (used when a later spawn fails).
@@ -450,6 +468,9 @@ pub fn supervise(
     let mut last_tick = Instant::now();
     loop {
         let now = Instant::now();
+        // Failures first seen in this round: which of them came first is unknown (a dead rank's
+        // peers notice within milliseconds and exit too), so the likeliest cause is picked below.
+        let mut failed_now: Vec<usize> = Vec::new();
         for (i, p) in procs.iter_mut().enumerate() {
             if p.exit.is_some() || !has_ended(p.pid) {
                 continue;
@@ -462,8 +483,8 @@ pub fn supervise(
             };
             let ending = Ending::from_status(status);
             log::debug!("{} (pid {}) {ending}", p.label, p.pid);
-            if ending.failed() && first_failure.is_none() && interrupted_at.is_none() && !p.termed {
-                first_failure = Some((i, now));
+            if ending.failed() && interrupted_at.is_none() && !p.termed {
+                failed_now.push(i);
             }
             p.exit = Some(ProcExit {
                 label: p.label.clone(),
@@ -473,6 +494,12 @@ pub fn supervise(
                 stopped_by_launcher: p.termed,
                 log: p.log.clone(),
             });
+        }
+        if first_failure.is_none() {
+            let ends = |i: usize| procs[i].exit.as_ref().map(|e| e.ending);
+            if let Some(i) = failed_now.into_iter().min_by_key(|&i| (cause_rank(ends(i)), i)) {
+                first_failure = Some((i, now));
+            }
         }
         // Checked before the end test, so that a signal that stopped the spawning (no process
         // started at all) still makes the job an interrupted one.
@@ -639,11 +666,18 @@ mod tests {
         lines.sort();
         assert_eq!(lines, ["one", "three", "two"]);
 
+        // `b` fails only once `a` ignores SIGTERM (else the SIGTERM could beat the trap); bounded.
+        let ready = dir.path().join("a-ready");
+        let ready = ready.display();
         let t = Instant::now();
         let failed = supervise(
             vec![
-                sh("a", "trap '' TERM; sleep 60", None),
-                sh("b", "exit 7", None),
+                sh("a", &format!("trap '' TERM; touch '{ready}'; sleep 60"), None),
+                sh(
+                    "b",
+                    &format!("i=0; while [ ! -e '{ready}' ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; exit 7"),
+                    None,
+                ),
             ],
             &opts,
             &mut Silent,

@@ -35,7 +35,9 @@ pub enum FaultPhase {
     Backward,
     /// After the first bucket's reduce, before the next.
     BetweenBuckets,
-    /// While writing a checkpoint (after the temp file, before the rename).
+    /// While writing a checkpoint (after the temp file, before the rename). Only rank 0 writes
+    /// checkpoints, so only a fault on rank 0 fires here; `step` is the checkpoint's step (the
+    /// steps completed, as in `checkpoints/step-N`) and `minibatch` must be 0.
     Checkpoint,
 }
 
