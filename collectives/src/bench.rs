@@ -8,6 +8,12 @@
 //! exactly (`wrong` counts those that do not, over all ranks). Times are those of rank 0, each the
 //! average of `iters` back-to-back all-reduces (barrier, reduce, barrier: the time until every rank
 //! is done), the best of `ROUNDS` rounds. A benchmark, not a test: it prints numbers.
+//!
+//! With `BenchTransport::Mpi` (feature `mpi`, every process started by `mpirun`), each size is also
+//! all-reduced with Open MPI's (or MPICH's) `MPI_Allreduce` over the same processes in the same run,
+//! into the `mpi_*` columns, so the bus and MPI are compared side by side:
+//! `mpirun --allow-run-as-root --bind-to none -np 2 target/release/gradbus-worker --bench-allreduce
+//! --transport mpi --sizes 64MiB`.
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -46,6 +52,30 @@ pub struct BenchArgs {
     pub shm_dir: PathBuf,
     /// Deadline of every barrier.
     pub timeout: Duration,
+    /// What to measure besides the shm bus.
+    pub transport: BenchTransport,
+}
+
+/// What the benchmark measures besides the shared-memory bus.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BenchTransport {
+    /// The bus only.
+    #[default]
+    Shm,
+    /// The bus, and `MPI_Allreduce` of the same sizes over the same processes (feature `mpi`, the
+    /// processes started by `mpirun`).
+    Mpi,
+}
+
+impl std::str::FromStr for BenchTransport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<BenchTransport, String> {
+        match s {
+            "shm" => Ok(BenchTransport::Shm),
+            "mpi" => Ok(BenchTransport::Mpi),
+            _ => Err(format!("transport {s:?}: expected shm or mpi")),
+        }
+    }
 }
 
 impl BenchArgs {
@@ -60,6 +90,7 @@ impl BenchArgs {
             warmup: 3,
             shm_dir: PathBuf::from("/dev/shm"),
             timeout: Duration::from_secs(120),
+            transport: BenchTransport::Shm,
         }
     }
 }
@@ -84,7 +115,7 @@ pub struct BenchRow {
     pub algbw_gbps: f64,
     /// `algbw * 2(n-1)/n`, GB/s.
     pub busbw_gbps: f64,
-    /// Elements differing from the closed-form sum, over all ranks.
+    /// Elements differing from the closed-form sum, over all ranks (and both transports).
     pub wrong: u64,
     /// Single-thread memcpy of `size_bytes`, GB/s.
     pub memcpy_gbps: f64,
@@ -96,6 +127,13 @@ pub struct BenchRow {
     pub plain_time_us: f64,
     /// What validation adds: `(time_us - plain_time_us) / plain_time_us`, percent.
     pub validation_pct: f64,
+    /// `MPI_Allreduce` of the same bytes over the same processes (microseconds), with
+    /// `BenchTransport::Mpi`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mpi_time_us: Option<f64>,
+    /// `size_bytes / mpi_time`, GB/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mpi_algbw_gbps: Option<f64>,
 }
 
 /// Parse a size such as `1MiB`, `64M`, `4KiB`, `1GiB`, `4096` (binary units; `kB`/`MB`/`GB` are
@@ -163,6 +201,22 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
     cfg.shm_dir = args.shm_dir.clone();
     cfg.timeout = args.timeout;
     cfg.config_hash = h.0;
+    #[cfg(feature = "mpi")]
+    let universe = match args.transport {
+        BenchTransport::Shm => None,
+        BenchTransport::Mpi => {
+            let u = crate::mpi::universe()?;
+            crate::mpi::check_bench_world(&u, args.rank, args.np)?;
+            Some(u)
+        }
+    };
+    #[cfg(not(feature = "mpi"))]
+    if args.transport == BenchTransport::Mpi {
+        return Err(Error::Mpi {
+            what: "the MPI comparison needs MPI".into(),
+            hint: "build with `--features mpi` and start the ranks with mpirun".into(),
+        });
+    }
     let mut bus = ShmBus::open(cfg)?;
     let n = args.np;
     let mut rows = Vec::new();
@@ -208,7 +262,18 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
                 values: [0.0; 7],
             },
         )?;
-        let wrong: u64 = table.reports.iter().map(|r| r.loss as u64).sum();
+        let mut wrong: u64 = table.reports.iter().map(|r| r.loss as u64).sum();
+
+        // The same bytes through MPI_Allreduce (every rank takes part; the result is checked too).
+        #[allow(unused_mut)]
+        let mut mpi_time: Option<f64> = None;
+        #[cfg(feature = "mpi")]
+        if let Some(u) = &universe {
+            let x = vec![(args.rank + 1) as f32; size / 4];
+            let (us, bad) = crate::mpi::bench_allreduce(u, &x, want, args.warmup, args.iters, ROUNDS);
+            mpi_time = Some(us);
+            wrong += bad;
+        }
 
         // The single-process ceilings, measured by rank 0 while the others wait in a barrier.
         if args.rank == 0 {
@@ -230,6 +295,8 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
                 read_gbps: read,
                 plain_time_us: best[1],
                 validation_pct: (best[0] - best[1]) / best[1] * 100.0,
+                mpi_time_us: mpi_time,
+                mpi_algbw_gbps: mpi_time.map(|t| size as f64 / (t * 1e-6) / 1e9),
             });
         }
         bus.barrier("bench-size-done", at)?;
@@ -282,11 +349,20 @@ fn plain_sum(x: &[f32]) -> f32 {
 pub fn format_table(rows: &[BenchRow]) -> String {
     let mut s = String::new();
     let np = rows.first().map_or(0, |r| r.np);
+    // The MPI_Allreduce columns, when measured: its time, bandwidth and how many times slower than the bus.
+    let with_mpi = rows.iter().any(|r| r.mpi_time_us.is_some());
+    let extra = |a: &str, b: &str, c: &str| {
+        if with_mpi {
+            format!(" {a:>11} {b:>7} {c:>7}")
+        } else {
+            String::new()
+        }
+    };
     s.push_str(&format!(
         "# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average)\n#\n"
     ));
     s.push_str(&format!(
-        "# {:>12} {:>12} {:>6} {:>6} {:>11} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}\n",
+        "# {:>12} {:>12} {:>6} {:>6} {:>11} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}{}\n",
         "size",
         "count",
         "type",
@@ -299,10 +375,11 @@ pub fn format_table(rows: &[BenchRow]) -> String {
         "scan",
         "read",
         "novalid",
-        "valid+"
+        "valid+",
+        extra("mpi", "mpi_bw", "mpi/shm")
     ));
     s.push_str(&format!(
-        "# {:>12} {:>12} {:>6} {:>6} {:>11} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}\n",
+        "# {:>12} {:>12} {:>6} {:>6} {:>11} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}{}\n",
         "(B)",
         "(elements)",
         "",
@@ -315,11 +392,12 @@ pub fn format_table(rows: &[BenchRow]) -> String {
         "(GB/s)",
         "(GB/s)",
         "(us)",
-        "(%)"
+        "(%)",
+        extra("(us)", "(GB/s)", "(x)")
     ));
     for r in rows {
         s.push_str(&format!(
-            "  {:>12} {:>12} {:>6} {:>6} {:>11.1} {:>7.2} {:>7.2} {:>7} {:>7.2} {:>7.2} {:>7.2} {:>11.1} {:>7.1}\n",
+            "  {:>12} {:>12} {:>6} {:>6} {:>11.1} {:>7.2} {:>7.2} {:>7} {:>7.2} {:>7.2} {:>7.2} {:>11.1} {:>7.1}{}\n",
             r.size_bytes,
             r.count,
             r.dtype,
@@ -332,7 +410,16 @@ pub fn format_table(rows: &[BenchRow]) -> String {
             r.scan_gbps,
             r.read_gbps,
             r.plain_time_us,
-            r.validation_pct
+            r.validation_pct,
+            match r.mpi_time_us {
+                Some(t) => format!(
+                    " {:>11.1} {:>7.2} {:>7.2}",
+                    t,
+                    r.mpi_algbw_gbps.unwrap_or(0.0),
+                    t / r.time_us
+                ),
+                None => extra("-", "-", "-"),
+            }
         ));
     }
     let avg = if rows.is_empty() {
@@ -400,6 +487,8 @@ mod tests {
             read_gbps: 25.0,
             plain_time_us: 9_800.0,
             validation_pct: 2.04,
+            mpi_time_us: None,
+            mpi_algbw_gbps: None,
         };
         let t = format_table(std::slice::from_ref(&row));
         assert!(
@@ -407,7 +496,7 @@ mod tests {
             "{t}"
         );
         let j: serde_json::Value =
-            serde_json::from_str(json_lines(&[row]).lines().next().unwrap()).unwrap();
+            serde_json::from_str(json_lines(&[row.clone()]).lines().next().unwrap()).unwrap();
         for k in [
             "size_bytes",
             "algbw_gbps",
@@ -420,5 +509,12 @@ mod tests {
         ] {
             assert!(j.get(k).is_some(), "{k}");
         }
+        assert!(j.get("mpi_time_us").is_none(), "no MPI columns unless measured");
+        assert!(!t.contains("mpi/shm"), "{t}");
+        let mpi = BenchRow { mpi_time_us: Some(40_000.0), mpi_algbw_gbps: Some(1.68), ..row.clone() };
+        let t = format_table(std::slice::from_ref(&mpi));
+        assert!(t.contains("mpi/shm") && t.contains("40000.0") && t.contains("4.00"), "{t}");
+        let j: serde_json::Value = serde_json::from_str(json_lines(&[mpi]).trim()).unwrap();
+        assert_eq!(j["mpi_time_us"], 40_000.0);
     }
 }
