@@ -16,6 +16,11 @@
 //! prints `format_table(&rows)` or `json_lines(&rows)`. A non-zero exit of any rank fails the
 //! benchmark; afterwards call `shm::remove_job_segments("/dev/shm", job_id)` in case a rank was
 //! killed. The segment holds every size at once: N x (sum of sizes) bytes of /dev/shm.
+//! With `BenchTransport::Mpi` (feature `mpi`, every process started by `mpirun`), each size is also
+//! all-reduced with Open MPI's (or MPICH's) `MPI_Allreduce` over the same processes in the same run,
+//! into the `mpi_*` columns, so the bus and MPI are compared side by side:
+//! `mpirun --allow-run-as-root --bind-to none -np 2 target/release/gradbus-worker --bench-allreduce
+//! --transport mpi --sizes 64MiB`.
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -56,6 +61,30 @@ pub struct BenchArgs {
     pub shm_dir: PathBuf,
     /// Deadline of every barrier.
     pub timeout: Duration,
+    /// What to measure besides the shm bus.
+    pub transport: BenchTransport,
+}
+
+/// What the benchmark measures besides the shared-memory bus.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BenchTransport {
+    /// The bus only.
+    #[default]
+    Shm,
+    /// The bus, and `MPI_Allreduce` of the same sizes over the same processes (feature `mpi`, the
+    /// processes started by `mpirun`).
+    Mpi,
+}
+
+impl std::str::FromStr for BenchTransport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<BenchTransport, String> {
+        match s {
+            "shm" => Ok(BenchTransport::Shm),
+            "mpi" => Ok(BenchTransport::Mpi),
+            _ => Err(format!("transport {s:?}: expected shm or mpi")),
+        }
+    }
 }
 
 impl BenchArgs {
@@ -70,6 +99,7 @@ impl BenchArgs {
             warmup: 3,
             shm_dir: PathBuf::from("/dev/shm"),
             timeout: Duration::from_secs(120),
+            transport: BenchTransport::Shm,
         }
     }
 }
@@ -94,7 +124,7 @@ pub struct BenchRow {
     pub algbw_gbps: f64,
     /// `algbw * 2(n-1)/n`, GB/s.
     pub busbw_gbps: f64,
-    /// Elements differing from the closed-form sum, over all ranks.
+    /// Elements differing from the closed-form sum, over all ranks (and both transports).
     pub wrong: u64,
     /// Single-thread memcpy of `size_bytes`, GB/s.
     pub memcpy_gbps: f64,
@@ -112,6 +142,13 @@ pub struct BenchRow {
     pub plain_reduce_min_us: f64,
     /// One empty barrier of all ranks (microseconds, average of `BARRIERS`), measured once.
     pub barrier_us: f64,
+    /// `MPI_Allreduce` of the same bytes over the same processes (microseconds), with
+    /// `BenchTransport::Mpi`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mpi_time_us: Option<f64>,
+    /// `size_bytes / mpi_time`, GB/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mpi_algbw_gbps: Option<f64>,
 }
 
 /// Parse a size such as `1MiB`, `64M`, `4KiB`, `1GiB`, `4096` (binary units; `kB`/`MB`/`GB` are
@@ -179,6 +216,22 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
     cfg.shm_dir = args.shm_dir.clone();
     cfg.timeout = args.timeout;
     cfg.config_hash = h.0;
+    #[cfg(feature = "mpi")]
+    let universe = match args.transport {
+        BenchTransport::Shm => None,
+        BenchTransport::Mpi => {
+            let u = crate::mpi::universe()?;
+            crate::mpi::check_bench_world(&u, args.rank, args.np)?;
+            Some(u)
+        }
+    };
+    #[cfg(not(feature = "mpi"))]
+    if args.transport == BenchTransport::Mpi {
+        return Err(Error::Mpi {
+            what: "the MPI comparison needs MPI".into(),
+            hint: "build with `--features mpi` and start the ranks with mpirun".into(),
+        });
+    }
     let mut bus = ShmBus::open(cfg)?;
     let n = args.np;
     let mut rows = Vec::new();
@@ -233,7 +286,19 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
                 values: [0.0; 7],
             },
         )?;
-        let wrong: u64 = table.reports.iter().map(|r| r.loss as u64).sum();
+        #[allow(unused_mut)]
+        let mut wrong: u64 = table.reports.iter().map(|r| r.loss as u64).sum();
+
+        // The same bytes through MPI_Allreduce (every rank takes part; the result is checked too).
+        #[allow(unused_mut)]
+        let mut mpi_time: Option<f64> = None;
+        #[cfg(feature = "mpi")]
+        if let Some(u) = &universe {
+            let x = vec![(args.rank + 1) as f32; size / 4];
+            let (us, bad) = crate::mpi::bench_allreduce(u, &x, want, args.warmup, args.iters, ROUNDS);
+            mpi_time = Some(us);
+            wrong += bad;
+        }
 
         // The single-process ceilings, measured by rank 0 while the others wait in a barrier.
         if args.rank == 0 {
@@ -258,6 +323,8 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
                 reduce_min_us: phase[0],
                 plain_reduce_min_us: phase[1],
                 barrier_us,
+                mpi_time_us: mpi_time,
+                mpi_algbw_gbps: mpi_time.map(|t| size as f64 / (t * 1e-6) / 1e9),
             });
         }
         bus.barrier("bench-size-done", at)?;
@@ -339,20 +406,29 @@ pub fn format_table(rows: &[BenchRow]) -> String {
             .collect::<String>()
     };
     let np = rows.first().map_or(0, |r| r.np);
+    // The MPI_Allreduce columns, when measured: its time, bandwidth and how many times slower than the bus.
+    let with_mpi = rows.iter().any(|r| r.mpi_time_us.is_some());
+    let mpi_head = |a: &str, b: &str, c: &str| if with_mpi { format!(" {a:>11} {b:>7} {c:>7}") } else { String::new() };
     let mut s =
         format!("# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average)\n#\n");
     s += &format!(
-        "#{}\n",
-        line(HEAD.iter().map(|h| h.0.to_string()).collect())
+        "#{}{}\n",
+        line(HEAD.iter().map(|h| h.0.to_string()).collect()),
+        mpi_head("mpi", "mpi_bw", "mpi/shm")
     );
     s += &format!(
-        "#{}\n",
-        line(HEAD.iter().map(|h| h.1.to_string()).collect())
+        "#{}{}\n",
+        line(HEAD.iter().map(|h| h.1.to_string()).collect()),
+        mpi_head("(us)", "(GB/s)", "(x)")
     );
     for r in rows {
         let pct = |a: f64, b: f64| format!("{:.1}", (a - b) / b * 100.0);
+        let mpi = match r.mpi_time_us {
+            Some(t) => format!(" {:>11.1} {:>7.2} {:>7.2}", t, r.mpi_algbw_gbps.unwrap_or(0.0), t / r.time_us),
+            None => mpi_head("-", "-", "-"),
+        };
         s += &format!(
-            " {}\n",
+            " {}{mpi}\n",
             line(vec![
                 r.size_bytes.to_string(),
                 r.count.to_string(),
@@ -440,6 +516,8 @@ mod tests {
             reduce_min_us: 9_000.0,
             plain_reduce_min_us: 8_800.0,
             barrier_us: 3.5,
+            mpi_time_us: None,
+            mpi_algbw_gbps: None,
         };
         let t = format_table(std::slice::from_ref(&row));
         assert!(
@@ -447,7 +525,7 @@ mod tests {
             "{t}"
         );
         let j: serde_json::Value =
-            serde_json::from_str(json_lines(&[row]).lines().next().unwrap()).unwrap();
+            serde_json::from_str(json_lines(&[row.clone()]).lines().next().unwrap()).unwrap();
         for k in [
             "size_bytes",
             "algbw_gbps",
@@ -460,5 +538,12 @@ mod tests {
         ] {
             assert!(j.get(k).is_some(), "{k}");
         }
+        assert!(j.get("mpi_time_us").is_none(), "no MPI columns unless measured");
+        assert!(!t.contains("mpi/shm"), "{t}");
+        let mpi = BenchRow { mpi_time_us: Some(40_000.0), mpi_algbw_gbps: Some(1.68), ..row.clone() };
+        let t = format_table(std::slice::from_ref(&mpi));
+        assert!(t.contains("mpi/shm") && t.contains("40000.0") && t.contains("4.00"), "{t}");
+        let j: serde_json::Value = serde_json::from_str(json_lines(&[mpi]).trim()).unwrap();
+        assert_eq!(j["mpi_time_us"], 40_000.0);
     }
 }

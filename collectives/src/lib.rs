@@ -6,6 +6,8 @@
 
 pub mod bench;
 pub mod layout;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod shm;
 pub mod transport;
 pub mod verdict;
@@ -72,6 +74,14 @@ pub enum Error {
         /// The OS error.
         #[source]
         source: std::io::Error,
+    },
+    /// MPI could not be set up, or disagrees with the environment the ranks were launched with.
+    #[error("MPI: {what} (hint: {hint})")]
+    Mpi {
+        /// What went wrong.
+        what: String,
+        /// What to do.
+        hint: String,
     },
     /// Ranks called different collectives (a program bug): every rank stops with this error.
     #[error("rank {rank} is in {theirs} while this rank is in {mine} (hint: every rank must run the same sequence of collectives, steps and buckets)")]

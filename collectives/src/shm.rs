@@ -811,6 +811,53 @@ impl ShmBus {
         bucket: usize,
         validate: bool,
     ) -> Result<(), Error> {
+        self.reduce_bucket(at, bucket, validate, None)
+    }
+
+    /// The first half of a hierarchical all-reduce: the same validated, rank-ordered reduce as
+    /// `allreduce_bucket` (same tallies, so `agree` reports every local rank's health), but the sum
+    /// is written into `root`'s slot only; the other slots keep their local gradients. After it
+    /// returns, no peer touches `root`'s slot until the next collective, so `root` may work on its
+    /// bucket (e.g. all-reduce it between nodes) and then `broadcast_bucket` it.
+    pub fn reduce_bucket_to(&mut self, at: StepId, bucket: usize, root: usize) -> Result<(), Error> {
+        assert!(root < self.geo.n, "root {root} of {} local ranks", self.geo.n);
+        self.reduce_bucket(at, bucket, true, Some(root))
+    }
+
+    /// Copy one bucket of `root`'s slot into every local slot: barrier; rank `r` copies chunk `r`
+    /// of the bucket from `root`'s slot into the other slots; barrier. The second half of a
+    /// hierarchical all-reduce (after `reduce_bucket_to` and the exchange between nodes).
+    pub fn broadcast_bucket(&mut self, at: StepId, bucket: usize, root: usize) -> Result<(), Error> {
+        let n = self.geo.n;
+        assert!(root < n, "root {root} of {n} local ranks");
+        let me = self.cfg.local_rank;
+        let range = self.cfg.layout.buckets[bucket].range.clone();
+        let chunk = chunk_range(range.len(), n, me, ALIGN_FLOATS);
+        self.barrier_tagged("bcast", at, Some(bucket))?;
+        let lo = range.start + chunk.start;
+        // SAFETY: as in `reduce_bucket`: between these two barriers every rank is inside this call
+        // (no `grads()` borrow is alive), and elements `lo..lo + chunk.len()` of every slot are
+        // touched by this rank only (the chunks of `chunk_range` are disjoint). The source (root's
+        // slot) and the destinations are distinct slots, which do not overlap.
+        unsafe {
+            let src = std::slice::from_raw_parts(self.slot_ptr(root).add(lo), chunk.len());
+            for k in (0..n).filter(|&k| k != root) {
+                std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len())
+                    .copy_from_slice(src);
+            }
+        }
+        self.barrier_tagged("bcasted", at, Some(bucket))
+    }
+
+    /// Reduce one bucket: barrier, sum my chunk over every slot in rank order, write the sum into
+    /// every slot (`to` = None) or into slot `to` only, barrier.
+    fn reduce_bucket(
+        &mut self,
+        at: StepId,
+        bucket: usize,
+        validate: bool,
+        to: Option<usize>,
+    ) -> Result<(), Error> {
         let n = self.geo.n;
         let me = self.cfg.local_rank;
         let range = self.cfg.layout.buckets[bucket].range.clone();
@@ -831,7 +878,10 @@ impl ShmBus {
         let t0 = Instant::now();
         if validate {
             let mut tally = vec![Health::default(); n];
-            let sum = reduce_in_place(&mut slices, &mut tally);
+            let sum = match to {
+                None => reduce_in_place(&mut slices, &mut tally),
+                Some(root) => reduce_to_one(&mut slices, &mut tally, root),
+            };
             drop(slices);
             let (stamp, cells) = self.entry(self.update % 2, bucket, me);
             for (cell, h) in cells.iter().zip(tally.iter().chain([&sum])) {
@@ -844,6 +894,38 @@ impl ShmBus {
         self.last_reduce = t0.elapsed();
         self.barrier_tagged("reduced", at, Some(bucket))
     }
+}
+
+/// `reduce_in_place` that writes the sum into `slots[root]` only: the same rank-ordered sum, the same
+/// tallies, block by block (the root's block is read before it is overwritten).
+fn reduce_to_one(slots: &mut [&mut [f32]], tally: &mut [Health], root: usize) -> Health {
+    use gradbus_kernels::health::{scan_block, BLOCK};
+    assert_eq!(slots.len(), tally.len(), "one tally per slot");
+    let Some(len) = slots.first().map(|s| s.len()) else {
+        return Health::default();
+    };
+    let mut sum = Health::default();
+    let mut acc = [0f32; BLOCK];
+    let mut lo = 0;
+    while lo < len {
+        let hi = (lo + BLOCK).min(len);
+        let acc = &mut acc[..hi - lo];
+        for (k, slot) in slots.iter().enumerate() {
+            let src = &slot[lo..hi];
+            tally[k].merge(&scan_block(src), lo as u64);
+            if k == 0 {
+                acc.copy_from_slice(src);
+            } else {
+                for (a, &s) in acc.iter_mut().zip(src) {
+                    *a += s;
+                }
+            }
+        }
+        sum.merge(&scan_block(acc), lo as u64);
+        slots[root][lo..hi].copy_from_slice(acc);
+        lo = hi;
+    }
+    sum
 }
 
 fn store_health(cell: &HealthCell, h: &Health) {
@@ -1314,6 +1396,34 @@ mod tests {
         reduce_plain(&mut b.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>());
         let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a), bits(&b));
+    }
+
+    #[test]
+    fn reduce_to_one_matches_reduce_in_place_in_the_root_and_leaves_the_others() {
+        let mut rng = gradbus_kernels::rng::Rng::new(&[3, 4]);
+        let mut a: Vec<Vec<f32>> = (0..3)
+            .map(|_| (0..2500).map(|_| rng.normal()).collect())
+            .collect();
+        a[2][1700] = f32::NAN;
+        let orig = a.clone();
+        let mut b = a.clone();
+        let (mut ta, mut tb) = (vec![Health::default(); 3], vec![Health::default(); 3]);
+        let sa = reduce_in_place(
+            &mut a.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(),
+            &mut ta,
+        );
+        let sb = reduce_to_one(
+            &mut b.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(),
+            &mut tb,
+            1,
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a[1]), bits(&b[1]), "the root holds the same sum");
+        assert_eq!(bits(&b[0]), bits(&orig[0]), "other slots keep their gradients");
+        assert_eq!(bits(&b[2]), bits(&orig[2]));
+        assert_eq!(ta, tb);
+        assert_eq!(format!("{sa:?}"), format!("{sb:?}"));
+        assert_eq!(tb[2].first_bad, Some(1700));
     }
 
     #[test]

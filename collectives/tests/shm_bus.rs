@@ -31,6 +31,7 @@ fn code_of(e: &Error) -> i32 {
         Error::ShmFull { .. } => 23,
         Error::Mismatch { .. } => 24,
         Error::Io { .. } => 25,
+        Error::Mpi { .. } => 26,
     }
 }
 

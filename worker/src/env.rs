@@ -21,6 +21,10 @@ pub const JOB_ID: &str = "GRADBUS_JOB_ID";
 pub const RUN_DIR: &str = "GRADBUS_RUN_DIR";
 /// Split the ranks of one machine into this many fake nodes (testing the hierarchical path).
 pub const FAKE_NODES: &str = "GRADBUS_FAKE_NODES";
+/// Force a transport: `shm` (one node), `mpi` (flat MPI, every rank its own node) or `hier` (shm
+/// inside each node, MPI between nodes). Unset: solo for one rank, shm for one node, and with the
+/// `mpi` feature `mpi` when every node has one rank, else `hier`.
+pub const TRANSPORT: &str = "GRADBUS_TRANSPORT";
 /// A fault plan (TOML array of tables, the same syntax as `[[faults]]` in the config).
 pub const FAULTS: &str = "GRADBUS_FAULTS";
 

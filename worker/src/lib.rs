@@ -4,6 +4,7 @@
 //! The binary (`worker/src/main.rs`) is thin: it parses arguments and maps `WorkerError`s to the
 //! exit codes of [`exit::Code`].
 
+pub mod bench;
 pub mod config;
 pub mod env;
 pub mod exit;
@@ -64,7 +65,7 @@ impl WorkerError {
         match self {
             WorkerError::Config(_) | WorkerError::Usage(_) => Code::Usage,
             WorkerError::Bus(E::Timeout { .. }) => Code::Timeout,
-            WorkerError::Bus(E::ShmFull { .. } | E::BadSegment { .. }) => Code::Usage,
+            WorkerError::Bus(E::ShmFull { .. } | E::BadSegment { .. } | E::Mpi { .. }) => Code::Usage,
             WorkerError::Bus(_) | WorkerError::Io { .. } | WorkerError::Diverged(_) => Code::RankFailed,
         }
     }
@@ -83,18 +84,19 @@ pub struct WorkerArgs {
     pub resume: bool,
 }
 
-/// The transport for this rank: solo for a world of one, the shared-memory bus inside a node.
+/// The transport for this rank: solo for a world of one, the shared-memory bus inside a node, MPI
+/// between nodes (feature `mpi`); `GRADBUS_TRANSPORT` = shm | mpi | hier overrides the choice.
 fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result<Box<dyn Transport>, WorkerError> {
-    if info.world == 1 {
-        return Ok(Box::new(Solo::new(layout)));
-    }
-    if info.nodes > 1 {
-        return Err(WorkerError::Usage(format!(
-            "{} nodes need the MPI transport between nodes (hint: build with `--features mpi`)",
-            info.nodes
-        )));
-    }
-    let bus = gradbus_collectives::shm::ShmBus::open(gradbus_collectives::shm::BusConfig {
+    let forced = std::env::var(env::TRANSPORT).ok().filter(|v| !v.is_empty());
+    let kind = match forced.as_deref() {
+        None if info.world == 1 => return Ok(Box::new(Solo::new(layout))),
+        Some(k @ ("shm" | "mpi" | "hier")) => k,
+        Some(other) => return Err(WorkerError::Usage(format!("{}={other:?}: expected shm, mpi or hier", env::TRANSPORT))),
+        None if info.nodes > 1 && info.local_size == 1 => "mpi",
+        None if info.nodes > 1 => "hier",
+        None => "shm",
+    };
+    let bus = gradbus_collectives::shm::BusConfig {
         shm_dir: PathBuf::from("/dev/shm"),
         job_id: info.job_id.clone(),
         node_id: info.node_id,
@@ -103,8 +105,32 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
         config_hash: hash,
         layout,
         timeout: std::time::Duration::from_secs_f64(cfg.collective_timeout_s),
-    })?;
-    Ok(Box::new(bus))
+    };
+    if kind == "shm" {
+        if info.nodes > 1 {
+            return Err(WorkerError::Usage(format!("{}=shm: the bus serves one node, this job has {}", env::TRANSPORT, info.nodes)));
+        }
+        return Ok(Box::new(gradbus_collectives::shm::ShmBus::open(bus)?));
+    }
+    mpi_transport(kind, info, bus)
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_transport(kind: &str, info: &RankInfo, bus: gradbus_collectives::shm::BusConfig) -> Result<Box<dyn Transport>, WorkerError> {
+    use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
+    let expect = Expect { rank: info.rank, world: info.world, source: info.source.into() };
+    Ok(match kind {
+        "mpi" => Box::new(MpiTransport::open(expect, bus.layout, bus.config_hash)?),
+        _ => Box::new(HierTransport::open(expect, bus)?),
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_transport(kind: &str, info: &RankInfo, _bus: gradbus_collectives::shm::BusConfig) -> Result<Box<dyn Transport>, WorkerError> {
+    Err(WorkerError::Usage(format!(
+        "the {kind} transport ({} nodes) needs MPI between nodes (hint: build with `--features mpi`)",
+        info.nodes
+    )))
 }
 
 /// Run one rank to its end. `Ok(Code)` is the exit code of a run that ended as planned (done, or

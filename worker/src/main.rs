@@ -36,6 +36,17 @@ fn parse() -> Result<WorkerArgs, String> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    // Hidden: one process of the all-reduce benchmark under mpirun (see worker/src/bench.rs).
+    let mut raw = std::env::args_os().skip(1);
+    if raw.next().is_some_and(|a| a == "--bench-allreduce") {
+        return match gradbus_worker::bench::main(raw.collect()) {
+            Ok(()) => Code::Done.exit_code(),
+            Err(e) => {
+                eprintln!("gradbus-worker --bench-allreduce: {e}\n{}", gradbus_worker::bench::USAGE);
+                Code::Usage.exit_code()
+            }
+        };
+    }
     let args = match parse() {
         Ok(a) => a,
         Err(e) => {

@@ -1,0 +1,568 @@
+//! Transports between nodes over MPI (feature `mpi`): `MpiTransport`, a flat MPI world where every
+//! rank is its own node, and `HierTransport`, the shared-memory bus inside each node plus MPI between
+//! the nodes' leaders.
+//!
+//! ```text
+//!  MpiTransport (per bucket)            HierTransport (per bucket)
+//!  scan local health                    node 0: ranks 0..n0    node 1: ranks n0..      ...
+//!  MPI_Allreduce(SUM) over the world     shm reduce -> slot of local rank 0 (the leader)
+//!  copy the sum back, scan its health    leaders: MPI_Allreduce(SUM) of the node sums
+//!                                        shm broadcast: leader's slot -> every local slot
+//!
+//!  agree (per update, both): ONE MPI_Allgather over the world of a fixed-size row per rank:
+//!    [op hash | local health per bucket | reduced health per bucket | LocalReport]
+//!  every rank builds the HealthTable from the same gathered bytes, so every table is identical.
+//! ```
+//!
+//! Invariants and caveats:
+//! - MPI is initialised once per process (`universe`), finalised when the last transport is dropped
+//!   cleanly. A transport that failed (an error it returned, `mark_failed`, a panic) does NOT call
+//!   `MPI_Finalize` - with Open MPI that is a fence over every rank and would hang while the others
+//!   wait in a collective; the process exits non-zero and `mpirun` kills the rest of the job.
+//! - Rank identity must agree with MPI: after `MPI_Init`, a world size (or rank) from the environment
+//!   that differs from `MPI_COMM_WORLD` is an error (a binary linked against one MPI and started by
+//!   another's `mpiexec` runs as N silent size-1 jobs). At open, every rank also checks every
+//!   other rank's config hash and node placement, from one allgather, so all ranks fail alike.
+//! - Determinism: inside a node the sum is the bus's fixed rank order. Between nodes (and in the
+//!   flat transport) the order of `MPI_Allreduce`'s additions is the MPI library's choice: for a
+//!   fixed library, process count, message size and algorithm Open MPI repeats it run after run and
+//!   gives every rank the same bits, but the standard does not promise it, and a different np or
+//!   size may pick another algorithm (so the sum may differ from the serial rank-order sum by float
+//!   rounding). `agree` checks it: every reducer reports the health (sum of squares bits) of the
+//!   sum it got, and a difference between ranks is an `Error::Mismatch` on every rank.
+//! - Timeouts: MPI calls have no deadline. If a peer dies inside `MPI_Allreduce`, the others block
+//!   until `mpirun` (or the `gradbus` launcher's supervision) sees the dead process and kills the
+//!   job. Inside a node, the shm barriers keep their deadlines and dead-peer detection.
+//! - The sequence of collectives is checked at every `agree`: each rank hashes the (step, bucket)
+//!   of every all-reduce it ran since the last agreement; differing hashes are an `Error::Mismatch`
+//!   on every rank. (A mismatch of message sizes inside one `MPI_Allreduce` cannot be caught before
+//!   it happens; the layout hash checked at open makes it a program bug.)
+//! - rsmpi has no `MPI_IN_PLACE`, so the MPI reduce writes into a scratch buffer and the sum is
+//!   copied back (one extra read+write of the bucket).
+
+use std::sync::{Arc, Mutex, Weak};
+
+use ::mpi::environment::Universe;
+use ::mpi::topology::{Color, SimpleCommunicator};
+use ::mpi::traits::*;
+use gradbus_kernels::{health_scan, Health};
+
+use crate::layout::{Fnv, Layout};
+use crate::shm::{BusConfig, ShmBus};
+use crate::transport::{Progress, Transport};
+use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::Error;
+
+/// "No first bad index" in a gathered word.
+const NONE: u64 = u64::MAX;
+/// Largest element count of one `MPI_Allreduce` call (counts are C ints).
+const MAX_COUNT: usize = 1 << 30;
+
+/// The process's MPI universe, while some transport holds it.
+static UNIVERSE: Mutex<Weak<Universe>> = Mutex::new(Weak::new());
+
+/// Initialise MPI (once per process) or share the live universe. Finalised when the last `Arc` is
+/// dropped; after that MPI cannot be initialised again in this process.
+pub fn universe() -> Result<Arc<Universe>, Error> {
+    let mut slot = UNIVERSE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(u) = slot.upgrade() {
+        return Ok(u);
+    }
+    if ::mpi::environment::is_initialized() {
+        return Err(Error::Mpi {
+            what: "MPI was already initialised (and finalised) in this process".into(),
+            hint: "MPI can be initialised once per process: keep one transport for the whole run".into(),
+        });
+    }
+    let u = Arc::new(::mpi::initialize().ok_or_else(|| Error::Mpi {
+        what: "MPI_Init failed".into(),
+        hint: "run under the mpirun of the MPI this binary was built with".into(),
+    })?);
+    *slot = Arc::downgrade(&u);
+    Ok(u)
+}
+
+/// The MPI library's version string (one line).
+pub fn library_version() -> String {
+    ::mpi::environment::library_version()
+        .unwrap_or_default()
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim_end_matches('\0')
+        .to_string()
+}
+
+/// What the environment said about this rank, to be checked against `MPI_COMM_WORLD`.
+#[derive(Clone, Debug)]
+pub struct Expect {
+    /// Global rank from the environment.
+    pub rank: usize,
+    /// World size from the environment.
+    pub world: usize,
+    /// Where the numbers came from (`openmpi`, `mpich`, `gradbus`...), for the error message.
+    pub source: String,
+}
+
+/// `MPI_COMM_WORLD`'s size must be the environment's: otherwise the binary was started by another
+/// MPI's launcher (N size-1 jobs) or without one. A local check: no collective before it.
+fn check_world(world: &SimpleCommunicator, expect: &Expect) -> Result<(), Error> {
+    let size = world.size() as usize;
+    if size != expect.world {
+        return Err(Error::Mpi {
+            what: format!(
+                "the environment ({}) says {} ranks, but MPI_COMM_WORLD has {size} (this is rank {} of it)",
+                expect.source,
+                expect.world,
+                world.rank()
+            ),
+            hint: format!(
+                "start the binary with the mpirun/mpiexec of the MPI it was built against ({}); \
+                 a binary started by another MPI's launcher, or without one, runs as separate size-1 jobs",
+                library_version()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Words of one rank's identity row at open.
+const ID_WORDS: usize = 6;
+
+/// One allgather of every rank's identity; every rank runs the same checks on the same rows, so all
+/// fail alike. Returns the rows: [env rank, node id, local rank, local size, config hash, layout hash].
+fn exchange_identity(comm: &SimpleCommunicator, mine: [u64; ID_WORDS]) -> Result<Vec<[u64; ID_WORDS]>, Error> {
+    let n = comm.size() as usize;
+    let mut all = vec![0u64; n * ID_WORDS];
+    comm.all_gather_into(&mine[..], &mut all[..]);
+    let rows: Vec<[u64; ID_WORDS]> =
+        all.chunks_exact(ID_WORDS).map(|c| c.try_into().expect("ID_WORDS words")).collect();
+    let me = comm.rank() as usize;
+    for (j, r) in rows.iter().enumerate() {
+        if r[0] != j as u64 {
+            return Err(Error::Mpi {
+                what: format!("MPI rank {j} was told by the environment that it is rank {}", r[0]),
+                hint: "the rank variables of the environment and MPI disagree; start the ranks with mpirun only".into(),
+            });
+        }
+    }
+    for (j, r) in rows.iter().enumerate() {
+        if r[4] != rows[me][4] || r[5] != rows[me][5] {
+            return Err(Error::Mismatch {
+                rank: j,
+                theirs: format!("config hash {:#018x} / layout hash {:#018x}", r[4], r[5]),
+                mine: format!("config hash {:#018x} / layout hash {:#018x}", rows[me][4], rows[me][5]),
+            });
+        }
+    }
+    // Each node: local ranks 0..local_size, each once, all agreeing on local_size.
+    let mut nodes: Vec<u64> = rows.iter().map(|r| r[1]).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    for node in nodes {
+        let members: Vec<&[u64; ID_WORDS]> = rows.iter().filter(|r| r[1] == node).collect();
+        let size = members.len() as u64;
+        let mut locals: Vec<u64> = members.iter().map(|r| r[2]).collect();
+        locals.sort_unstable();
+        if members.iter().any(|r| r[3] != size) || locals != (0..size).collect::<Vec<_>>() {
+            return Err(Error::Mpi {
+                what: format!(
+                    "node {node} has {size} ranks with local ranks {locals:?} and local sizes {:?}",
+                    members.iter().map(|r| r[3]).collect::<Vec<_>>()
+                ),
+                hint: "local rank and size must describe the ranks that share a node (check GRADBUS_FAKE_NODES and the launch)".into(),
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// `MPI_Allreduce(SUM)` of `send` into `recv` (same length), in calls of at most `MAX_COUNT`.
+fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
+    assert_eq!(send.len(), recv.len());
+    for (s, r) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
+        comm.all_reduce_into(s, r, ::mpi::collective::SystemOperation::sum());
+    }
+}
+
+fn health_words(h: &Health) -> [u64; 4] {
+    [h.nan, h.inf, h.sumsq.to_bits(), h.first_bad.unwrap_or(NONE)]
+}
+
+fn health_of(w: &[u64]) -> Health {
+    Health { nan: w[0], inf: w[1], sumsq: f64::from_bits(w[2]), first_bad: (w[3] != NONE).then_some(w[3]) }
+}
+
+/// Hash of one collective, folded into the per-update sequence hash.
+fn fold_op(h: &mut Fnv, phase: &str, at: StepId, bucket: Option<usize>) {
+    h.write(phase.as_bytes());
+    h.write(&at.step.to_le_bytes());
+    h.write(&at.minibatch.to_le_bytes());
+    h.write(&at.attempt.to_le_bytes());
+    h.write(&bucket.map_or(NONE, |b| b as u64).to_le_bytes());
+}
+
+/// The per-update agreement shared by both transports: one allgather of a fixed-size row per rank,
+/// then every rank builds the same table from the same rows.
+///
+/// Row: `[op hash, reducer flag, local health (4 words) x buckets, reduced health (4) x buckets,
+/// report (8)]`. `reduced` is meaningful on reducers only (every rank of the flat transport, the
+/// leaders of the hierarchical one); the table takes the lowest reducer's, and every reducer's must
+/// be bitwise the same.
+fn agree_rows(
+    comm: &SimpleCommunicator,
+    ops: u64,
+    local: &[Health],
+    reduced: Option<&[Health]>,
+    report: &LocalReport,
+) -> Result<HealthTable, Error> {
+    let nb = local.len();
+    let row = 2 + 8 * nb + 8;
+    let mut mine = Vec::with_capacity(row);
+    mine.push(ops);
+    mine.push(reduced.is_some() as u64);
+    mine.extend(local.iter().flat_map(health_words));
+    match reduced {
+        Some(r) => mine.extend(r.iter().flat_map(health_words)),
+        None => mine.extend(std::iter::repeat(0).take(4 * nb)),
+    }
+    mine.push(report.loss.to_bits());
+    mine.extend(report.values.iter().map(|v| v.to_bits()));
+    debug_assert_eq!(mine.len(), row);
+    let n = comm.size() as usize;
+    let me = comm.rank() as usize;
+    let mut all = vec![0u64; n * row];
+    comm.all_gather_into(&mine[..], &mut all[..]);
+    let rows: Vec<&[u64]> = all.chunks_exact(row).collect();
+    for (j, r) in rows.iter().enumerate() {
+        if r[0] != ops {
+            return Err(Error::Mismatch {
+                rank: j,
+                theirs: format!("an update whose collectives hash to {:#018x}", r[0]),
+                mine: format!("an update whose collectives hash to {ops:#018x}"),
+            });
+        }
+    }
+    let reducers: Vec<usize> = (0..n).filter(|&j| rows[j][1] == 1).collect();
+    let first = *reducers.first().ok_or_else(|| Error::Mpi {
+        what: "no rank reported a reduced bucket".into(),
+        hint: "a transport bug: every node must have a leader".into(),
+    })?;
+    let red = |j: usize| &rows[j][2 + 4 * nb..2 + 8 * nb];
+    for &j in &reducers {
+        if red(j) != red(first) {
+            return Err(Error::Mismatch {
+                rank: j,
+                theirs: "an MPI_Allreduce result with other bits".into(),
+                mine: format!("the result of rank {first} (MPI sums differ between ranks; rank {me} stops)"),
+            });
+        }
+    }
+    let mut table = HealthTable {
+        world: n,
+        buckets: nb,
+        local: vec![Health::default(); nb * n],
+        reduced: red(first).chunks_exact(4).map(health_of).collect(),
+        reports: Vec::with_capacity(n),
+    };
+    for (k, r) in rows.iter().enumerate() {
+        for b in 0..nb {
+            table.local[b * n + k] = health_of(&r[2 + 4 * b..2 + 4 * b + 4]);
+        }
+        let f = |i: usize| f64::from_bits(r[2 + 8 * nb + i]);
+        table.reports.push(LocalReport { loss: f(0), values: std::array::from_fn(|i| f(i + 1)) });
+    }
+    Ok(table)
+}
+
+/// MPI handles of one transport, dropped before the universe (or leaked with it on failure).
+struct Comms {
+    /// A duplicate of `MPI_COMM_WORLD`: our collectives never match anyone else's.
+    world: SimpleCommunicator,
+    /// Hierarchical transport: the leaders (local rank 0 of each node), ordered by node id; `None`
+    /// on the other ranks and in the flat transport.
+    leaders: Option<SimpleCommunicator>,
+}
+
+/// MPI state shared by both transports: the universe, the communicators and the failure flag.
+struct MpiCore {
+    comms: Option<Comms>,
+    universe: Option<Arc<Universe>>,
+    failed: bool,
+}
+
+impl MpiCore {
+    /// Initialise (or share) MPI, check the world size, duplicate the world and exchange identities.
+    fn open(expect: &Expect, ident: [u64; ID_WORDS]) -> Result<(MpiCore, Vec<[u64; ID_WORDS]>), Error> {
+        let universe = universe()?;
+        let world = universe.world();
+        check_world(&world, expect)?;
+        let dup = world.duplicate();
+        let mut core =
+            MpiCore { comms: Some(Comms { world: dup, leaders: None }), universe: Some(universe), failed: false };
+        let rows = core.guard(|c| exchange_identity(&c.comms().world, ident))?;
+        Ok((core, rows))
+    }
+
+    fn comms(&self) -> &Comms {
+        self.comms.as_ref().expect("communicators live until drop")
+    }
+
+    /// Run `f`; an error marks the core failed (no `MPI_Finalize` at drop).
+    fn guard<T>(&mut self, f: impl FnOnce(&mut MpiCore) -> Result<T, Error>) -> Result<T, Error> {
+        let r = f(self);
+        if r.is_err() {
+            self.failed = true;
+        }
+        r
+    }
+}
+
+impl Drop for MpiCore {
+    fn drop(&mut self) {
+        let comms = self.comms.take();
+        let universe = self.universe.take();
+        if self.failed || std::thread::panicking() {
+            // Freeing communicators and MPI_Finalize synchronise with peers that may be blocked in
+            // a collective that this rank will never join: leak them; the process exits non-zero
+            // and mpirun tears the job down.
+            std::mem::forget(comms);
+            std::mem::forget(universe);
+        } else {
+            drop(comms);
+            drop(universe);
+        }
+    }
+}
+
+/// A flat MPI world: every rank is its own node, no shared memory.
+pub struct MpiTransport {
+    layout: Layout,
+    grads: crate::transport::AlignedBuf,
+    scratch: Vec<f32>,
+    local: Vec<Health>,
+    reduced: Vec<Health>,
+    ops: Fnv,
+    rank: usize,
+    world: usize,
+    core: MpiCore,
+}
+
+impl MpiTransport {
+    /// Initialise MPI, check that the environment's rank and world size agree with it, and check
+    /// every rank's `config_hash` and layout (one allgather). Collective over `MPI_COMM_WORLD`.
+    pub fn open(expect: Expect, layout: Layout, config_hash: u64) -> Result<MpiTransport, Error> {
+        let ident = [expect.rank as u64, expect.rank as u64, 0, 1, config_hash, layout.hash()];
+        let (core, _) = MpiCore::open(&expect, ident)?;
+        let nb = layout.buckets.len();
+        let biggest = layout.buckets.iter().map(|b| b.range.len()).max().unwrap_or(0);
+        Ok(MpiTransport {
+            grads: crate::transport::AlignedBuf::zeros(layout.len),
+            scratch: vec![0.0; biggest],
+            local: vec![Health::default(); nb],
+            reduced: vec![Health::default(); nb],
+            ops: Fnv::default(),
+            rank: expect.rank,
+            world: expect.world,
+            layout,
+            core,
+        })
+    }
+}
+
+impl Transport for MpiTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world(&self) -> usize {
+        self.world
+    }
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    fn grads(&mut self) -> &mut [f32] {
+        self.grads.as_mut_slice()
+    }
+    fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
+        let r = self.layout.buckets[bucket].range.clone();
+        let g = &mut self.grads.as_mut_slice()[r.clone()];
+        self.local[bucket] = health_scan(g);
+        let out = &mut self.scratch[..r.len()];
+        allreduce_sum(&self.core.comms().world, g, out);
+        self.reduced[bucket] = health_scan(out);
+        g.copy_from_slice(out);
+        fold_op(&mut self.ops, "reduce", at, Some(bucket));
+        Ok(())
+    }
+    fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
+        fold_op(&mut self.ops, "agree", at, None);
+        let ops = std::mem::take(&mut self.ops).0;
+        let (l, red) = (&self.local, &self.reduced);
+        let table = self.core.guard(|c| agree_rows(&c.comms().world, ops, l, Some(red), &local))?;
+        // Buckets not reduced in the next update report nothing, as on the bus.
+        self.local.fill(Health::default());
+        self.reduced.fill(Health::default());
+        Ok(table)
+    }
+    fn mark_failed(&mut self) {
+        self.core.failed = true;
+    }
+}
+
+/// Shared memory inside each node, MPI between the nodes' leaders (local rank 0).
+pub struct HierTransport {
+    bus: ShmBus,
+    /// Leaders: receive buffer of the MPI all-reduce (largest bucket).
+    scratch: Vec<f32>,
+    /// Leaders: health of each globally reduced bucket in this update.
+    reduced: Vec<Health>,
+    ops: Fnv,
+    rank: usize,
+    world: usize,
+    core: MpiCore,
+}
+
+impl HierTransport {
+    /// Initialise MPI, check the environment against it and every rank's identity and config (one
+    /// allgather), open this node's shared-memory bus (`bus.node_id`, `local_rank`, `local_size`
+    /// describe the node), and split the leaders' communicator. Collective over `MPI_COMM_WORLD`.
+    pub fn open(expect: Expect, bus: BusConfig) -> Result<HierTransport, Error> {
+        let ident = [
+            expect.rank as u64,
+            bus.node_id as u64,
+            bus.local_rank as u64,
+            bus.local_size as u64,
+            bus.config_hash,
+            bus.layout.hash(),
+        ];
+        let (mut core, _) = MpiCore::open(&expect, ident)?;
+        let leader = bus.local_rank == 0;
+        let node = bus.node_id;
+        // Split before opening the bus: MPI_Comm_split is collective over the world, and a rank
+        // that fails to open its bus must not leave the other nodes waiting in it.
+        core.guard(|c| {
+            let color = if leader { Color::with_value(0) } else { Color::undefined() };
+            let key = i32::try_from(node).map_err(|_| Error::Mpi {
+                what: format!("node id {node} does not fit a C int"),
+                hint: "use node ids below 2^31".into(),
+            })?;
+            let leaders = c.comms().world.split_by_color_with_key(color, key);
+            c.comms.as_mut().expect("live").leaders = leaders;
+            Ok(())
+        })?;
+        let nb = bus.layout.buckets.len();
+        let biggest = bus.layout.buckets.iter().map(|b| b.range.len()).max().unwrap_or(0);
+        let bus = core.guard(|_| ShmBus::open(bus))?;
+        Ok(HierTransport {
+            bus,
+            scratch: if leader { vec![0.0; biggest] } else { Vec::new() },
+            reduced: vec![Health::default(); nb],
+            ops: Fnv::default(),
+            rank: expect.rank,
+            world: expect.world,
+            core,
+        })
+    }
+
+    fn step(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
+        self.bus.reduce_bucket_to(at, bucket, 0)?;
+        if let Some(leaders) = &self.core.comms().leaders {
+            let r = self.bus.layout().buckets[bucket].range.clone();
+            // Between `reduce_bucket_to` and `broadcast_bucket` no peer touches the leader's slot.
+            let g = &mut self.bus.grads()[r.clone()];
+            let out = &mut self.scratch[..r.len()];
+            allreduce_sum(leaders, g, out);
+            self.reduced[bucket] = health_scan(out);
+            g.copy_from_slice(out);
+        }
+        self.bus.broadcast_bucket(at, bucket, 0)
+    }
+}
+
+impl Transport for HierTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world(&self) -> usize {
+        self.world
+    }
+    fn layout(&self) -> &Layout {
+        self.bus.layout()
+    }
+    fn grads(&mut self) -> &mut [f32] {
+        self.bus.grads()
+    }
+    fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
+        fold_op(&mut self.ops, "reduce", at, Some(bucket));
+        let r = self.step(at, bucket);
+        if r.is_err() {
+            self.core.failed = true;
+        }
+        r
+    }
+    fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
+        fold_op(&mut self.ops, "agree", at, None);
+        let ops = std::mem::take(&mut self.ops).0;
+        let r = (|| {
+            // The node's table (every local rank's health, merged from the reducers' chunks).
+            let node = self.bus.agree(at, local)?;
+            let me = self.bus.rank();
+            let mine: Vec<Health> = (0..node.buckets).map(|b| *node.cell(b, me)).collect();
+            let leader = self.core.comms().leaders.is_some();
+            let red = leader.then_some(&self.reduced[..]);
+            agree_rows(&self.core.comms().world, ops, &mine, red, &local)
+        })();
+        self.reduced.fill(Health::default());
+        if r.is_err() {
+            self.core.failed = true;
+        }
+        r
+    }
+    fn publish(&mut self, progress: Progress) {
+        self.bus.publish(progress);
+    }
+    fn mark_failed(&mut self) {
+        self.core.failed = true;
+        self.bus.mark_failed();
+    }
+}
+
+/// The benchmark's MPI side: the average time of `iters` back-to-back `MPI_Allreduce(SUM)`s of `x`
+/// over the world (best of `rounds`; rank 0's time, shared with every rank), in microseconds, and
+/// the number of result elements that differ from `want`, summed over the ranks. The result goes to
+/// a separate buffer (rsmpi has no `MPI_IN_PLACE`), so `x` is the input of every call. The caller
+/// holds the `universe` for the whole benchmark (MPI is initialised once per process).
+pub(crate) fn bench_allreduce(
+    universe: &Universe,
+    x: &[f32],
+    want: f32,
+    warmup: usize,
+    iters: usize,
+    rounds: usize,
+) -> (f64, u64) {
+    let world = universe.world();
+    let mut out = vec![0f32; x.len()];
+    for _ in 0..warmup {
+        allreduce_sum(&world, x, &mut out);
+    }
+    let mut best = f64::INFINITY;
+    for _ in 0..rounds {
+        world.barrier();
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            allreduce_sum(&world, x, &mut out);
+        }
+        best = best.min(t0.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64);
+    }
+    let wrong = out.iter().filter(|&&v| v != want).count() as u64;
+    let mut total = 0u64;
+    world.all_reduce_into(&wrong, &mut total, ::mpi::collective::SystemOperation::sum());
+    world.process_at_rank(0).broadcast_into(&mut best);
+    (best, total)
+}
+
+/// `MPI_COMM_WORLD`'s size must be the benchmark's process count.
+pub(crate) fn check_bench_world(universe: &Universe, rank: usize, np: usize) -> Result<(), Error> {
+    let expect = Expect { rank, world: np, source: "benchmark arguments".into() };
+    check_world(&universe.world(), &expect)
+}

@@ -1,0 +1,350 @@
+//! Multi-process tests of the MPI transports (feature `mpi`), with REAL processes under `mpirun`.
+//!
+//! Self-exec pattern, as in `shm_bus.rs`: the test (the parent) runs `mpirun -np N` on this test
+//! binary with `--exact child_entry` and `GRADBUS_TEST_CHILD=<scenario>`; each child is one MPI rank,
+//! writes what it saw into files of the test's temp dir and exits with a code that encodes its
+//! outcome (0 = success). The parent compares the files across ranks, across runs and with a serial
+//! oracle. Flat MPI runs at 2, 3 and 4 ranks; the hierarchical path at 2 fake nodes x 2 ranks
+//! (`GB_FAKE_NODES` splits the ranks of this machine into nodes, each with its own shm segment).
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
+use gradbus_collectives::shm::BusConfig;
+use gradbus_collectives::{decide, Error, History, Layout, LocalReport, ParamSpec, Policy, StepId, Transport};
+use gradbus_kernels::rng::Rng;
+
+const CHILD_ENV: &str = "GRADBUS_TEST_CHILD";
+/// Updates per reduce run.
+const UPDATES: u64 = 2;
+
+// ---------------------------------------------------------------- shared by parent and child
+
+/// Ragged sizes, a 1-element parameter and an empty one (a zero-count MPI_Allreduce).
+fn layout() -> Layout {
+    let sizes = [1000, 1, 0, 37, 5000, 3, 70001];
+    let specs: Vec<_> = sizes.iter().enumerate().map(|(i, &n)| ParamSpec::new(format!("p{i}"), n)).collect();
+    Layout::new(&specs, 0)
+}
+
+/// Rank `rank`'s gradients for update `u`: a pure function of (seed, u, rank).
+fn inputs(seed: u64, u: u64, rank: usize, len: usize) -> Vec<f32> {
+    let mut rng = Rng::new(&[seed, u, rank as u64]);
+    (0..len).map(|_| rng.normal()).collect()
+}
+
+/// Where the planted NaN goes: parameter p4, element 123.
+fn nan_offset(l: &Layout) -> usize {
+    l.slot("p4").unwrap().offset + 123
+}
+
+// ---------------------------------------------------------------- child side
+
+fn var(k: &str) -> String {
+    std::env::var(k).unwrap_or_else(|_| panic!("{k} not set"))
+}
+
+fn num(k: &str) -> usize {
+    var(k).parse().unwrap_or_else(|_| panic!("{k} is not a number"))
+}
+
+/// The child's entry: does nothing in a normal test run.
+#[test]
+fn child_entry() {
+    if std::env::var(CHILD_ENV).is_err() {
+        return;
+    }
+    let dir = PathBuf::from(var("GB_DIR"));
+    let rank = num("OMPI_COMM_WORLD_RANK");
+    let code = match std::panic::catch_unwind(|| run_child(&dir, rank)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(err)) => {
+            std::fs::write(dir.join(format!("outcome-{rank}.txt")), format!("{err:?}\n{err}")).unwrap();
+            match err {
+                Error::Mismatch { .. } => 24,
+                Error::Mpi { .. } => 26,
+                _ => 27,
+            }
+        }
+        Err(_) => 101,
+    };
+    std::process::exit(code);
+}
+
+/// Open the transport the parent asked for, as this rank.
+fn open(world_claimed: usize) -> Result<Box<dyn Transport>, Error> {
+    let rank = num("OMPI_COMM_WORLD_RANK");
+    let (lrank, lsize) = (num("OMPI_COMM_WORLD_LOCAL_RANK"), num("OMPI_COMM_WORLD_LOCAL_SIZE"));
+    let expect = Expect { rank, world: world_claimed, source: "openmpi".into() };
+    let l = layout();
+    match var("GB_TRANSPORT").as_str() {
+        "mpi" => Ok(Box::new(MpiTransport::open(expect, l.clone(), l.hash())?)),
+        "hier" => {
+            let k = num("GB_FAKE_NODES");
+            let per = lsize / k;
+            let mut c = BusConfig::new(var("GB_JOB"), lrank % per, per, l);
+            c.node_id = lrank / per;
+            c.timeout = Duration::from_secs(30);
+            Ok(Box::new(HierTransport::open(expect, c)?))
+        }
+        t => panic!("unknown transport {t}"),
+    }
+}
+
+fn run_child(dir: &Path, rank: usize) -> Result<(), Error> {
+    let np = num("OMPI_COMM_WORLD_SIZE");
+    match var(CHILD_ENV).as_str() {
+        "reduce" => child_reduce(dir, rank),
+        // The environment claims another world size than mpirun started.
+        "size" => open(num("GB_CLAIM")).map(drop),
+        // Every rank reduces bucket 0 but labels it with its own step: a program bug.
+        "mismatch" => {
+            let mut t = open(np)?;
+            let at = StepId { step: rank as u64, ..StepId::default() };
+            t.allreduce_bucket(at, 0)?;
+            t.agree(StepId::default(), LocalReport::default()).map(drop)
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn child_reduce(dir: &Path, rank: usize) -> Result<(), Error> {
+    let np = num("OMPI_COMM_WORLD_SIZE");
+    let seed: u64 = num("GB_SEED") as u64;
+    let nan_rank: Option<usize> = std::env::var("GB_NAN_RANK").ok().map(|v| v.parse().unwrap());
+    let mut t = open(np)?;
+    assert_eq!((t.rank(), t.world()), (rank, np));
+    let l = t.layout().clone();
+    let mut history = History::default();
+    for u in 0..UPDATES {
+        let x = inputs(seed, u, rank, l.len);
+        t.grads().copy_from_slice(&x);
+        if u == 1 && nan_rank == Some(rank) {
+            t.grads()[nan_offset(&l)] = f32::NAN;
+        }
+        let at = StepId { step: u, ..StepId::default() };
+        for b in 0..l.buckets.len() {
+            t.allreduce_bucket(at, b)?;
+        }
+        let report = LocalReport { loss: rank as f64 + u as f64, values: [u as f64; 7] };
+        let table = t.agree(at, report)?;
+        let verdict = decide(&table, &l, &Policy::Abort, &history, at);
+        history.record(&table, &verdict);
+        let bytes: Vec<u8> = t.grads().iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(dir.join(format!("grads-{u}-{rank}.bin")), bytes).unwrap();
+        std::fs::write(dir.join(format!("table-{u}-{rank}.txt")), format!("{table:?}\n{verdict:?}\n")).unwrap();
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- parent side
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+struct Mpirun {
+    cmd: String,
+    code: Option<i32>,
+    log: String,
+    dir: tempfile::TempDir,
+}
+
+/// `mpirun -np N` this test binary as scenario `scenario`, with `env` exported to every rank.
+fn mpirun(np: usize, scenario: &str, env: &[(&str, &str)]) -> Mpirun {
+    let dir = tempfile::tempdir().unwrap();
+    let job = format!("tm{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
+    let exe = std::env::current_exe().unwrap();
+    let mut vars: Vec<(String, String)> = vec![
+        (CHILD_ENV.into(), scenario.into()),
+        ("GB_DIR".into(), dir.path().display().to_string()),
+        ("GB_JOB".into(), job),
+        ("GB_SEED".into(), "1234".into()),
+    ];
+    vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let mut c = Command::new("mpirun");
+    c.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()]);
+    for (k, v) in &vars {
+        c.env(k, v).args(["-x", k]);
+    }
+    c.arg(&exe).args(["--exact", "child_entry", "--nocapture", "--test-threads=1"]);
+    let cmd = format!(
+        "{} mpirun -np {np} ... {} --exact child_entry",
+        vars.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "),
+        exe.display()
+    );
+    let log_path = dir.path().join("mpirun.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    c.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
+    let mut child = c.spawn().expect("spawn mpirun (is Open MPI installed? scripts/test.sh installs it)");
+    let start = Instant::now();
+    let code = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st.code();
+        }
+        if start.elapsed() > Duration::from_secs(180) {
+            // mpirun answers SIGTERM by terminating every rank.
+            // SAFETY: kill(2) on our own child's pid; no memory is involved.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            let _ = child.wait();
+            panic!("{cmd}: still running after 180 s\n{}", std::fs::read_to_string(&log_path).unwrap_or_default());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    Mpirun { cmd, code, log, dir }
+}
+
+impl Mpirun {
+    fn explain(&self) -> String {
+        let outcomes: String = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with("outcome-"))
+            .map(|e| format!("{}: {}\n", e.file_name().to_string_lossy(), std::fs::read_to_string(e.path()).unwrap()))
+            .collect();
+        format!("{}\nexit {:?}\n--- output\n{}\n--- outcomes\n{outcomes}", self.cmd, self.code, self.log)
+    }
+    fn file(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.dir.path().join(name)).unwrap_or_else(|e| panic!("{name}: {e}\n{}", self.explain()))
+    }
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// Run the reduce scenario; check bitwise agreement across ranks, the serial oracle and the tables.
+/// Returns every update's reduced bytes (rank 0) and table text for run-to-run comparisons.
+fn run_reduce(np: usize, env: &[(&str, &str)]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let r = mpirun(np, "reduce", env);
+    assert_eq!(r.code, Some(0), "{}", r.explain());
+    let l = layout();
+    let mut out = Vec::new();
+    for u in 0..UPDATES {
+        let g0 = r.file(&format!("grads-{u}-0.bin"));
+        let t0 = r.file(&format!("table-{u}-0.txt"));
+        for k in 1..np {
+            assert!(
+                g0 == r.file(&format!("grads-{u}-{k}.bin")),
+                "update {u}: rank {k}'s sum differs from rank 0's\n{}",
+                r.explain()
+            );
+            assert_eq!(
+                String::from_utf8_lossy(&t0),
+                String::from_utf8_lossy(&r.file(&format!("table-{u}-{k}.txt"))),
+                "update {u}: rank {k}'s table or verdict differs from rank 0's"
+            );
+        }
+        // The serial rank-order sum, and the rounding a different association order may cause.
+        let xs: Vec<Vec<f32>> = (0..np).map(|k| inputs(1234, u, k, l.len)).collect();
+        let got = floats(&g0);
+        for (i, &g) in got.iter().enumerate() {
+            let serial = xs.iter().fold(0f32, |a, x| a + x[i]);
+            let abs: f32 = xs.iter().map(|x| x[i].abs()).sum();
+            let tol = 2.0 * np as f32 * f32::EPSILON * abs;
+            let planted = u == 1 && env.iter().any(|(k, _)| *k == "GB_NAN_RANK") && i == nan_offset(&l);
+            if planted {
+                assert!(g.is_nan(), "element {i}: the planted NaN must survive the sum, got {g}");
+            } else {
+                assert!((g - serial).abs() <= tol, "update {u} element {i}: {g} vs serial {serial} (tol {tol})");
+            }
+        }
+        let t = String::from_utf8_lossy(&t0).into_owned();
+        assert!(t.contains(&format!("world: {np},")), "{t}");
+        for k in 0..np {
+            assert!(t.contains(&format!("loss: {}.0,", k as u64 + u)), "report of rank {k} missing:\n{t}");
+        }
+        out.push((g0, t0));
+    }
+    out
+}
+
+fn flat(np: usize) {
+    let a = run_reduce(np, &[("GB_TRANSPORT", "mpi")]);
+    let b = run_reduce(np, &[("GB_TRANSPORT", "mpi")]);
+    assert!(a == b, "{np} ranks: two runs gave different bits");
+    let t = String::from_utf8_lossy(&a[0].1).into_owned();
+    assert!(t.contains("action: Proceed"), "{t}");
+}
+
+#[test]
+fn flat_mpi_2_ranks_is_identical_across_ranks_and_runs_and_close_to_the_serial_sum() {
+    flat(2);
+}
+
+#[test]
+fn flat_mpi_3_ranks_is_identical_across_ranks_and_runs_and_close_to_the_serial_sum() {
+    flat(3);
+}
+
+#[test]
+fn flat_mpi_4_ranks_is_identical_across_ranks_and_runs_and_close_to_the_serial_sum() {
+    flat(4);
+}
+
+#[test]
+fn hier_2_nodes_x_2_ranks_is_identical_across_ranks_and_runs_and_close_to_the_serial_sum() {
+    let env = [("GB_TRANSPORT", "hier"), ("GB_FAKE_NODES", "2")];
+    let a = run_reduce(4, &env);
+    let b = run_reduce(4, &env);
+    assert!(a == b, "two runs gave different bits");
+}
+
+/// A NaN planted on one rank gives the same Abort verdict on every rank (checked by `run_reduce`:
+/// identical table and verdict text) naming that rank, the parameter and the element.
+fn planted_nan(np: usize, env: &[(&str, &str)], nan_rank: usize) {
+    let mut env = env.to_vec();
+    let nr = nan_rank.to_string();
+    env.push(("GB_NAN_RANK", &nr));
+    let out = run_reduce(np, &env);
+    let t = String::from_utf8_lossy(&out[1].1).into_owned();
+    assert!(t.contains("action: Abort"), "{t}");
+    assert!(t.contains(&format!("ranks: [{nan_rank}]")), "{t}");
+    assert!(t.contains("param: \"p4\", element: 123"), "{t}");
+    assert!(t.contains("nan: 1, inf: 0"), "{t}");
+    assert!(String::from_utf8_lossy(&out[0].1).contains("action: Proceed"));
+}
+
+#[test]
+fn planted_nan_gives_the_same_verdict_on_every_rank_flat() {
+    planted_nan(3, &[("GB_TRANSPORT", "mpi")], 2);
+}
+
+#[test]
+fn planted_nan_gives_the_same_verdict_on_every_rank_hier() {
+    // Rank 3 is local rank 1 of node 1: not a leader, and not on the first node.
+    planted_nan(4, &[("GB_TRANSPORT", "hier"), ("GB_FAKE_NODES", "2")], 3);
+}
+
+#[test]
+fn world_size_that_disagrees_with_mpi_is_a_clear_error_on_every_rank() {
+    let r = mpirun(2, "size", &[("GB_TRANSPORT", "mpi"), ("GB_CLAIM", "3")]);
+    assert_ne!(r.code, Some(0), "{}", r.explain());
+    // Each rank fails on its own, before any collective; mpirun may kill one before it reports.
+    let outcomes: Vec<String> =
+        (0..2).filter_map(|k| std::fs::read_to_string(r.dir.path().join(format!("outcome-{k}.txt"))).ok()).collect();
+    assert!(!outcomes.is_empty(), "{}", r.explain());
+    for o in outcomes {
+        assert!(o.contains("says 3 ranks, but MPI_COMM_WORLD has 2") && o.contains("mpirun"), "{o}");
+    }
+}
+
+#[test]
+fn ranks_running_different_collectives_all_fail_with_a_mismatch() {
+    for (np, env) in [(2, vec![("GB_TRANSPORT", "mpi")]), (4, vec![("GB_TRANSPORT", "hier"), ("GB_FAKE_NODES", "2")])] {
+        let r = mpirun(np, "mismatch", &env);
+        assert_ne!(r.code, Some(0), "{}", r.explain());
+        // Every rank that got to report, reported the mismatch (mpirun may kill the slower ones).
+        let mut reported = 0;
+        for k in 0..np {
+            if let Ok(o) = std::fs::read_to_string(r.dir.path().join(format!("outcome-{k}.txt"))) {
+                assert!(o.contains("Mismatch"), "rank {k}: {o}\n{}", r.explain());
+                reported += 1;
+            }
+        }
+        assert!(reported >= 1, "{}", r.explain());
+    }
+}

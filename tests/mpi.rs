@@ -1,0 +1,116 @@
+//! The real worker over the MPI transports (feature `mpi`): the reference workload under `mpirun`
+//! through the hierarchical path (2 fake nodes x 2 ranks), the flat MPI path and the shm bus must
+//! train the same model within float rounding (their sums associate differently), each must repeat
+//! itself bit for bit, and `gradbus run --launcher mpirun --hostfile` must reach the same result.
+//! The worker itself aborts when replicas diverge, so exit 0 also means every rank agreed.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{gradbus, metrics, root};
+
+/// `mpirun -np 4 gradbus-worker --run-dir DIR examples/tiny.toml --set steps=2` with `env` exported.
+fn worker_under_mpirun(dir: &Path, env: &[(&str, &str)]) {
+    let mut c = Command::new("mpirun");
+    c.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4"]).current_dir(root());
+    let job = format!("tmpi{}-{}", std::process::id(), dir.file_name().unwrap().to_string_lossy());
+    for (k, v) in env.iter().chain(&[("GRADBUS_JOB_ID", job.as_str())]) {
+        c.env(k, v).args(["-x", k]);
+    }
+    c.arg(env!("CARGO_BIN_EXE_gradbus-worker")).arg("--run-dir").arg(dir).args([
+        "examples/tiny.toml",
+        "--set",
+        "steps=2",
+    ]);
+    let out = c.output().expect("spawn mpirun (scripts/test.sh installs Open MPI)");
+    assert!(
+        out.status.success(),
+        "{env:?} mpirun -np 4 gradbus-worker: {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn num(v: &serde_json::Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+}
+
+/// Same updates, same verdicts, losses and norms within float rounding (not bitwise: the sums
+/// associate differently).
+fn assert_close(a: &[serde_json::Value], b: &[serde_json::Value], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: number of metrics lines");
+    assert!(!a.is_empty());
+    for (x, y) in a.iter().zip(b) {
+        for k in ["step", "minibatch", "attempt", "verdict", "skipped", "nonfinite_ranks"] {
+            assert_eq!(x[k], y[k], "{what}: {k}\n{x}\n{y}");
+        }
+        for k in ["loss", "grad_norm", "reward"] {
+            let (p, q) = (num(x, k), num(y, k));
+            assert!((p - q).abs() <= 1e-4 * p.abs().max(q.abs()).max(1.0), "{what}: {k} {p} vs {q}\n{x}\n{y}");
+        }
+    }
+}
+
+#[test]
+fn hier_flat_and_shm_train_the_same_model_within_rounding_and_repeat_bitwise() {
+    let d = tempfile::tempdir().unwrap();
+    let run = |name: &str, env: &[(&str, &str)]| {
+        let dir = d.path().join(name);
+        worker_under_mpirun(&dir, env);
+        metrics(&dir)
+    };
+    let hier = run("hier", &[("GRADBUS_FAKE_NODES", "2")]);
+    let hier2 = run("hier2", &[("GRADBUS_FAKE_NODES", "2")]);
+    let flat = run("flat", &[("GRADBUS_TRANSPORT", "mpi")]);
+    let shm = run("shm", &[]);
+    assert_eq!(hier, hier2, "the hierarchical path must repeat itself bit for bit");
+    assert_close(&hier, &shm, "hier vs shm");
+    assert_close(&flat, &shm, "flat mpi vs shm");
+    assert_eq!(hier.len(), 2 * 16, "2 steps x 16 updates");
+}
+
+#[test]
+fn gradbus_run_with_the_mpirun_launcher_and_a_localhost_hostfile() {
+    let d = tempfile::tempdir().unwrap();
+    let hosts = d.path().join("hosts");
+    std::fs::write(&hosts, "# one machine\nlocalhost slots=4\n").unwrap();
+    let e2e = d.path().join("e2e");
+    let (h, r) = (hosts.to_str().unwrap(), e2e.to_str().unwrap());
+    let args = ["run", "--launcher", "mpirun", "--hostfile", h, "--np", "4", "--run-dir", r, "examples/tiny.toml"];
+    let args: Vec<&str> = args.into_iter().chain(["--set", "steps=2"]).collect();
+    gradbus(&args, &[("GRADBUS_FAKE_NODES", "2")]).expect_code(0);
+    // The same job started by hand: the same hierarchical path, so the same bits.
+    let direct = d.path().join("direct");
+    worker_under_mpirun(&direct, &[("GRADBUS_FAKE_NODES", "2")]);
+    assert_eq!(metrics(&e2e), metrics(&direct));
+}
+
+#[test]
+fn worker_whose_world_size_disagrees_with_mpi_exits_2_naming_both() {
+    // Started without mpirun, MPI_Init makes a world of one; the environment claims two.
+    let d = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gradbus-worker"))
+        .current_dir(root())
+        .arg("--run-dir")
+        .arg(d.path())
+        .args(["examples/tiny.toml", "--set", "steps=1"])
+        .envs([
+            ("GRADBUS_TRANSPORT", "mpi"),
+            ("GRADBUS_RANK", "0"),
+            ("GRADBUS_WORLD_SIZE", "2"),
+            ("GRADBUS_LOCAL_RANK", "0"),
+            ("GRADBUS_LOCAL_SIZE", "1"),
+            ("GRADBUS_JOB_ID", "tmpi-size"),
+            ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+            ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("says 2 ranks, but MPI_COMM_WORLD has 1"), "{err}");
+}

@@ -1,0 +1,44 @@
+//! `gradbus-worker --bench-allreduce ...`: one process of the all-reduce benchmark, for launches by
+//! `mpirun` (the `gradbus bench allreduce` CLI spawns its own processes). Rank and size come from the
+//! MPI launcher's environment; rank 0 prints the table (or JSON lines).
+//!
+//! `mpirun --allow-run-as-root --bind-to none -np 2 target/release/gradbus-worker --bench-allreduce
+//! --transport mpi --sizes 64MiB` (feature `mpi`) compares the shm bus with `MPI_Allreduce`.
+
+use gradbus_collectives::bench::{self, BenchArgs, BenchTransport};
+
+use crate::rank::RankInfo;
+
+/// Usage of the hidden subcommand.
+pub const USAGE: &str = "usage: gradbus-worker --bench-allreduce [--sizes 1MiB,64MiB] [--iters N] [--warmup N] \
+[--transport shm|mpi] [--json]";
+
+/// Run one benchmark process with the arguments after `--bench-allreduce`; `Err` is a message.
+pub fn main(args: Vec<std::ffi::OsString>) -> Result<(), String> {
+    use lexopt::prelude::*;
+    let info = RankInfo::discover()?;
+    let mut b = BenchArgs::new(info.rank, info.world, format!("bench-{}", info.job_id), vec![64 << 20]);
+    let mut json = false;
+    let mut p = lexopt::Parser::from_args(args);
+    let err = |e: lexopt::Error| e.to_string();
+    while let Some(arg) = p.next().map_err(err)? {
+        match arg {
+            Long("sizes") => b.sizes = bench::parse_sizes(&p.value().map_err(err)?.string().map_err(err)?)?,
+            Long("iters") => b.iters = p.value().map_err(err)?.parse().map_err(err)?,
+            Long("warmup") => b.warmup = p.value().map_err(err)?.parse().map_err(err)?,
+            Long("transport") => {
+                b.transport = p.value().map_err(err)?.string().map_err(err)?.parse::<BenchTransport>()?
+            }
+            Long("json") => json = true,
+            other => return Err(other.unexpected().to_string()),
+        }
+    }
+    if info.nodes > 1 {
+        return Err(format!("the benchmark runs on one node; this job has {} (GRADBUS_FAKE_NODES?)", info.nodes));
+    }
+    let rows = bench::rank_main(b).map_err(|e| format!("{e:#}"))?;
+    if let Some(rows) = rows {
+        print!("{}", if json { bench::json_lines(&rows) } else { bench::format_table(&rows) });
+    }
+    Ok(())
+}
