@@ -21,6 +21,9 @@
 //!   every counter is `>= k`. Each arrival also records what the rank was doing (phase, step,
 //!   bucket); after the barrier every rank compares those tags and, on a mismatch, every rank fails
 //!   with the same `Error::Mismatch` instead of summing the wrong buckets.
+//! - A waiting rank spins briefly, then yields (ranks may outnumber cores: a spinning waiter
+//!   steals the core of the rank it waits for), and after `YIELD_FOR` sleeps on a futex in the
+//!   header that the rank completing the barrier wakes, so long waits cost no CPU.
 //! - A waiting rank polls the liveness of the ranks it is waiting for: failed flag, departed flag,
 //!   process gone (or a zombie). A dead peer ends the wait at once with `PeerFailed`; a live but
 //!   stalled one with `Timeout` at the deadline. No rank waits forever. A rank that returns any
@@ -64,6 +67,11 @@ pub const VERSION: u64 = 1;
 const HEADER_BYTES: usize = 4096;
 /// Segment regions start on page boundaries.
 const PAGE: usize = 4096;
+
+/// Offset of the wake line (futex word and sleeper count) inside the header page.
+const WAKE_OFF: usize = 2048;
+/// How long a waiter spins and yields before it sleeps on the futex.
+const YIELD_FOR: Duration = Duration::from_millis(1);
 
 /// Rank cell states (0: nobody attached yet).
 const ST_ATTACHED: u64 = 1;
@@ -133,6 +141,15 @@ struct Header {
     buckets: AtomicU64,
     len: AtomicU64,
     size: AtomicU64,
+}
+
+/// Where waiters sleep: `seq` is a futex word bumped whenever a barrier may have completed (or a
+/// rank failed or left); `sleepers` counts the waiters that may be asleep on it, so that an
+/// arriving rank makes the wake-up system call only when someone sleeps.
+#[repr(C, align(64))]
+struct WakeLine {
+    seq: AtomicU32,
+    sleepers: AtomicU32,
 }
 
 /// One rank's control block, on its own cache lines.
@@ -227,6 +244,17 @@ pub fn monotonic_ns() -> u64 {
     // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// CPU time consumed by the calling thread.
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 /// State character and start time of a process, from `/proc/PID/stat`.
@@ -479,8 +507,9 @@ pub struct ShmBus {
     barriers: u64,
     /// `agree` calls so far: the update number, whose parity picks the table buffer.
     update: u64,
-    /// Wall time of this rank's last reduce phase (between the two barriers), for the benchmark.
-    pub(crate) last_reduce: Duration,
+    /// Thread CPU time of this rank's last reduce phase (between the two barriers; no waiting in
+    /// it), for the benchmark: unlike wall time it does not count preemption by other processes.
+    pub(crate) last_reduce_cpu: Duration,
 }
 
 impl ShmBus {
@@ -523,7 +552,7 @@ impl ShmBus {
             claimed: false,
             barriers: 0,
             update: 0,
-            last_reduce: Duration::ZERO,
+            last_reduce_cpu: Duration::ZERO,
         };
         bus.claim_cell()?;
         bus.barrier("attach", StepId::default())?;
@@ -545,6 +574,60 @@ impl ShmBus {
     /// in different phases). For startup and shutdown; the collectives use it internally.
     pub fn barrier(&mut self, phase: &str, at: StepId) -> Result<(), Error> {
         self.barrier_tagged(phase, at, None)
+    }
+
+    fn wake_line(&self) -> &WakeLine {
+        // SAFETY: WAKE_OFF + size_of::<WakeLine>() <= HEADER_BYTES, inside the mapping, 64-byte
+        // aligned; two atomics, valid for any bits.
+        unsafe { &*self.map.as_ptr().add(WAKE_OFF).cast::<WakeLine>() }
+    }
+
+    /// Bump the futex word and wake every sleeper (if any may sleep). Called when this rank's
+    /// arrival completed a barrier, and when it fails or leaves.
+    fn wake_all(&self) {
+        let w = self.wake_line();
+        w.seq.fetch_add(1, Ordering::SeqCst);
+        if w.sleepers.load(Ordering::SeqCst) > 0 {
+            // SAFETY: FUTEX_WAKE on a valid, 4-byte aligned word of a shared mapping; no other
+            // memory is touched. Shared (not PRIVATE) futex: the waiters are other processes.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    w.seq.as_ptr(),
+                    libc::FUTEX_WAKE,
+                    i32::MAX,
+                    0usize,
+                    0usize,
+                    0u32,
+                )
+            };
+        }
+    }
+
+    /// Sleep until the futex word moves away from `seen` or `max` passes (spurious wake-ups are fine:
+    /// the caller re-checks).
+    fn futex_sleep(&self, seen: u32, max: Duration) {
+        let ts = libc::timespec {
+            tv_sec: max.as_secs() as libc::time_t,
+            tv_nsec: max.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: FUTEX_WAIT on a valid, 4-byte aligned word of a shared mapping with a valid
+        // relative timeout; it returns at once if the word no longer holds `seen`.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                self.wake_line().seq.as_ptr(),
+                libc::FUTEX_WAIT,
+                seen,
+                &ts as *const libc::timespec,
+                0usize,
+                0u32,
+            )
+        };
+    }
+
+    fn all_arrived(&self, k: u64) -> bool {
+        (0..self.geo.n).all(|j| self.cell(j).arrive.load(Ordering::SeqCst) >= k)
     }
 
     fn cell(&self, k: usize) -> &RankCell {
@@ -639,8 +722,11 @@ impl ShmBus {
                 w.store(v, Ordering::Relaxed);
             }
             c.heartbeat_ns.store(monotonic_ns(), Ordering::Relaxed);
-            // SeqCst pairs with the failed-flag protocol in `wait_all`.
+            // SeqCst pairs with the failed-flag protocol and the futex protocol in `wait_all`.
             c.arrive.store(k, Ordering::SeqCst);
+        }
+        if self.all_arrived(k) {
+            self.wake_all();
         }
         // Tags before failed flags: a mismatch is seen by every rank alike, even though the first
         // rank to see it sets its failed flag.
@@ -665,6 +751,7 @@ impl ShmBus {
         c.failed_at.store(at_barrier, Ordering::Relaxed);
         c.blame.store(blame as u64, Ordering::Relaxed);
         c.failed.store(reason, Ordering::SeqCst);
+        self.wake_all();
     }
 
     /// The rank to name when rank `j` has failed: the root cause it recorded, unless that is us.
@@ -741,12 +828,26 @@ impl ShmBus {
                 }
             }
             // Spin briefly, then yield: ranks may outnumber cores, and a spinning waiter would
-            // steal the core of the rank it waits for. After a while, sleep to free the core.
-            if now.duration_since(start) < Duration::from_millis(5) {
+            // steal the core of the rank it waits for. Then sleep on the futex until the rank
+            // that completes the barrier wakes us (or the next liveness check is due).
+            if now.duration_since(start) < YIELD_FOR {
                 // SAFETY: sched_yield has no preconditions.
                 unsafe { libc::sched_yield() };
             } else {
-                std::thread::sleep(Duration::from_micros(50));
+                // Futex protocol: announce the sleeper, read the word, re-check the arrivals, then
+                // sleep only if the word is unchanged. An arrival that completes the barrier
+                // bumps the word after its SeqCst store; if our re-check missed that store, our
+                // read of the word came before the bump, so the sleep returns at once or is woken.
+                let w = self.wake_line();
+                w.sleepers.fetch_add(1, Ordering::SeqCst);
+                let seen = w.seq.load(Ordering::SeqCst);
+                if !self.all_arrived(k) {
+                    let max = next_check
+                        .min(deadline)
+                        .saturating_duration_since(Instant::now());
+                    self.futex_sleep(seen, max.max(Duration::from_micros(10)));
+                }
+                w.sleepers.fetch_sub(1, Ordering::SeqCst);
             }
         }
     }
@@ -875,7 +976,7 @@ impl ShmBus {
                 std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len())
             })
             .collect();
-        let t0 = Instant::now();
+        let t0 = thread_cpu_time();
         if validate {
             let mut tally = vec![Health::default(); n];
             let sum = match to {
@@ -891,7 +992,7 @@ impl ShmBus {
         } else {
             reduce_plain(&mut slices);
         }
-        self.last_reduce = t0.elapsed();
+        self.last_reduce_cpu = thread_cpu_time().saturating_sub(t0);
         self.barrier_tagged("reduced", at, Some(bucket))
     }
 }
@@ -1271,9 +1372,12 @@ impl Transport for ShmBus {
 impl Drop for ShmBus {
     fn drop(&mut self) {
         // Peers still waiting for this rank fail at once instead of at the deadline.
-        self.cell(self.cfg.local_rank)
-            .state
-            .store(ST_DEPARTED, Ordering::Release);
+        if self.claimed {
+            self.cell(self.cfg.local_rank)
+                .state
+                .store(ST_DEPARTED, Ordering::SeqCst);
+            self.wake_all();
+        }
         if self.creator {
             // Unlink only if the name still points at OUR segment (same inode).
             let ours = self.file.metadata().ok().map(|m| (m.dev(), m.ino()));
@@ -1341,7 +1445,8 @@ mod tests {
     fn geometry_regions_are_ordered_aligned_and_disjoint() {
         for (n, b, len) in [(1, 1, 16), (2, 3, 1000), (4, 0, 0), (8, 100, 1 << 20)] {
             let g = Geometry::new(n, b, len);
-            assert!(size_of::<Header>() <= HEADER_BYTES);
+            assert!(size_of::<Header>() <= WAKE_OFF);
+            assert!(WAKE_OFF + size_of::<WakeLine>() <= HEADER_BYTES);
             assert_eq!(size_of::<RankCell>() % 128, 0);
             assert!(g.cells + n * size_of::<RankCell>() <= g.table);
             assert!(g.table + 2 * b * n * g.entry <= g.reports);

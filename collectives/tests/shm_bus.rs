@@ -138,12 +138,19 @@ fn run_child(e: &Env) -> Result<(), Error> {
                 0,
             )
         }
-        "exit" => {
-            // `arg` is the rank that exits without cleanup (as under kill -9); the others would
-            // wait 30 s for it, far beyond the parent's limit, unless they notice it died.
+        "exit" | "exit-mark" | "exit-leave" => {
+            // `arg` is the rank that exits without cleanup (as under kill -9), or marks itself
+            // failed, or drops the bus, and then stays alive. The others would wait 30 s for it,
+            // far beyond the parent's limit, unless they notice.
             let mut bus = ShmBus::open(config(e, reduce_layout(), long))?;
             if e.rank == e.arg {
-                std::process::exit(0);
+                match e.scenario.as_str() {
+                    "exit" => std::process::exit(0),
+                    "exit-mark" => bus.mark_failed(),
+                    _ => drop(bus),
+                }
+                std::thread::sleep(Duration::from_secs(600));
+                unreachable!("killed by the parent");
             }
             bus.allreduce_bucket(
                 StepId {
@@ -178,13 +185,18 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
     let layout = reduce_layout();
     let mut bus = ShmBus::open(config(e, layout.clone(), Duration::from_secs(30)))?;
     let mut history = History::default();
-    for u in 0..2u64 {
+    for u in 0..3u64 {
         bus.grads()
             .copy_from_slice(&inputs(e.seed + u, e.rank, layout.len));
         let at = StepId {
             step: u,
             ..StepId::default()
         };
+        if u == 1 && e.rank == e.np - 1 {
+            // A late rank: the others wait past the spin/yield phase and sleep on the futex (the
+            // outcome must not change).
+            std::thread::sleep(Duration::from_millis(20));
+        }
         for b in 0..layout.buckets.len() {
             bus.allreduce_bucket(at, b)?;
         }
@@ -446,7 +458,7 @@ fn run_reduce(np: usize) {
         logs(dir.path(), np)
     );
     let layout = reduce_layout();
-    for u in 0..2u64 {
+    for u in 0..3u64 {
         // Serial oracle: ((x0 + x1) + x2) + ..., element by element, in rank order.
         let mut want = inputs(1234 + u, 0, layout.len);
         for r in 1..np {
@@ -579,12 +591,14 @@ fn a_stalled_rank_is_named_by_a_timeout_on_every_other_rank() {
     assert_no_segment(&job);
 }
 
-fn run_exit(np: usize, dead: usize) {
-    let (job, dir) = job(&format!("exit{dead}"));
+fn run_exit(how: &str, np: usize, dead: usize) {
+    let (job, dir) = job(&format!("{how}{dead}"));
     let mut ch: Vec<Child> = (0..np)
-        .map(|r| spawn("exit", r, np, &job, dir.path(), dead))
+        .map(|r| spawn(how, r, np, &job, dir.path(), dead))
         .collect();
-    let codes = wait_children(&mut ch, &[], dir.path());
+    // A rank that marked itself failed or left the bus stays alive: killed after the others.
+    let alive: &[usize] = if how == "exit" { &[] } else { &[dead] };
+    let codes = wait_children(&mut ch, alive, dir.path());
     for r in (0..np).filter(|&r| r != dead) {
         let o = outcome(dir.path(), r);
         assert_eq!(
@@ -598,8 +612,8 @@ fn run_exit(np: usize, dead: usize) {
             "{o}"
         );
     }
-    assert_eq!(codes[dead], Some(0));
-    if dead == 0 {
+    assert_eq!(codes[dead], if how == "exit" { Some(0) } else { None });
+    if dead == 0 && how == "exit" {
         // The creator died without cleanup: the launcher's sweep removes its segment.
         assert_eq!(remove_job_segments(Path::new(SHM), &job).unwrap(), 1);
     }
@@ -608,12 +622,22 @@ fn run_exit(np: usize, dead: usize) {
 
 #[test]
 fn a_rank_that_dies_fails_the_others_at_once_with_peer_failed() {
-    run_exit(3, 1);
+    run_exit("exit", 3, 1);
+}
+
+#[test]
+fn a_rank_that_marks_itself_failed_fails_the_others_at_once() {
+    run_exit("exit-mark", 3, 2);
+}
+
+#[test]
+fn a_rank_that_drops_the_bus_fails_the_others_at_once() {
+    run_exit("exit-leave", 2, 1);
 }
 
 #[test]
 fn a_creator_that_dies_fails_the_others_and_the_sweep_removes_its_segment() {
-    run_exit(2, 0);
+    run_exit("exit", 2, 0);
 }
 
 #[test]
