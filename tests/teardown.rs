@@ -236,6 +236,9 @@ fn kill_9_of_one_rank_ends_the_launcher_and_every_rank_within_10_s() {
     }
     assert!(killed_at.elapsed() < TEARDOWN, "teardown took {:?}\n{}", killed_at.elapsed(), ended.explain());
     ended.assert_code(4);
+    // Ranks 0 and 2 notice the death within milliseconds and exit 4; the launcher often sees all
+    // three ends in one polling round and must still name the killed rank (this failed 3 runs in 3
+    // when the lowest index won).
     ended.assert_stderr("root cause: rank 1 failed first: killed by SIGKILL");
     ended.assert_no_segments();
 }

@@ -22,7 +22,7 @@ pub enum Error {
     },
 
     /// A subcommand that exists in the CLI's design but has not been written yet.
-    #[error("`gradbus {command}` is not implemented yet\n  hint: only `gradbus run` works in this build; see `gradbus --help`")]
+    #[error("`gradbus {command}` is not implemented yet\n  hint: `gradbus run`, `replay` and `bench` work in this build; see `gradbus --help`")]
     NotImplemented {
         /// The subcommand's name.
         command: &'static str,

@@ -3,9 +3,10 @@
 //! Stages, each of which can only fail with a usage error (exit 2) before anything is started:
 //! parse the flags ([`parse`]) -> check the config file exists -> build and validate the
 //! [`LaunchPlan`] -> find the worker (or `mpirun`) -> create the run directory and record the launch
-//! in `RUN_DIR/launch.json`. Then the job runs under [`supervise`], the job's leftover shared-memory
-//! segments are removed after the last process is gone, the root-cause summary is printed, and the
-//! policy code is returned.
+//! in `RUN_DIR/launch.json`. Then stale segments of dead launchers are swept ([`shm::sweep_stale`]),
+//! the job runs under [`supervise`] with a [`ShmProgress`] display, the job's leftover
+//! shared-memory segments are removed after the last process is gone, the root-cause summary is
+//! printed, and the policy code is returned.
 //!
 //! The worker command line is `gradbus-worker --run-dir DIR [--resume] CONFIG [--set key=value ...]`
 //! with the environment contract of `gradbus_worker::env` (rank, local rank, sizes, node id, job id,
