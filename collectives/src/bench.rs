@@ -262,6 +262,7 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
                 values: [0.0; 7],
             },
         )?;
+        #[allow(unused_mut)]
         let mut wrong: u64 = table.reports.iter().map(|r| r.loss as u64).sum();
 
         // The same bytes through MPI_Allreduce (every rank takes part; the result is checked too).
