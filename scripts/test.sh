@@ -21,3 +21,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 cargo test --workspace --release
+# The MPI transports (feature `mpi`: rsmpi, bindgen) under real `mpirun`s: only the `mpi` test targets
+# (collectives/tests/mpi.rs, tests/mpi.rs); the line above already ran everything else, and keeps the
+# default build (no MPI) tested. Costs the feature's build (~2-3 min on 2 cores) and ~40 s of tests.
+cargo test --workspace --release --features mpi --test mpi
