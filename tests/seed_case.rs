@@ -61,6 +61,11 @@ fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes
         assert!(log.contains(&line), "rank {rank} log lacks `{line}`:\n{log}");
     }
 
+    // Each rank with non-finite gradients traced its update on the spot and names the k3 exp.
+    let bad = rep["ranks"][0].as_u64().unwrap();
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(a.join(format!("trace-rank-{bad}.json"))).unwrap()).unwrap();
+    assert_eq!(trace["first"]["op"], "loss.kl_exp", "{trace}");
+
     // The early warning fired before the first non-finite gradient, from the agreed headroom.
     let m = metrics(&a);
     let warned = m.iter().position(|l| l["headroom"].as_f64().is_some_and(|h| h < 20.0)).expect("no warning");

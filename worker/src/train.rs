@@ -330,6 +330,9 @@ impl Trainer {
                 Action::Abort => {
                     let report = verdict.report.expect("an abort carries its report");
                     self.write_failure(mb, &table, &report)?;
+                    if report.ranks.contains(&self.info.rank) {
+                        self.trace_failure(mb, &report)?;
+                    }
                     return Ok(Some(report));
                 }
             }
@@ -517,6 +520,21 @@ impl Trainer {
             .unwrap_or_default();
         log::info!("rank {}: resumed from {} at step {}", self.info.rank, dir.display(), self.step);
         Ok(())
+    }
+
+    /// On abort, each rank whose gradients were non-finite recomputes its update with the trace on
+    /// (into a scratch buffer: the bus is left as it is) and reports the first non-finite op, in its
+    /// log and in `RUN_DIR/trace-rank-K.json`.
+    fn trace_failure(&mut self, mb: &Batch, report: &Report) -> Result<(), WorkerError> {
+        let layout = self.layout().clone();
+        let mut trace = crate::forensics::Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
+        let mut scratch = vec![0.0; layout.len];
+        compute_gradients(&self.gpt, &self.cfg, &self.params, &mut self.acts, mb, &mut scratch, &mut trace);
+        let line = trace.first.as_ref().map_or_else(|| "no non-finite tensor on recomputation (transient?)".to_string(), |f| f.describe());
+        eprintln!("rank {}: trace of step {} update {}: first non-finite: {line}", self.info.rank, report.step, report.minibatch);
+        let p = self.run_dir.join(format!("trace-rank-{}.json", self.info.rank));
+        let text = serde_json::to_string_pretty(&json!({"step": report.step, "minibatch": report.minibatch, "rank": self.info.rank, "first": trace.first})).expect("json") + "\n";
+        tensorfile::write_atomic(&p, text.as_bytes()).map_err(|e| WorkerError::io(&p.display().to_string(), e))
     }
 
     /// On abort: every rank dumps the state at the start of the failing update and its mini-batch;
