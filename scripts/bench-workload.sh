@@ -25,11 +25,14 @@ if ! "$py" -c 'import torch, tomllib' 2>/dev/null; then
     echo "BENCH_PYTHON=$py has no torch (or is older than Python 3.11)" >&2
     exit 2
   fi
-  echo "installing torch into .venv-bench (benchmark only)" >&2
+  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "need python3 >= 3.11 (tomllib) to create .venv-bench" >&2
+    exit 2
+  fi
+  echo "installing torch into .venv-bench from PyPI (benchmark only; the wheel pulls ~3 GB)" >&2
   python3 -m venv .venv-bench
   .venv-bench/bin/pip install -q --upgrade pip
-  .venv-bench/bin/pip install -q --index-url https://download.pytorch.org/whl/cpu -r bench/requirements.txt \
-    || .venv-bench/bin/pip install -q -r bench/requirements.txt
+  .venv-bench/bin/pip install -q -r bench/requirements.txt
 fi
 
 cargo build --release --quiet
