@@ -252,6 +252,8 @@ def worker(rank, world, cfg, port, out):
         res = {"ranks": world, "steps": len(step_end), "steps_timed": steps_timed, "updates_timed": updates,
                "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
                "params": sum(p.numel() for p in policy.parameters()), "torch": torch.__version__}
+        print(f"pytorch: {world} rank(s), {tokens} tokens in {wall:.2f} s (steps 1..{len(step_end) - 1}): "
+              f"{tokens / wall:.0f} tokens/s", flush=True)
         print(json.dumps({"pytorch": res}), flush=True)
         if out:
             with open(out, "w") as f:
