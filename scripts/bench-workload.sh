@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The reference workload, gradbus vs PyTorch (DistributedDataParallel over gloo, CPU, one thread per
+# process), side by side: builds gradbus (release), installs torch into a venv when missing, runs
+# bench/compare.py, which alternates the two sides for a few repetitions and prints tokens/s and the
+# ratio. PyTorch is a benchmark-only dependency: this script is the only thing that installs it.
+#
+# Usage: scripts/bench-workload.sh [--steps S] [--reps N] [--ranks 2,1] [--set key=value ...]
+# Env:   BENCH_PYTHON  a python that already has torch (default: /tmp/torchvenv if present, else
+#                      .venv-bench/, created here and git-ignored)
+#        BENCH_CONFIG  the config (default examples/tiny.toml)
+# The loss style defaults to "safe" on both sides (pass --set loss.style=roll to compare ROLL's).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+py="${BENCH_PYTHON:-}"
+if [ -z "$py" ]; then
+  if [ -x /tmp/torchvenv/bin/python ] && /tmp/torchvenv/bin/python -c 'import torch' 2>/dev/null; then
+    py=/tmp/torchvenv/bin/python
+  else
+    py=.venv-bench/bin/python
+  fi
+fi
+if ! "$py" -c 'import torch, tomllib' 2>/dev/null; then
+  if [ "$py" != .venv-bench/bin/python ]; then
+    echo "BENCH_PYTHON=$py has no torch (or is older than Python 3.11)" >&2
+    exit 2
+  fi
+  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "need python3 >= 3.11 (tomllib) to create .venv-bench" >&2
+    exit 2
+  fi
+  echo "installing torch into .venv-bench from PyPI (benchmark only; the wheel pulls ~3 GB)" >&2
+  python3 -m venv .venv-bench
+  .venv-bench/bin/pip install -q --upgrade pip
+  .venv-bench/bin/pip install -q -r bench/requirements.txt
+fi
+
+cargo build --release --quiet
+
+exec "$py" bench/compare.py --config "${BENCH_CONFIG:-examples/tiny.toml}" --python "$py" \
+  --gradbus target/release/gradbus --set loss.style=safe "$@"
