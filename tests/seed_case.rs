@@ -96,6 +96,14 @@ fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes
     assert_eq!(replay["first"]["op"], "loss.kl_exp", "{replay}");
     assert!(replay["first"]["exp_input"].as_f64().unwrap() > 88.72);
 
+    // Policy rerun: the recomputed update is non-finite in the same places: deterministic.
+    let d = tmp.path().join("d");
+    run(&d, &["--set", "policy=rerun"]).expect_code(3);
+    let rerun = report(&d);
+    assert_eq!((rerun["step"].clone(), rerun["minibatch"].clone()), (rep["step"].clone(), rep["minibatch"].clone()));
+    assert_eq!(rerun["attempt"], 1);
+    assert_eq!(rerun["classification"], "deterministic");
+
     // The fix: the safe loss passes that step with no non-finite gradient.
     let c = tmp.path().join("c");
     run(&c, &["--set", "loss.style=safe", "--set", &format!("steps={}", step + 5)]).expect_code(0);
