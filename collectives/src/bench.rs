@@ -497,7 +497,7 @@ mod tests {
             "{t}"
         );
         let j: serde_json::Value =
-            serde_json::from_str(json_lines(&[row.clone()]).lines().next().unwrap()).unwrap();
+            serde_json::from_str(json_lines(std::slice::from_ref(&row)).lines().next().unwrap()).unwrap();
         for k in [
             "size_bytes",
             "algbw_gbps",

@@ -37,6 +37,11 @@
 //!   of every all-reduce it ran since the last agreement; differing hashes are an `Error::Mismatch`
 //!   on every rank. (A mismatch of message sizes inside one `MPI_Allreduce` cannot be caught before
 //!   it happens; the layout hash checked at open makes it a program bug.)
+//! - rsmpi ignores MPI's return codes; MPI's default error handler (`MPI_ERRORS_ARE_FATAL`) aborts
+//!   the whole job on an MPI error, which mpirun reports.
+//! - `mark_failed` cannot wake peers blocked in MPI (short of `MPI_Abort`, which would cut the
+//!   rank's own error report): it only stops this rank from finalising, so that it exits at once and
+//!   mpirun takes the job down.
 //! - rsmpi has no `MPI_IN_PLACE`, so the MPI reduce writes into a scratch buffer and the sum is
 //!   copied back (one extra read+write of the bucket).
 
@@ -224,7 +229,7 @@ fn agree_rows(
     mine.extend(local.iter().flat_map(health_words));
     match reduced {
         Some(r) => mine.extend(r.iter().flat_map(health_words)),
-        None => mine.extend(std::iter::repeat(0).take(4 * nb)),
+        None => mine.resize(mine.len() + 4 * nb, 0),
     }
     mine.push(report.loss.to_bits());
     mine.extend(report.values.iter().map(|v| v.to_bits()));
@@ -296,10 +301,10 @@ impl MpiCore {
     fn open(expect: &Expect, ident: [u64; ID_WORDS]) -> Result<(MpiCore, Vec<[u64; ID_WORDS]>), Error> {
         let universe = universe()?;
         let world = universe.world();
-        check_world(&world, expect)?;
-        let dup = world.duplicate();
-        let mut core =
-            MpiCore { comms: Some(Comms { world: dup, leaders: None }), universe: Some(universe), failed: false };
+        let mut core = MpiCore { comms: None, universe: Some(universe), failed: false };
+        // A failure from here on leaks MPI instead of finalising it (see `Drop`).
+        core.guard(|_| check_world(&world, expect))?;
+        core.comms = Some(Comms { world: world.duplicate(), leaders: None });
         let rows = core.guard(|c| exchange_identity(&c.comms().world, ident))?;
         Ok((core, rows))
     }
