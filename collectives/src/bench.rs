@@ -348,7 +348,12 @@ fn open_hier(args: &BenchArgs, layout: &Layout, hash: u64) -> Result<crate::mpi:
     cfg.shm_dir = args.shm_dir.clone();
     cfg.timeout = args.timeout;
     cfg.config_hash = hash;
-    let expect = crate::mpi::Expect { rank: args.rank, world: args.np, source: "benchmark arguments".into() };
+    let expect = crate::mpi::Expect {
+        rank: args.rank,
+        world: args.np,
+        source: "benchmark arguments".into(),
+        timeout: args.timeout,
+    };
     crate::mpi::HierTransport::open(expect, cfg)
 }
 
