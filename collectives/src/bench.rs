@@ -20,7 +20,9 @@
 //! all-reduced with Open MPI's (or MPICH's) `MPI_Allreduce` over the same processes in the same run,
 //! into the `mpi_*` columns, so the bus and MPI are compared side by side:
 //! `mpirun --allow-run-as-root --bind-to none -np 2 target/release/gradbus-worker --bench-allreduce
-//! --transport mpi --sizes 64MiB`.
+//! --transport mpi --sizes 64MiB`. `BenchTransport::Hier` adds the hierarchical transport (shm inside
+//! each of `nodes` fake nodes, MPI between their leaders, shm broadcast; validated, like the bus) in a
+//! `hier` column: `... --transport hier --nodes 2`.
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -63,6 +65,8 @@ pub struct BenchArgs {
     pub timeout: Duration,
     /// What to measure besides the shm bus.
     pub transport: BenchTransport,
+    /// `BenchTransport::Hier`: fake nodes the ranks are split into (contiguous ranks per node).
+    pub nodes: usize,
 }
 
 /// What the benchmark measures besides the shared-memory bus.
@@ -74,6 +78,8 @@ pub enum BenchTransport {
     /// The bus, and `MPI_Allreduce` of the same sizes over the same processes (feature `mpi`, the
     /// processes started by `mpirun`).
     Mpi,
+    /// As `Mpi`, plus the hierarchical transport with the ranks split into `BenchArgs::nodes` nodes.
+    Hier,
 }
 
 impl std::str::FromStr for BenchTransport {
@@ -82,7 +88,8 @@ impl std::str::FromStr for BenchTransport {
         match s {
             "shm" => Ok(BenchTransport::Shm),
             "mpi" => Ok(BenchTransport::Mpi),
-            _ => Err(format!("transport {s:?}: expected shm or mpi")),
+            "hier" => Ok(BenchTransport::Hier),
+            _ => Err(format!("transport {s:?}: expected shm, mpi or hier")),
         }
     }
 }
@@ -100,6 +107,7 @@ impl BenchArgs {
             shm_dir: PathBuf::from("/dev/shm"),
             timeout: Duration::from_secs(120),
             transport: BenchTransport::Shm,
+            nodes: 2,
         }
     }
 }
@@ -150,6 +158,9 @@ pub struct BenchRow {
     /// `size_bytes / mpi_time`, GB/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mpi_algbw_gbps: Option<f64>,
+    /// The hierarchical transport's validated all-reduce (microseconds), with `BenchTransport::Hier`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hier_time_us: Option<f64>,
 }
 
 /// Parse a size such as `1MiB`, `64M`, `4KiB`, `1GiB`, `4096` (binary units; `kB`/`MB`/`GB` are
@@ -220,20 +231,25 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
     #[cfg(feature = "mpi")]
     let universe = match args.transport {
         BenchTransport::Shm => None,
-        BenchTransport::Mpi => {
+        BenchTransport::Mpi | BenchTransport::Hier => {
             let u = crate::mpi::universe()?;
             crate::mpi::check_bench_world(&u, args.rank, args.np)?;
             Some(u)
         }
     };
     #[cfg(not(feature = "mpi"))]
-    if args.transport == BenchTransport::Mpi {
+    if args.transport != BenchTransport::Shm {
         return Err(Error::Mpi {
             what: "the MPI comparison needs MPI".into(),
             hint: "build with `--features mpi` and start the ranks with mpirun".into(),
         });
     }
     let mut bus = ShmBus::open(cfg)?;
+    #[cfg(feature = "mpi")]
+    let mut hier = match args.transport {
+        BenchTransport::Hier => Some(open_hier(&args, &layout, h.0)?),
+        _ => None,
+    };
     let n = args.np;
     let mut rows = Vec::new();
     let mut at = StepId::default();
@@ -300,6 +316,14 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
             mpi_time = Some(us);
             wrong += bad;
         }
+        #[allow(unused_mut)]
+        let mut hier_time: Option<f64> = None;
+        #[cfg(feature = "mpi")]
+        if let Some(t) = hier.as_mut() {
+            let (us, bad) = time_transport(t, at, bucket, range.clone(), (args.rank + 1) as f32, want, &args)?;
+            hier_time = Some(us);
+            wrong += bad;
+        }
 
         // The single-process ceilings, measured by rank 0 while the others wait in a barrier.
         if args.rank == 0 {
@@ -326,12 +350,73 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
                 barrier_us,
                 mpi_time_us: mpi_time,
                 mpi_algbw_gbps: mpi_time.map(|t| size as f64 / (t * 1e-6) / 1e9),
+                hier_time_us: hier_time,
             });
         }
         bus.barrier("bench-size-done", at)?;
     }
     bus.barrier("bench-end", at)?;
     Ok((args.rank == 0).then_some(rows))
+}
+
+/// The hierarchical transport of the benchmark: `args.nodes` fake nodes of contiguous ranks, each
+/// with its own segment (job id `JOB-h`).
+#[cfg(feature = "mpi")]
+fn open_hier(args: &BenchArgs, layout: &Layout, hash: u64) -> Result<crate::mpi::HierTransport, Error> {
+    let nodes = args.nodes.max(1);
+    if args.np % nodes != 0 {
+        return Err(Error::Mpi {
+            what: format!("{} ranks cannot be split into {nodes} nodes", args.np),
+            hint: "pick a number of nodes that divides the number of ranks".into(),
+        });
+    }
+    let per = args.np / nodes;
+    let mut cfg = BusConfig::new(format!("{}-h", args.job_id), args.rank % per, per, layout.clone());
+    cfg.node_id = args.rank / per;
+    cfg.shm_dir = args.shm_dir.clone();
+    cfg.timeout = args.timeout;
+    cfg.config_hash = hash;
+    let expect = crate::mpi::Expect {
+        rank: args.rank,
+        world: args.np,
+        source: "benchmark arguments".into(),
+        timeout: args.timeout,
+    };
+    crate::mpi::HierTransport::open(expect, cfg)
+}
+
+/// Time any `Transport`'s all-reduce of one bucket the way the bus is timed (warm-up, best of
+/// `ROUNDS` averages of `iters`, each round after an `agree` that lines the ranks up), then check one
+/// all-reduce of `fill` against `want`: (rank 0's microseconds, wrong elements over all ranks).
+#[cfg(feature = "mpi")]
+fn time_transport(
+    t: &mut dyn Transport,
+    at: StepId,
+    bucket: usize,
+    range: std::ops::Range<usize>,
+    fill: f32,
+    want: f32,
+    args: &BenchArgs,
+) -> Result<(f64, u64), Error> {
+    t.grads()[range.clone()].fill(fill);
+    for _ in 0..args.warmup {
+        t.allreduce_bucket(at, bucket)?;
+    }
+    let mut best = f64::INFINITY;
+    for _ in 0..ROUNDS {
+        t.grads()[range.clone()].fill(fill);
+        t.agree(at, LocalReport::default())?;
+        let t0 = Instant::now();
+        for _ in 0..args.iters {
+            t.allreduce_bucket(at, bucket)?;
+        }
+        best = best.min(t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64);
+    }
+    t.grads()[range.clone()].fill(fill);
+    t.allreduce_bucket(at, bucket)?;
+    let wrong = t.grads()[range].iter().filter(|&&x| x != want).count();
+    let table = t.agree(at, LocalReport { loss: wrong as f64, values: [0.0; 7] })?;
+    Ok((best, table.reports.iter().map(|r| r.loss as u64).sum()))
 }
 
 /// GB/s of a single-thread memcpy, the fused health scan and a plain read of `x`'s bytes.
@@ -411,17 +496,22 @@ pub fn format_table(rows: &[BenchRow]) -> String {
     // The MPI_Allreduce columns, when measured: its time, bandwidth and how many times slower than the bus.
     let with_mpi = rows.iter().any(|r| r.mpi_time_us.is_some());
     let mpi_head = |a: &str, b: &str, c: &str| if with_mpi { format!(" {a:>11} {b:>7} {c:>7}") } else { String::new() };
+    // The hierarchical all-reduce column (shm inside fake nodes, MPI between their leaders), when measured.
+    let with_hier = rows.iter().any(|r| r.hier_time_us.is_some());
+    let hier_head = |a: &str| if with_hier { format!(" {a:>11}") } else { String::new() };
     let mut s =
         format!("# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average)\n#\n");
     s += &format!(
-        "#{}{}\n",
+        "#{}{}{}\n",
         line(HEAD.iter().map(|h| h.0.to_string()).collect()),
-        mpi_head("mpi", "mpi_bw", "mpi/shm")
+        mpi_head("mpi", "mpi_bw", "mpi/shm"),
+        hier_head("hier")
     );
     s += &format!(
-        "#{}{}\n",
+        "#{}{}{}\n",
         line(HEAD.iter().map(|h| h.1.to_string()).collect()),
-        mpi_head("(us)", "(GB/s)", "(x)")
+        mpi_head("(us)", "(GB/s)", "(x)"),
+        hier_head("(us)")
     );
     for r in rows {
         let pct = |a: f64, b: f64| format!("{:.1}", (a - b) / b * 100.0);
@@ -429,8 +519,9 @@ pub fn format_table(rows: &[BenchRow]) -> String {
             Some(t) => format!(" {:>11.1} {:>7.2} {:>7.2}", t, r.mpi_algbw_gbps.unwrap_or(0.0), t / r.time_us),
             None => mpi_head("-", "-", "-"),
         };
+        let hier = r.hier_time_us.map_or_else(|| hier_head("-"), |t| format!(" {t:>11.1}"));
         s += &format!(
-            " {}{mpi}\n",
+            " {}{mpi}{hier}\n",
             line(vec![
                 r.size_bytes.to_string(),
                 r.count.to_string(),
@@ -520,6 +611,7 @@ mod tests {
             barrier_us: 3.5,
             mpi_time_us: None,
             mpi_algbw_gbps: None,
+            hier_time_us: None,
         };
         let t = format_table(std::slice::from_ref(&row));
         assert!(
@@ -527,7 +619,7 @@ mod tests {
             "{t}"
         );
         let j: serde_json::Value =
-            serde_json::from_str(json_lines(&[row.clone()]).lines().next().unwrap()).unwrap();
+            serde_json::from_str(json_lines(std::slice::from_ref(&row)).lines().next().unwrap()).unwrap();
         for k in [
             "size_bytes",
             "algbw_gbps",
@@ -545,7 +637,11 @@ mod tests {
         let mpi = BenchRow { mpi_time_us: Some(40_000.0), mpi_algbw_gbps: Some(1.68), ..row.clone() };
         let t = format_table(std::slice::from_ref(&mpi));
         assert!(t.contains("mpi/shm") && t.contains("40000.0") && t.contains("4.00"), "{t}");
-        let j: serde_json::Value = serde_json::from_str(json_lines(&[mpi]).trim()).unwrap();
+        let j: serde_json::Value = serde_json::from_str(json_lines(std::slice::from_ref(&mpi)).trim()).unwrap();
         assert_eq!(j["mpi_time_us"], 40_000.0);
+        assert!(j.get("hier_time_us").is_none());
+        let hier = BenchRow { hier_time_us: Some(12_345.6), ..mpi };
+        let t = format_table(std::slice::from_ref(&hier));
+        assert!(t.contains(" hier") && t.contains("12345.6"), "{t}");
     }
 }

@@ -15,10 +15,14 @@
 //! ```
 //!
 //! Invariants and caveats:
-//! - MPI is initialised once per process (`universe`), finalised when the last transport is dropped
-//!   cleanly. A transport that failed (an error it returned, `mark_failed`, a panic) does NOT call
-//!   `MPI_Finalize` - with Open MPI that is a fence over every rank and would hang while the others
-//!   wait in a collective; the process exits non-zero and `mpirun` kills the rest of the job.
+//! - MPI is initialised once per process (`universe`) and finalised when the last transport is
+//!   dropped cleanly. `MPI_Finalize` (and freeing a communicator) synchronises with every rank, so it
+//!   would hang if a peer is blocked in a collective this rank will never join. So a transport that
+//!   failed (an error it returned, `mark_failed`, a panic) never finalises, and a clean drop first
+//!   meets every rank in a non-blocking barrier on a communicator of its own (`MPI_Ibarrier`,
+//!   polled until `Expect::timeout`): only when all ranks are leaving does it finalise. Otherwise
+//!   the process exits without finalising and `mpirun` ends the job (it counts such a process as
+//!   failed, even with status 0).
 //! - Rank identity must agree with MPI: after `MPI_Init`, a world size (or rank) from the environment
 //!   that differs from `MPI_COMM_WORLD` is an error (a binary linked against one MPI and started by
 //!   another's `mpiexec` runs as N silent size-1 jobs). At open, every rank also checks every
@@ -37,6 +41,11 @@
 //!   of every all-reduce it ran since the last agreement; differing hashes are an `Error::Mismatch`
 //!   on every rank. (A mismatch of message sizes inside one `MPI_Allreduce` cannot be caught before
 //!   it happens; the layout hash checked at open makes it a program bug.)
+//! - rsmpi ignores MPI's return codes; MPI's default error handler (`MPI_ERRORS_ARE_FATAL`) aborts
+//!   the whole job on an MPI error, which mpirun reports.
+//! - `mark_failed` cannot wake peers blocked in MPI (short of `MPI_Abort`, which would cut the
+//!   rank's own error report): it only stops this rank from finalising, so that it exits at once and
+//!   mpirun takes the job down.
 //! - rsmpi has no `MPI_IN_PLACE`, so the MPI reduce writes into a scratch buffer and the sum is
 //!   copied back (one extra read+write of the bucket).
 
@@ -102,6 +111,9 @@ pub struct Expect {
     pub world: usize,
     /// Where the numbers came from (`openmpi`, `mpich`, `gradbus`...), for the error message.
     pub source: String,
+    /// How long a rank that is done waits for the others before finalising MPI (see the module
+    /// doc); the collective timeout of the job.
+    pub timeout: std::time::Duration,
 }
 
 /// `MPI_COMM_WORLD`'s size must be the environment's: otherwise the binary was started by another
@@ -224,7 +236,7 @@ fn agree_rows(
     mine.extend(local.iter().flat_map(health_words));
     match reduced {
         Some(r) => mine.extend(r.iter().flat_map(health_words)),
-        None => mine.extend(std::iter::repeat(0).take(4 * nb)),
+        None => mine.resize(mine.len() + 4 * nb, 0),
     }
     mine.push(report.loss.to_bits());
     mine.extend(report.values.iter().map(|v| v.to_bits()));
@@ -279,6 +291,8 @@ fn agree_rows(
 struct Comms {
     /// A duplicate of `MPI_COMM_WORLD`: our collectives never match anyone else's.
     world: SimpleCommunicator,
+    /// Only for the exit handshake: its `MPI_Ibarrier` can match nothing else.
+    exit: SimpleCommunicator,
     /// Hierarchical transport: the leaders (local rank 0 of each node), ordered by node id; `None`
     /// on the other ranks and in the flat transport.
     leaders: Option<SimpleCommunicator>,
@@ -289,6 +303,8 @@ struct MpiCore {
     comms: Option<Comms>,
     universe: Option<Arc<Universe>>,
     failed: bool,
+    /// Deadline of the exit handshake.
+    exit_timeout: std::time::Duration,
 }
 
 impl MpiCore {
@@ -296,10 +312,10 @@ impl MpiCore {
     fn open(expect: &Expect, ident: [u64; ID_WORDS]) -> Result<(MpiCore, Vec<[u64; ID_WORDS]>), Error> {
         let universe = universe()?;
         let world = universe.world();
-        check_world(&world, expect)?;
-        let dup = world.duplicate();
-        let mut core =
-            MpiCore { comms: Some(Comms { world: dup, leaders: None }), universe: Some(universe), failed: false };
+        let mut core = MpiCore { comms: None, universe: Some(universe), failed: false, exit_timeout: expect.timeout };
+        // A failure from here on leaks MPI instead of finalising it (see `Drop`).
+        core.guard(|_| check_world(&world, expect))?;
+        core.comms = Some(Comms { world: world.duplicate(), exit: world.duplicate(), leaders: None });
         let rows = core.guard(|c| exchange_identity(&c.comms().world, ident))?;
         Ok((core, rows))
     }
@@ -322,16 +338,44 @@ impl Drop for MpiCore {
     fn drop(&mut self) {
         let comms = self.comms.take();
         let universe = self.universe.take();
-        if self.failed || std::thread::panicking() {
+        let clean = !self.failed
+            && !std::thread::panicking()
+            && comms.as_ref().is_some_and(|c| all_leaving(&c.exit, self.exit_timeout));
+        if !clean {
             // Freeing communicators and MPI_Finalize synchronise with peers that may be blocked in
-            // a collective that this rank will never join: leak them; the process exits non-zero
-            // and mpirun tears the job down.
+            // a collective that this rank will never join: leak them; the process exits and mpirun
+            // tears the job down.
             std::mem::forget(comms);
             std::mem::forget(universe);
         } else {
             drop(comms);
             drop(universe);
         }
+    }
+}
+
+/// The exit handshake: whether every rank enters a barrier on `exit` within `timeout`. A rank whose
+/// peers are stuck elsewhere (blocked in a collective this rank left) gets `false` at the deadline.
+fn all_leaving(exit: &SimpleCommunicator, timeout: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut req = exit.immediate_barrier();
+    let mut pause = std::time::Duration::from_micros(50);
+    loop {
+        match req.test() {
+            Ok(_) => return true,
+            Err(pending) if std::time::Instant::now() >= deadline => {
+                log::warn!(
+                    "MPI: not every rank reached the end within {:.0} s; exiting without MPI_Finalize",
+                    timeout.as_secs_f64()
+                );
+                // An incomplete request panics when dropped; MPI is being abandoned anyway.
+                std::mem::forget(pending);
+                return false;
+            }
+            Err(pending) => req = pending,
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(10));
     }
 }
 
@@ -563,6 +607,6 @@ pub(crate) fn bench_allreduce(
 
 /// `MPI_COMM_WORLD`'s size must be the benchmark's process count.
 pub(crate) fn check_bench_world(universe: &Universe, rank: usize, np: usize) -> Result<(), Error> {
-    let expect = Expect { rank, world: np, source: "benchmark arguments".into() };
+    let expect = Expect { rank, world: np, source: "benchmark arguments".into(), timeout: Default::default() };
     check_world(&universe.world(), &expect)
 }

@@ -79,7 +79,9 @@ fn child_entry() {
 fn open(world_claimed: usize) -> Result<Box<dyn Transport>, Error> {
     let rank = num("OMPI_COMM_WORLD_RANK");
     let (lrank, lsize) = (num("OMPI_COMM_WORLD_LOCAL_RANK"), num("OMPI_COMM_WORLD_LOCAL_SIZE"));
-    let expect = Expect { rank, world: world_claimed, source: "openmpi".into() };
+    let exit_timeout = std::env::var("GB_EXIT_TIMEOUT").map_or(30, |v| v.parse().unwrap());
+    let expect =
+        Expect { rank, world: world_claimed, source: "openmpi".into(), timeout: Duration::from_secs(exit_timeout) };
     let l = layout();
     match var("GB_TRANSPORT").as_str() {
         "mpi" => Ok(Box::new(MpiTransport::open(expect, l.clone(), l.hash())?)),
@@ -107,6 +109,16 @@ fn run_child(dir: &Path, rank: usize) -> Result<(), Error> {
             let at = StepId { step: rank as u64, ..StepId::default() };
             t.allreduce_bucket(at, 0)?;
             t.agree(StepId::default(), LocalReport::default()).map(drop)
+        }
+        // Every rank opens the transport and drops it at once (a run of zero updates): clean.
+        "open-drop" => open(np).map(drop),
+        // Rank 0 leaves right after open while the others wait for it in an all-reduce.
+        "leave" => {
+            let mut t = open(np)?;
+            if rank == 0 {
+                return Ok(());
+            }
+            t.allreduce_bucket(StepId::default(), 0)
         }
         other => panic!("unknown scenario {other}"),
     }
@@ -160,7 +172,7 @@ fn mpirun(np: usize, scenario: &str, env: &[(&str, &str)]) -> Mpirun {
     let mut vars: Vec<(String, String)> = vec![
         (CHILD_ENV.into(), scenario.into()),
         ("GB_DIR".into(), dir.path().display().to_string()),
-        ("GB_JOB".into(), job),
+        ("GB_JOB".into(), job.clone()),
         ("GB_SEED".into(), "1234".into()),
     ];
     vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
@@ -194,6 +206,8 @@ fn mpirun(np: usize, scenario: &str, env: &[(&str, &str)]) -> Mpirun {
         std::thread::sleep(Duration::from_millis(20));
     };
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    // mpirun may kill a rank before it unlinks its node's segment (a failing scenario): sweep.
+    let _ = gradbus_collectives::remove_job_segments(Path::new("/dev/shm"), &job);
     Mpirun { cmd, code, log, dir }
 }
 
@@ -347,4 +361,23 @@ fn ranks_running_different_collectives_all_fail_with_a_mismatch() {
         }
         assert!(reported >= 1, "{}", r.explain());
     }
+}
+
+#[test]
+fn transports_dropped_by_every_rank_finalise_mpi_cleanly() {
+    for (np, env) in [(2, vec![("GB_TRANSPORT", "mpi")]), (4, vec![("GB_TRANSPORT", "hier"), ("GB_FAKE_NODES", "2")])] {
+        let r = mpirun(np, "open-drop", &env);
+        // mpirun fails a job whose processes exit without MPI_Finalize, even with status 0.
+        assert_eq!(r.code, Some(0), "{}", r.explain());
+    }
+}
+
+#[test]
+fn rank_leaving_while_the_others_wait_in_mpi_ends_the_job_instead_of_hanging() {
+    // Rank 0 must not finalise (a fence the others never reach): after the 2 s exit handshake it
+    // exits without MPI_Finalize and mpirun takes the job down; `mpirun` panics past 180 s.
+    let start = Instant::now();
+    let r = mpirun(3, "leave", &[("GB_TRANSPORT", "mpi"), ("GB_EXIT_TIMEOUT", "2")]);
+    assert_ne!(r.code, Some(0), "{}", r.explain());
+    assert!(start.elapsed() < Duration::from_secs(60), "took {:?}\n{}", start.elapsed(), r.explain());
 }

@@ -206,7 +206,13 @@ impl Outcome {
                 }
             ));
         }
-        if let Some(f) = self.first_failure {
+        // Every rank ending with the same gradbus code is an agreed ending (all ranks decided together
+        // to abort on non-finite gradients, or all saw the same bad config): no rank is the culprit.
+        let agreed = matches!(code, Code::NonFinite | Code::Usage)
+            && self.exits.iter().all(|e| e.ending == Ending::Code(code as i32));
+        if agreed {
+            out.push(format!("every rank ended with exit {}: an agreed ending, not one rank's failure", code as i32));
+        } else if let Some(f) = self.first_failure {
             let e = &self.exits[f];
             let log = e
                 .log
@@ -221,7 +227,7 @@ impl Outcome {
             ));
         }
         for (i, e) in self.exits.iter().enumerate() {
-            let note = if Some(i) == self.first_failure {
+            let note = if Some(i) == self.first_failure && !agreed {
                 "  <- first failure"
             } else if e.stopped_by_launcher && e.ending.failed() {
                 "  (stopped by the launcher)"
@@ -637,6 +643,15 @@ mod tests {
         );
         assert!(s.contains("exit 4: a rank failed"), "{s}");
         assert!(outcome(&[Ending::Code(0)], None).summary().is_empty());
+    }
+
+    #[test]
+    fn summary_of_an_agreed_abort_blames_no_rank() {
+        let s = outcome(&[Ending::Code(3), Ending::Code(3)], Some(1)).summary().join("\n");
+        assert!(s.contains("every rank ended with exit 3: an agreed ending"), "{s}");
+        assert!(!s.contains("root cause") && !s.contains("first failure"), "{s}");
+        let s = outcome(&[Ending::Code(3), Ending::Signal(9)], Some(1)).summary().join("\n");
+        assert!(s.contains("root cause: rank 1"), "{s}");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::rank::RankInfo;
 
 /// Usage of the hidden subcommand.
 pub const USAGE: &str = "usage: gradbus-worker --bench-allreduce [--sizes 1MiB,64MiB] [--iters N] [--warmup N] \
-[--transport shm|mpi] [--json]";
+[--transport shm|mpi|hier] [--nodes K] [--json]";
 
 /// Run one benchmark process with the arguments after `--bench-allreduce`; `Err` is a message.
 pub fn main(args: Vec<std::ffi::OsString>) -> Result<(), String> {
@@ -29,6 +29,7 @@ pub fn main(args: Vec<std::ffi::OsString>) -> Result<(), String> {
             Long("transport") => {
                 b.transport = p.value().map_err(err)?.string().map_err(err)?.parse::<BenchTransport>()?
             }
+            Long("nodes") => b.nodes = p.value().map_err(err)?.parse().map_err(err)?,
             Long("json") => json = true,
             other => return Err(other.unexpected().to_string()),
         }

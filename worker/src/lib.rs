@@ -118,7 +118,7 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
 #[cfg(feature = "mpi")]
 fn mpi_transport(kind: &str, info: &RankInfo, bus: gradbus_collectives::shm::BusConfig) -> Result<Box<dyn Transport>, WorkerError> {
     use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
-    let expect = Expect { rank: info.rank, world: info.world, source: info.source.into() };
+    let expect = Expect { rank: info.rank, world: info.world, source: info.source.into(), timeout: bus.timeout };
     Ok(match kind {
         "mpi" => Box::new(MpiTransport::open(expect, bus.layout, bus.config_hash)?),
         _ => Box::new(HierTransport::open(expect, bus)?),
