@@ -730,9 +730,17 @@ pub fn execute(args: Vec<OsString>) -> Result<Code, Error> {
     let a = analyze(&data, &opts);
     print!("{}", summary(&data, &a, &opts));
     let out = opts.run_dir.join("report.svg");
-    render_svg(&out, &data, &a, &opts).map_err(|e| {
-        Error::usage(format!("cannot draw {}: {e}", out.display()), "check that the run directory is writable")
-    })?;
+    // Drawn beside it, then renamed over it: a viewer never sees half an SVG.
+    let tmp = opts.run_dir.join(format!(".report.svg.{}", std::process::id()));
+    let drawn =
+        render_svg(&tmp, &data, &a, &opts).and_then(|()| std::fs::rename(&tmp, &out).map_err(|e| e.to_string()));
+    if let Err(e) = drawn {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::usage(
+            format!("cannot write {}: {e}", out.display()),
+            "check that the run directory is writable",
+        ));
+    }
     println!("wrote {}", out.display());
     Ok(Code::Done)
 }
