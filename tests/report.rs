@@ -173,3 +173,26 @@ fn report_errors_are_usage_errors_naming_the_file() {
     h.expect_code(0);
     assert!(h.stdout().contains("--z-limit"));
 }
+
+#[test]
+fn skipped_and_rerun_updates_are_counted_by_cause_and_marked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (skip, rerun) = (dir.path().join("skip"), dir.path().join("rerun"));
+    let base = ["examples/tiny.toml", "--set", "steps=3", "--set", "checkpoint.every=0"];
+    let start = |d: &Path, policy: &str, faults: &str| {
+        let p = format!("policy={policy}");
+        let mut args = vec!["run", "--np", "2", "--run-dir", d.to_str().unwrap()];
+        args.extend_from_slice(&base);
+        args.extend_from_slice(&["--set", &p]);
+        gradbus(&args, &[("GRADBUS_FAULTS", faults)]).expect_code(0);
+    };
+    start(&skip, "skip", "[[faults]]\nkind = \"inf\"\nrank = 1\nstep = 1\nminibatch = 1\n");
+    start(&rerun, "rerun", "[[faults]]\nkind = \"nan\"\nrank = 0\nstep = 1\nminibatch = 2\ntransient = true\n");
+    let (out, svg) = report(&skip, &[]);
+    assert!(out.contains("skips: 1 (1 non-finite gradients)"), "{out}");
+    assert!(svg.contains(">\nskipped update\n<") && !svg.contains(">\nrerun update\n<"), "skip not marked");
+    let (out, svg) = report(&rerun, &[]);
+    assert!(out.contains("reruns: 1 (step 1 update 2)"), "{out}");
+    assert!(svg.contains(">\nrerun update\n<") && !svg.contains(">\nskipped update\n<"), "rerun not marked");
+    assert!(out.contains("abort: none") && !out.contains("replay:"), "{out}");
+}
