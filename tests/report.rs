@@ -132,6 +132,7 @@ fn an_aborted_run_marks_the_abort_and_the_warnings_and_names_the_replay() {
     assert!(svg.contains(">\nABORT\n<"), "abort legend entry missing");
     assert!(svg.contains("warning: headroom &lt; margin"), "warning markers missing");
     assert!(svg.contains("warning margin (20)"));
+    assert!(svg.contains("first warning: step "), "first warning not labelled");
     assert!(svg.contains("warning(s) &lt; 20"));
     // Spikes listed in the summary are marked on the plot.
     let spikes: usize = out

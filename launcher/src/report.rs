@@ -385,7 +385,9 @@ fn y_range(values: impl Iterator<Item = f64>, log: bool, extra: &[f64]) -> (f64,
         return if log { (1e-3, 1.0) } else { (0.0, 1.0) };
     }
     if log {
-        (lo / 2.0, hi * 2.0)
+        // Whole decades, so that the log axis's ticks are powers of ten.
+        let (lo, hi) = (10f64.powf(lo.log10().floor()), 10f64.powf(hi.log10().ceil()));
+        (lo, if hi > lo { hi } else { lo * 10.0 })
     } else {
         let pad = if hi > lo { (hi - lo) * 0.08 } else { lo.abs().max(1.0) * 0.1 };
         (lo - pad, hi + pad)
@@ -428,8 +430,10 @@ struct Panel {
     series: Vec<(String, RGBColor, Vec<(f64, f64)>)>,
     hlines: Vec<(String, RGBColor, f64)>,
     marks: Vec<Mark>,
-    /// Text placed at the top left of the abort line.
-    abort_label: Option<(f64, String)>,
+    /// Text placed at the top, ending at x (the abort, the first warning), and its colour.
+    label: Option<(f64, String, RGBColor)>,
+    /// Where the legend goes.
+    legend: SeriesLabelPosition,
 }
 
 type DrawResult<T> = Result<T, String>;
@@ -493,18 +497,18 @@ macro_rules! draw_panel {
             .map_err(err)?;
             s.label(label).legend(move |(x, y)| Circle::new((x + 9, y), 4, color.filled()));
         }
-        if let Some((x, text)) = &p.abort_label {
+        if let Some((x, text, color)) = &p.label {
             chart
                 .draw_series(std::iter::once(Text::new(
                     text.clone(),
                     (*x, yhi),
-                    (FONT, 13).into_font().color(&ABORT).pos(Pos::new(HPos::Right, VPos::Top)),
+                    (FONT, 13).into_font().color(color).pos(Pos::new(HPos::Right, VPos::Top)),
                 )))
                 .map_err(err)?;
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
+            .position(p.legend.clone())
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK.mix(0.4))
             .label_font((FONT, 11))
@@ -589,7 +593,7 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             ),
             None => format!("ABORT step {} update {}", u[i].step, u[i].minibatch),
         };
-        (xs[i], what)
+        (xs[i], what, ABORT)
     });
     let n = |v: usize, what: &str| if v == 0 { String::new() } else { format!(", {v} {what}") };
 
@@ -620,7 +624,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             series: vec![("loss".into(), LINE, pts(&|x| x.loss))],
             hlines: vec![],
             marks: loss_marks,
-            abort_label: abort_label.clone(),
+            label: abort_label.clone(),
+            legend: SeriesLabelPosition::UpperLeft,
         },
         Panel {
             title: "reward (mean)".into(),
@@ -629,7 +634,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             series: vec![("reward".into(), RGBColor(0, 140, 70), pts(&|x| x.reward))],
             hlines: vec![],
             marks: events(&|x| x.reward),
-            abort_label: None,
+            label: None,
+            legend: SeriesLabelPosition::UpperLeft,
         },
         Panel {
             title: format!("global grad norm (log scale){}", n(a.norm_spikes.len(), "spike(s)")),
@@ -638,7 +644,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             series: vec![("grad norm".into(), LINE, pts(&|x| x.grad_norm))],
             hlines: vec![],
             marks: norm_marks,
-            abort_label: None,
+            label: None,
+            legend: SeriesLabelPosition::UpperLeft,
         },
         Panel {
             title: "per-bucket grad norms (log scale)".into(),
@@ -647,7 +654,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             series: buckets,
             hlines: vec![],
             marks: events(&|x| x.bucket_norms.iter().copied().fold(f64::NAN, f64::max)),
-            abort_label: None,
+            label: None,
+            legend: SeriesLabelPosition::UpperLeft,
         },
         Panel {
             title: format!(
@@ -662,7 +670,20 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
                 (format!("warning margin ({})", opts.margin), WARN, opts.margin),
             ],
             marks: head_marks,
-            abort_label: None,
+            label: a.warnings.first().map(|&i| {
+                let before = a.abort.filter(|&ab| ab >= i).map(|ab| format!(", {} update(s) before the abort", ab - i));
+                (
+                    xs[i],
+                    format!(
+                        "first warning: step {} update {}{}",
+                        u[i].step,
+                        u[i].minibatch,
+                        before.unwrap_or_default()
+                    ),
+                    WARN,
+                )
+            }),
+            legend: SeriesLabelPosition::MiddleLeft,
         },
     ]
 }
