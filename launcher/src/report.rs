@@ -422,12 +422,15 @@ enum MarkKind {
     Spike,
 }
 
+/// A named, coloured line.
+type Series = (String, RGBColor, Vec<(f64, f64)>);
+
 /// One panel: its title, scale, lines, horizontal reference lines and marks.
 struct Panel {
     title: String,
     y_desc: &'static str,
     log: bool,
-    series: Vec<(String, RGBColor, Vec<(f64, f64)>)>,
+    series: Vec<Series>,
     hlines: Vec<(String, RGBColor, f64)>,
     marks: Vec<Mark>,
     /// Text placed at the top, ending at x (the abort, the first warning), and its colour.
@@ -602,7 +605,7 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
     let mut norm_marks = events(&|x| x.grad_norm);
     norm_marks.extend(spike_marks(&a.norm_spikes));
     let nb = u.iter().map(|x| x.bucket_norms.len()).max().unwrap_or(0);
-    let buckets: Vec<(String, RGBColor, Vec<(f64, f64)>)> = (0..nb)
+    let buckets: Vec<Series> = (0..nb)
         .map(|b| {
             let c = Palette99::pick(b).to_rgba();
             (
