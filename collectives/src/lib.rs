@@ -9,10 +9,12 @@ pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod shm;
+pub mod spikes;
 pub mod transport;
 pub mod verdict;
 
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
+pub use spikes::{Spike, SpikeDetector};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
 pub use verdict::{

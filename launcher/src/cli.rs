@@ -21,7 +21,7 @@ USAGE:
     gradbus run [OPTIONS] CONFIG.toml [--set key=value ...]   start and supervise a job
     gradbus replay DUMP [--trace] [--json]
     gradbus bench allreduce [--np N] [--sizes LIST] [--json]  measure the shm all-reduce
-    gradbus report RUN_DIR                                    (not implemented yet)
+    gradbus report RUN_DIR [--margin NATS] [--z-limit Z]      summary and RUN_DIR/report.svg
     gradbus --help | gradbus run --help | gradbus bench --help
 
 EXIT CODES (gradbus_worker::exit::Code):
@@ -50,7 +50,7 @@ pub enum Command {
     Bench(BenchCmd),
     /// The hidden `gradbus __bench-rank`: one process of `gradbus bench` (started by it).
     BenchRank(RankCmd),
-    /// `gradbus report` (arguments not parsed yet).
+    /// `gradbus report` (its module parses the arguments).
     Report(Vec<OsString>),
 }
 
@@ -95,7 +95,7 @@ pub fn execute(cmd: Command) -> Result<Code, Error> {
         Command::Replay(args) => crate::replay::execute(args),
         Command::Bench(args) => crate::bench::execute(args),
         Command::BenchRank(args) => crate::bench::execute_rank(args),
-        Command::Report(_) => Err(Error::NotImplemented { command: "report" }),
+        Command::Report(args) => crate::report::execute(args),
     }
 }
 
@@ -118,9 +118,13 @@ mod tests {
             assert_eq!(e.code(), Code::Usage);
             assert!(e.to_string().contains("hint:"), "{e}");
         }
-        let e = execute(p(&["report", "runs/x"]).unwrap()).unwrap_err();
+        assert_eq!(
+            p(&["report", "r", "--margin", "5"]).unwrap(),
+            Command::Report(vec!["r".into(), "--margin".into(), "5".into()])
+        );
+        let e = execute(p(&["report", "/nonexistent/runs/x"]).unwrap()).unwrap_err();
         assert_eq!(e.code(), Code::Usage);
-        assert!(e.to_string().contains("not implemented"), "{e}");
+        assert!(e.to_string().contains("metrics.jsonl"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,895 @@
+//! `gradbus report RUN_DIR [--margin NATS] [--window N] [--z-limit Z]`: read a run directory's
+//! `metrics.jsonl` (and `report.json` after an abort), print a short summary and draw
+//! `RUN_DIR/report.svg`: loss, reward, global gradient norm (log), per-bucket gradient norms (log)
+//! and the log-ratio headroom to exp overflow, with skipped, rerun and aborted updates, headroom
+//! warnings and loss / gradient-norm spikes marked.
+//!
+//! Everything drawn is a function of the agreed metrics: the wall-clock `time_*` fields are never
+//! read, and the SVG holds no date, so two reports of one run directory are byte-identical.
+//! Spikes are found with [`gradbus_collectives::SpikeDetector`] (llm.c's rolling z-score and
+//! Megatron's 10x-the-first-100 rule) over the agreed mean loss and global norm, as a training-time
+//! policy would see them.
+
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use gradbus_collectives::spikes::{Spike, SpikeDetector, DEFAULT_WINDOW};
+use gradbus_worker::exit::Code;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use serde_json::Value;
+
+use crate::error::Error;
+
+/// Help text.
+pub const HELP: &str = "\
+gradbus report RUN_DIR [--margin NATS] [--window N] [--z-limit Z]
+
+Reads RUN_DIR/metrics.jsonl (and RUN_DIR/report.json after an abort), prints a summary - steps,
+updates, skips by cause, reruns, headroom warnings, loss and gradient-norm spikes, the abort and the
+replay command - and writes RUN_DIR/report.svg: loss, reward, global gradient norm (log scale),
+per-bucket gradient norms (log scale) and the log-ratio headroom to exp overflow (88.72), with
+skipped, rerun and aborted updates, warnings and spikes marked. The SVG is a pure function of the
+metrics (no times, no dates): the same run directory gives the same bytes.
+
+    RUN_DIR        a run directory of `gradbus run`
+    --margin NATS  warn where the headroom is below this (default 20, as warn.headroom)
+    --window N     rolling z-score window in updates (default 128, as llm.c)
+    --z-limit Z    a loss or gradient norm more than Z deviations above the window's mean is a
+                   spike (default 6; 0 turns the z-score rule off). Megatron's rule - above 10x
+                   the largest of the first 100 values - always applies.
+";
+
+/// ln(f32::MAX): exp of a larger f32 overflows to +inf.
+pub const EXP_OVERFLOW: f64 = 88.72;
+
+/// Parsed options.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Options {
+    /// The run directory.
+    pub run_dir: PathBuf,
+    /// Warning margin in nats.
+    pub margin: f64,
+    /// Rolling z-score window.
+    pub window: usize,
+    /// z-score limit (0 = off).
+    pub z_limit: f64,
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Update {
+    /// Optimizer step.
+    pub step: u64,
+    /// Mini-batch inside the step (epoch * minibatches + mini-batch).
+    pub minibatch: u64,
+    /// Attempt (1 after a rerun).
+    pub attempt: u64,
+    /// Mean loss over ranks (NaN when not finite).
+    pub loss: f64,
+    /// Mean reward.
+    pub reward: f64,
+    /// Global gradient norm (mean over ranks).
+    pub grad_norm: f64,
+    /// Per-bucket norms of the reduced gradients.
+    pub bucket_norms: Vec<f64>,
+    /// Ranks with non-finite local gradients.
+    pub nonfinite_ranks: Vec<u64>,
+    /// ln(f32::MAX) minus the largest log-ratio fed to an exp.
+    pub headroom: f64,
+    /// proceed, skip, rerun or abort.
+    pub verdict: String,
+    /// Why it was skipped, when it was (`skip_cause` if the metrics carry it, else inferred).
+    pub skip_cause: Option<String>,
+}
+
+/// A number that may be written as a string ("NaN", "inf", "-inf") or be null.
+fn num(v: &Value) -> f64 {
+    match v {
+        Value::Number(n) => n.as_f64().unwrap_or(f64::NAN),
+        Value::String(s) => match s.trim().to_ascii_lowercase().as_str() {
+            "inf" | "+inf" | "infinity" => f64::INFINITY,
+            "-inf" | "-infinity" => f64::NEG_INFINITY,
+            other => other.parse().unwrap_or(f64::NAN),
+        },
+        _ => f64::NAN,
+    }
+}
+
+impl Update {
+    fn from_json(v: &Value) -> Result<Update, String> {
+        let int = |k: &str| v[k].as_u64().ok_or_else(|| format!("field `{k}` is missing or not an integer"));
+        let (step, minibatch) = (int("step")?, int("minibatch")?);
+        let verdict = v["verdict"].as_str().ok_or("field `verdict` is missing")?.to_string();
+        let nonfinite_ranks: Vec<u64> =
+            v["nonfinite_ranks"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default();
+        let attempt = v["attempt"].as_u64().unwrap_or(0);
+        let skip_cause = (verdict == "skip").then(|| match v["skip_cause"].as_str() {
+            Some(c) => c.to_string(),
+            None if attempt > 0 => "transient fault (the rerun differed)".to_string(),
+            None if !nonfinite_ranks.is_empty() => "non-finite gradients".to_string(),
+            None => "other".to_string(),
+        });
+        Ok(Update {
+            step,
+            minibatch,
+            attempt,
+            loss: num(&v["loss"]),
+            reward: num(&v["reward"]),
+            grad_norm: num(&v["grad_norm"]),
+            bucket_norms: v["bucket_norms"].as_array().map(|a| a.iter().map(num).collect()).unwrap_or_default(),
+            nonfinite_ranks,
+            headroom: num(&v["headroom"]),
+            verdict,
+            skip_cause,
+        })
+    }
+}
+
+/// The abort report (`report.json`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AbortReport {
+    /// The whole JSON object.
+    pub json: Value,
+}
+
+impl AbortReport {
+    /// One line: step, update, ranks, bucket, param, element, NaN and Inf counts, loss finiteness.
+    pub fn line(&self) -> String {
+        let j = &self.json;
+        let ranks: Vec<String> =
+            j["ranks"].as_array().map(|a| a.iter().map(|r| r.to_string()).collect()).unwrap_or_default();
+        let class = j["classification"].as_str().map(|c| format!(", {c}")).unwrap_or_default();
+        format!(
+            "step {} update {} (attempt {}): rank(s) [{}], bucket #{}, param {} element {}, {} NaN, {} Inf, loss {}{class}",
+            j["step"],
+            j["minibatch"],
+            j["attempt"].as_u64().unwrap_or(0),
+            ranks.join(", "),
+            j["bucket"],
+            j["param"].as_str().unwrap_or("?"),
+            j["element"],
+            j["nan"],
+            j["inf"],
+            if j["loss_finite"].as_bool().unwrap_or(false) { "finite" } else { "NOT finite" },
+        )
+    }
+}
+
+/// A run directory's metrics.
+#[derive(Clone, Debug)]
+pub struct RunData {
+    /// The updates in file order.
+    pub updates: Vec<Update>,
+    /// `report.json`, when the run aborted.
+    pub abort: Option<AbortReport>,
+    /// Whether `dumps/` exists (for the replay command).
+    pub has_dumps: bool,
+}
+
+/// Read `metrics.jsonl` and `report.json` of a run directory.
+pub fn load(run_dir: &Path) -> Result<RunData, Error> {
+    let path = run_dir.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        Error::usage(
+            format!("cannot read {}: {e}", path.display()),
+            "pass the run directory of a `gradbus run` (its --run-dir) that has run at least one update",
+        )
+    })?;
+    let updates = parse_metrics(&text).map_err(|(line, m)| {
+        Error::usage(format!("{}:{line}: {m}", path.display()), "metrics.jsonl is written by `gradbus run`")
+    })?;
+    let rpath = run_dir.join("report.json");
+    let abort = match std::fs::read_to_string(&rpath) {
+        Ok(t) => Some(AbortReport {
+            json: serde_json::from_str(&t).map_err(|e| {
+                Error::usage(format!("{}: {e}", rpath.display()), "report.json is written by `gradbus run` on an abort")
+            })?,
+        }),
+        Err(_) => None,
+    };
+    Ok(RunData { updates, abort, has_dumps: run_dir.join("dumps").is_dir() })
+}
+
+/// Parse the lines of `metrics.jsonl` (blank lines skipped); errors carry the 1-based line.
+pub fn parse_metrics(text: &str) -> Result<Vec<Update>, (usize, String)> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: Value = serde_json::from_str(line).map_err(|e| (i + 1, e.to_string()))?;
+        out.push(Update::from_json(&v).map_err(|m| (i + 1, m))?);
+    }
+    Ok(out)
+}
+
+/// A spike and where it happened.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Flagged {
+    /// Index of the update in the metrics.
+    pub update: usize,
+    /// The detector's finding.
+    pub spike: Spike,
+}
+
+/// What the report derives from the metrics.
+#[derive(Clone, Debug)]
+pub struct Analysis {
+    /// Updates per step (the largest mini-batch index + 1).
+    pub per_step: u64,
+    /// Indices of updates whose headroom is below the margin.
+    pub warnings: Vec<usize>,
+    /// Index of the aborted update.
+    pub abort: Option<usize>,
+    /// Loss spikes.
+    pub loss_spikes: Vec<Flagged>,
+    /// Global-norm spikes.
+    pub norm_spikes: Vec<Flagged>,
+}
+
+/// Warnings, the abort and the spikes of a run.
+pub fn analyze(data: &RunData, opts: &Options) -> Analysis {
+    let u = &data.updates;
+    let per_step = u.iter().map(|x| x.minibatch + 1).max().unwrap_or(1);
+    let warnings = (0..u.len()).filter(|&i| u[i].headroom.is_nan() || u[i].headroom < opts.margin).collect();
+    let abort = u.iter().position(|x| x.verdict == "abort");
+    let spikes = |f: fn(&Update) -> f64| {
+        let mut d = SpikeDetector::new(opts.window, opts.z_limit);
+        u.iter().enumerate().filter_map(|(i, x)| d.observe(f(x)).map(|spike| Flagged { update: i, spike })).collect()
+    };
+    Analysis { per_step, warnings, abort, loss_spikes: spikes(|x| x.loss), norm_spikes: spikes(|x| x.grad_norm) }
+}
+
+/// The x position of an update: its step plus the fraction of the step it is.
+fn xpos(x: &Update, per_step: u64) -> f64 {
+    x.step as f64 + x.minibatch as f64 / per_step as f64
+}
+
+/// The text summary.
+pub fn summary(data: &RunData, a: &Analysis, opts: &Options) -> String {
+    let u = &data.updates;
+    let mut s = String::new();
+    let at = |i: usize| format!("step {} update {}", u[i].step, u[i].minibatch);
+    let steps: std::collections::BTreeSet<u64> = u.iter().map(|x| x.step).collect();
+    let count = |v: &str| u.iter().filter(|x| x.verdict == v).count();
+    let _ = writeln!(
+        s,
+        "run {}: {} step(s) ({}..={}), {} update(s) ({} per step): {} proceed, {} skip, {} rerun, {} abort",
+        opts.run_dir.display(),
+        steps.len(),
+        steps.first().copied().unwrap_or(0),
+        steps.last().copied().unwrap_or(0),
+        u.len(),
+        a.per_step,
+        count("proceed"),
+        count("skip"),
+        count("rerun"),
+        count("abort"),
+    );
+    let mut causes: std::collections::BTreeMap<&str, usize> = Default::default();
+    for c in u.iter().filter_map(|x| x.skip_cause.as_deref()) {
+        *causes.entry(c).or_default() += 1;
+    }
+    let causes: Vec<String> = causes.iter().map(|(c, n)| format!("{n} {c}")).collect();
+    let _ = writeln!(
+        s,
+        "skips: {}{}",
+        count("skip"),
+        if causes.is_empty() { String::new() } else { format!(" ({})", causes.join(", ")) }
+    );
+    let reruns: Vec<String> = (0..u.len()).filter(|&i| u[i].verdict == "rerun").map(at).collect();
+    let _ = writeln!(
+        s,
+        "reruns: {}{}",
+        reruns.len(),
+        if reruns.is_empty() { String::new() } else { format!(" ({})", list(&reruns)) }
+    );
+    match a.warnings.first() {
+        None => {
+            let _ = writeln!(s, "warnings (headroom < {}): none", opts.margin);
+        }
+        Some(&first) => {
+            let before = match a.abort {
+                Some(ab) if ab >= first => format!(", {} update(s) before the abort", ab - first),
+                _ => String::new(),
+            };
+            let _ = writeln!(
+                s,
+                "warnings (headroom < {}): {} update(s); first at {} (headroom {:.2}){before}",
+                opts.margin,
+                a.warnings.len(),
+                at(first),
+                u[first].headroom,
+            );
+        }
+    }
+    for (name, spikes) in [("loss", &a.loss_spikes), ("grad norm", &a.norm_spikes)] {
+        let items: Vec<String> =
+            spikes.iter().map(|f| format!("{} = {:.4} ({})", at(f.update), f.spike.value, f.spike.rules())).collect();
+        let _ = writeln!(
+            s,
+            "{name} spikes (z > {} over {} updates, or > 10x the first-100 max): {}{}",
+            opts.z_limit,
+            opts.window,
+            items.len(),
+            if items.is_empty() { String::new() } else { format!(": {}", list(&items)) }
+        );
+    }
+    match (&data.abort, a.abort) {
+        (Some(r), _) => {
+            let _ = writeln!(s, "abort: {}", r.line());
+        }
+        (None, Some(i)) => {
+            let _ = writeln!(s, "abort: {} (no report.json)", at(i));
+        }
+        (None, None) => {
+            let _ = writeln!(s, "abort: none");
+        }
+    }
+    if data.abort.is_some() || data.has_dumps {
+        let _ = writeln!(s, "replay: gradbus replay {} --trace", opts.run_dir.display());
+    }
+    s
+}
+
+/// At most 8 items, then "... and N more".
+fn list(items: &[String]) -> String {
+    if items.len() <= 8 {
+        items.join("; ")
+    } else {
+        format!("{}; ... and {} more", items[..8].join("; "), items.len() - 8)
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The SVG.
+
+const W: u32 = 1100;
+const PANEL_H: u32 = 300;
+const FONT: &str = "sans-serif";
+
+/// Colours of the events (series colours come from `Palette99`).
+const SKIP: RGBColor = RGBColor(230, 120, 0);
+const RERUN: RGBColor = RGBColor(140, 60, 200);
+const ABORT: RGBColor = RGBColor(220, 0, 0);
+const WARN: RGBColor = RGBColor(200, 160, 0);
+const SPIKE: RGBColor = RGBColor(220, 0, 160);
+const LINE: RGBColor = RGBColor(30, 90, 200);
+
+/// Finite points, split into runs at non-finite (or, on a log scale, non-positive) values.
+fn segments(points: &[(f64, f64)], log: bool) -> Vec<Vec<(f64, f64)>> {
+    let mut out: Vec<Vec<(f64, f64)>> = vec![Vec::new()];
+    for &(x, y) in points {
+        if y.is_finite() && (!log || y > 0.0) {
+            out.last_mut().expect("one").push((x, y));
+        } else if !out.last().expect("one").is_empty() {
+            out.push(Vec::new());
+        }
+    }
+    out.retain(|s| !s.is_empty());
+    out
+}
+
+/// The y range of some values, padded; on a log scale only positive values count.
+fn y_range(values: impl Iterator<Item = f64>, log: bool, extra: &[f64]) -> (f64, f64) {
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for v in values.chain(extra.iter().copied()) {
+        if v.is_finite() && (!log || v > 0.0) {
+            lo = lo.min(v);
+            hi = hi.max(v);
+        }
+    }
+    if lo > hi {
+        return if log { (1e-3, 1.0) } else { (0.0, 1.0) };
+    }
+    if log {
+        // Whole decades, so that the log axis's ticks are powers of ten.
+        let (lo, hi) = (10f64.powf(lo.log10().floor()), 10f64.powf(hi.log10().ceil()));
+        (lo, if hi > lo { hi } else { lo * 10.0 })
+    } else {
+        let pad = if hi > lo { (hi - lo) * 0.08 } else { lo.abs().max(1.0) * 0.1 };
+        (lo - pad, hi + pad)
+    }
+}
+
+/// A tick label: at most 3 decimals, no trailing zeros, no "-0".
+fn tick(v: f64) -> String {
+    let s = format!("{v:.3}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s == "-0" {
+        "0".to_string()
+    } else {
+        s.to_string()
+    }
+}
+
+/// A marked event on a panel.
+struct Mark {
+    x: f64,
+    /// The value there; non-finite ones are drawn at the top of the panel.
+    y: f64,
+    kind: MarkKind,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum MarkKind {
+    Skip,
+    Rerun,
+    Abort,
+    Warning,
+    Spike,
+}
+
+/// A named, coloured line.
+type Series = (String, RGBColor, Vec<(f64, f64)>);
+
+/// One panel: its title, scale, lines, horizontal reference lines and marks.
+struct Panel {
+    title: String,
+    y_desc: &'static str,
+    log: bool,
+    series: Vec<Series>,
+    hlines: Vec<(String, RGBColor, f64)>,
+    marks: Vec<Mark>,
+    /// Text placed at the top, ending at x (the abort, the first warning), and its colour.
+    label: Option<(f64, String, RGBColor)>,
+    /// Where the legend goes.
+    legend: SeriesLabelPosition,
+}
+
+type DrawResult<T> = Result<T, String>;
+
+fn err<E: std::fmt::Debug>(e: E) -> String {
+    format!("{e:?}")
+}
+
+/// Draw the series, lines and marks of a panel on a chart of either scale.
+macro_rules! draw_panel {
+    ($chart:expr, $p:expr, $x0:expr, $x1:expr, $ylo:expr, $yhi:expr) => {{
+        let chart = $chart;
+        let p: &Panel = $p;
+        let (ylo, yhi) = ($ylo, $yhi);
+        let clamp = |y: f64| if y.is_finite() && (!p.log || y > 0.0) { y.clamp(ylo, yhi) } else { yhi };
+        for (name, color, points) in &p.series {
+            let mut first = true;
+            for seg in segments(points, p.log) {
+                let s = chart.draw_series(LineSeries::new(seg, color.stroke_width(1))).map_err(err)?;
+                if std::mem::take(&mut first) {
+                    let c = *color;
+                    s.label(name.as_str())
+                        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+                }
+            }
+        }
+        for (name, color, y) in &p.hlines {
+            let c = *color;
+            chart
+                .draw_series(LineSeries::new(vec![($x0, *y), ($x1, *y)], c.stroke_width(2)))
+                .map_err(err)?
+                .label(name.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+        }
+        for kind in [MarkKind::Warning, MarkKind::Skip, MarkKind::Rerun, MarkKind::Spike, MarkKind::Abort] {
+            let pts: Vec<(f64, f64)> = p.marks.iter().filter(|m| m.kind == kind).map(|m| (m.x, clamp(m.y))).collect();
+            if pts.is_empty() {
+                continue;
+            }
+            let (label, color) = match kind {
+                MarkKind::Warning => ("warning: headroom < margin", WARN),
+                MarkKind::Skip => ("skipped update", SKIP),
+                MarkKind::Rerun => ("rerun update", RERUN),
+                MarkKind::Spike => ("spike", SPIKE),
+                MarkKind::Abort => ("ABORT", ABORT),
+            };
+            let s = match kind {
+                MarkKind::Warning => chart.draw_series(pts.iter().map(|&c| Circle::new(c, 3, WARN.filled()))),
+                MarkKind::Skip => chart.draw_series(pts.iter().map(|&c| TriangleMarker::new(c, 6, SKIP.filled()))),
+                MarkKind::Rerun => chart.draw_series(pts.iter().map(|&c| Cross::new(c, 5, RERUN.stroke_width(2)))),
+                MarkKind::Spike => chart.draw_series(pts.iter().map(|&c| Circle::new(c, 7, SPIKE.stroke_width(2)))),
+                MarkKind::Abort => {
+                    for &(x, _) in &pts {
+                        chart
+                            .draw_series(LineSeries::new(vec![(x, ylo), (x, yhi)], ABORT.stroke_width(2)))
+                            .map_err(err)?;
+                    }
+                    chart.draw_series(pts.iter().map(|&c| Cross::new(c, 8, ABORT.stroke_width(3))))
+                }
+            }
+            .map_err(err)?;
+            s.label(label).legend(move |(x, y)| Circle::new((x + 9, y), 4, color.filled()));
+        }
+        if let Some((x, text, color)) = &p.label {
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    text.clone(),
+                    (*x, yhi),
+                    (FONT, 13).into_font().color(color).pos(Pos::new(HPos::Right, VPos::Top)),
+                )))
+                .map_err(err)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(p.legend.clone())
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.4))
+            .label_font((FONT, 11))
+            .draw()
+            .map_err(err)?;
+    }};
+}
+
+fn draw_one<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    p: &Panel,
+    x0: f64,
+    x1: f64,
+) -> DrawResult<()>
+where
+    DB::ErrorType: 'static,
+{
+    let mut values: Vec<f64> = p.series.iter().flat_map(|(_, _, pts)| pts.iter().map(|&(_, y)| y)).collect();
+    values.extend(p.marks.iter().map(|m| m.y));
+    let extra: Vec<f64> = p.hlines.iter().map(|h| h.2).collect();
+    let (ylo, yhi) = y_range(values.into_iter(), p.log, &extra);
+    let mut builder = ChartBuilder::on(area);
+    builder.caption(&p.title, (FONT, 16)).margin(10).x_label_area_size(32).y_label_area_size(70);
+    if p.log {
+        let mut chart = builder.build_cartesian_2d(x0..x1, (ylo..yhi).log_scale()).map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .x_label_formatter(&|v| tick(*v))
+            .y_desc(p.y_desc)
+            .y_label_formatter(&|v| format!("{v:.0e}"))
+            .light_line_style(BLACK.mix(0.05))
+            .draw()
+            .map_err(err)?;
+        draw_panel!(&mut chart, p, x0, x1, ylo, yhi);
+    } else {
+        let mut chart = builder.build_cartesian_2d(x0..x1, ylo..yhi).map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .x_label_formatter(&|v| tick(*v))
+            .y_desc(p.y_desc)
+            .y_label_formatter(&|v| tick(*v))
+            .light_line_style(BLACK.mix(0.05))
+            .draw()
+            .map_err(err)?;
+        draw_panel!(&mut chart, p, x0, x1, ylo, yhi);
+    }
+    Ok(())
+}
+
+/// The panels of a run.
+fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
+    let u = &data.updates;
+    let xs: Vec<f64> = u.iter().map(|x| xpos(x, a.per_step)).collect();
+    let pts = |f: &dyn Fn(&Update) -> f64| -> Vec<(f64, f64)> { u.iter().zip(&xs).map(|(x, &p)| (p, f(x))).collect() };
+    let events = |f: &dyn Fn(&Update) -> f64| -> Vec<Mark> {
+        let mut m = Vec::new();
+        for (i, x) in u.iter().enumerate() {
+            let kind = match x.verdict.as_str() {
+                "skip" => MarkKind::Skip,
+                "rerun" => MarkKind::Rerun,
+                "abort" => MarkKind::Abort,
+                _ => continue,
+            };
+            m.push(Mark { x: xs[i], y: f(x), kind });
+        }
+        m
+    };
+    let spike_marks = |spikes: &[Flagged]| -> Vec<Mark> {
+        spikes.iter().map(|f| Mark { x: xs[f.update], y: f.spike.value, kind: MarkKind::Spike }).collect()
+    };
+    let abort_label = a.abort.map(|i| {
+        let what = match &data.abort {
+            Some(r) => format!(
+                "ABORT step {} update {}: rank(s) {} bucket #{} {}",
+                u[i].step,
+                u[i].minibatch,
+                r.json["ranks"],
+                r.json["bucket"],
+                r.json["param"].as_str().unwrap_or("?")
+            ),
+            None => format!("ABORT step {} update {}", u[i].step, u[i].minibatch),
+        };
+        (xs[i], what, ABORT)
+    });
+    let n = |v: usize, what: &str| if v == 0 { String::new() } else { format!(", {v} {what}") };
+
+    let mut loss_marks = events(&|x| x.loss);
+    loss_marks.extend(spike_marks(&a.loss_spikes));
+    let mut norm_marks = events(&|x| x.grad_norm);
+    norm_marks.extend(spike_marks(&a.norm_spikes));
+    let nb = u.iter().map(|x| x.bucket_norms.len()).max().unwrap_or(0);
+    let buckets: Vec<Series> = (0..nb)
+        .map(|b| {
+            let c = Palette99::pick(b).to_rgba();
+            (
+                format!("bucket #{b}"),
+                RGBColor(c.0, c.1, c.2),
+                pts(&|x| x.bucket_norms.get(b).copied().unwrap_or(f64::NAN)),
+            )
+        })
+        .collect();
+    let mut head_marks: Vec<Mark> =
+        a.warnings.iter().map(|&i| Mark { x: xs[i], y: u[i].headroom, kind: MarkKind::Warning }).collect();
+    head_marks.extend(events(&|x| x.headroom));
+
+    vec![
+        Panel {
+            title: format!("loss (mean over ranks){}", n(a.loss_spikes.len(), "spike(s)")),
+            y_desc: "loss",
+            log: false,
+            series: vec![("loss".into(), LINE, pts(&|x| x.loss))],
+            hlines: vec![],
+            marks: loss_marks,
+            label: abort_label.clone(),
+            legend: SeriesLabelPosition::UpperLeft,
+        },
+        Panel {
+            title: "reward (mean)".into(),
+            y_desc: "reward",
+            log: false,
+            series: vec![("reward".into(), RGBColor(0, 140, 70), pts(&|x| x.reward))],
+            hlines: vec![],
+            marks: events(&|x| x.reward),
+            label: None,
+            legend: SeriesLabelPosition::UpperLeft,
+        },
+        Panel {
+            title: format!("global grad norm (log scale){}", n(a.norm_spikes.len(), "spike(s)")),
+            y_desc: "grad norm",
+            log: true,
+            series: vec![("grad norm".into(), LINE, pts(&|x| x.grad_norm))],
+            hlines: vec![],
+            marks: norm_marks,
+            label: None,
+            legend: SeriesLabelPosition::UpperLeft,
+        },
+        Panel {
+            title: "per-bucket grad norms (log scale)".into(),
+            y_desc: "bucket norm",
+            log: true,
+            series: buckets,
+            hlines: vec![],
+            marks: events(&|x| x.bucket_norms.iter().copied().fold(f64::NAN, f64::max)),
+            label: None,
+            legend: SeriesLabelPosition::UpperLeft,
+        },
+        Panel {
+            title: format!(
+                "log-ratio headroom to exp overflow (88.72 - max log-ratio){}",
+                n(a.warnings.len(), &format!("warning(s) < {}", opts.margin))
+            ),
+            y_desc: "headroom (nats)",
+            log: false,
+            series: vec![("headroom".into(), LINE, pts(&|x| x.headroom))],
+            hlines: vec![
+                (format!("exp overflow (log-ratio {EXP_OVERFLOW})"), ABORT, 0.0),
+                (format!("warning margin ({})", opts.margin), WARN, opts.margin),
+            ],
+            marks: head_marks,
+            label: a.warnings.first().map(|&i| {
+                let before = a.abort.filter(|&ab| ab >= i).map(|ab| format!(", {} update(s) before the abort", ab - i));
+                (
+                    xs[i],
+                    format!(
+                        "first warning: step {} update {}{}",
+                        u[i].step,
+                        u[i].minibatch,
+                        before.unwrap_or_default()
+                    ),
+                    WARN,
+                )
+            }),
+            legend: SeriesLabelPosition::MiddleLeft,
+        },
+    ]
+}
+
+/// Draw `report.svg` at `path`.
+pub fn render_svg(path: &Path, data: &RunData, a: &Analysis, opts: &Options) -> DrawResult<()> {
+    let panels = panels(data, a, opts);
+    let u = &data.updates;
+    let x0 = u.first().map(|x| x.step as f64).unwrap_or(0.0);
+    let x1 = u.last().map(|x| x.step as f64 + 1.0).unwrap_or(1.0).max(x0 + 1.0);
+    let title = format!(
+        "gradbus report: {}",
+        opts.run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| ".".into())
+    );
+    let root = SVGBackend::new(path, (W, PANEL_H * panels.len() as u32 + 40)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let root = root.titled(&title, (FONT, 20)).map_err(err)?;
+    for (area, p) in root.split_evenly((panels.len(), 1)).iter().zip(&panels) {
+        draw_one(area, p, x0, x1)?;
+    }
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// Parse the arguments after `report`.
+pub fn parse(args: Vec<OsString>) -> Result<Option<Options>, Error> {
+    use lexopt::prelude::*;
+    let usage = |message: String| Error::usage(message, "see `gradbus report --help`");
+    let mut p = lexopt::Parser::from_args(args);
+    let (mut run_dir, mut margin, mut window, mut z_limit) = (None::<PathBuf>, 20.0, DEFAULT_WINDOW, 6.0);
+    let number = |p: &mut lexopt::Parser, flag: &str| -> Result<f64, Error> {
+        let v = p.value().map_err(|e| usage(e.to_string()))?;
+        v.to_str()
+            .and_then(|s| s.parse::<f64>().ok())
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .ok_or_else(|| usage(format!("{flag} wants a number >= 0, got `{}`", v.to_string_lossy())))
+    };
+    while let Some(arg) = p.next().map_err(|e| usage(e.to_string()))? {
+        match arg {
+            Long("margin") => margin = number(&mut p, "--margin")?,
+            Long("z-limit") => z_limit = number(&mut p, "--z-limit")?,
+            Long("window") => {
+                let w = number(&mut p, "--window")?;
+                if w < 2.0 || w.fract() != 0.0 {
+                    return Err(usage(format!("--window wants a whole number >= 2, got {w}")));
+                }
+                window = w as usize;
+            }
+            Long("help") | Short('h') => return Ok(None),
+            Value(v) if run_dir.is_none() => run_dir = Some(v.into()),
+            other => return Err(usage(other.unexpected().to_string())),
+        }
+    }
+    let run_dir = run_dir.ok_or_else(|| usage("missing RUN_DIR".into()))?;
+    Ok(Some(Options { run_dir, margin, window, z_limit }))
+}
+
+/// Run the subcommand.
+pub fn execute(args: Vec<OsString>) -> Result<Code, Error> {
+    let Some(opts) = parse(args)? else {
+        print!("{HELP}");
+        return Ok(Code::Done);
+    };
+    let data = load(&opts.run_dir)?;
+    let a = analyze(&data, &opts);
+    print!("{}", summary(&data, &a, &opts));
+    let out = opts.run_dir.join("report.svg");
+    // Drawn beside it, then renamed over it: a viewer never sees half an SVG.
+    let tmp = opts.run_dir.join(format!(".report.svg.{}", std::process::id()));
+    let drawn =
+        render_svg(&tmp, &data, &a, &opts).and_then(|()| std::fs::rename(&tmp, &out).map_err(|e| e.to_string()));
+    if let Err(e) = drawn {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::usage(
+            format!("cannot write {}: {e}", out.display()),
+            "check that the run directory is writable",
+        ));
+    }
+    println!("wrote {}", out.display());
+    Ok(Code::Done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(step: u64, mb: u64, attempt: u64, loss: &str, verdict: &str, headroom: &str, bad: &str) -> String {
+        format!(
+            r#"{{"step":{step},"minibatch":{mb},"attempt":{attempt},"loss":{loss},"reward":0.5,"kl":0.0,"grad_norm":0.3,"bucket_norms":[0.1,0.2],"nonfinite_ranks":[{bad}],"max_logratio_response":1.0,"max_logratio_masked":1.0,"headroom":{headroom},"min_response_logp":-3.0,"lr":0.001,"verdict":"{verdict}","skipped":0,"checksum":"00","time_update_ms":12.5}}"#
+        )
+    }
+
+    fn opts() -> Options {
+        Options { run_dir: "runs/x".into(), margin: 20.0, window: 128, z_limit: 6.0 }
+    }
+
+    #[test]
+    fn tick_labels_are_short() {
+        assert_eq!(tick(20.0), "20");
+        assert_eq!(tick(0.4), "0.4");
+        assert_eq!(tick(-0.0001), "0");
+        assert_eq!(tick(-1.25), "-1.25");
+    }
+
+    #[test]
+    fn parses_numbers_written_as_strings() {
+        let text = [
+            line(0, 0, 0, "1.5", "proceed", "80.0", ""),
+            line(0, 1, 0, "\"NaN\"", "skip", "\"-inf\"", "1"),
+            line(0, 1, 1, "1.0", "skip", "\"inf\"", ""),
+            String::new(),
+        ]
+        .join("\n");
+        let u = parse_metrics(&text).unwrap();
+        assert_eq!(u.len(), 3);
+        assert!(u[1].loss.is_nan() && u[1].headroom == f64::NEG_INFINITY && u[2].headroom == f64::INFINITY);
+        assert_eq!(u[1].skip_cause.as_deref(), Some("non-finite gradients"));
+        assert_eq!(u[2].skip_cause.as_deref(), Some("transient fault (the rerun differed)"));
+        assert_eq!(u[0].bucket_norms, vec![0.1, 0.2]);
+        let e = parse_metrics("{\"step\":1}\n").unwrap_err();
+        assert_eq!(e.0, 1);
+        assert!(e.1.contains("minibatch"), "{}", e.1);
+    }
+
+    #[test]
+    fn summary_counts_warnings_before_the_abort_and_names_the_replay() {
+        let mut lines = Vec::new();
+        for s in 0..5 {
+            for mb in 0..2 {
+                let head = if s >= 3 { "10.0" } else { "60.0" };
+                lines.push(line(s, mb, 0, "1.0", "proceed", head, ""));
+            }
+        }
+        lines.push(line(5, 0, 0, "1.0", "rerun", "5.0", "0"));
+        lines.push(line(5, 0, 1, "\"inf\"", "abort", "\"-inf\"", "0"));
+        let data = RunData {
+            updates: parse_metrics(&lines.join("\n")).unwrap(),
+            abort: Some(AbortReport {
+                json: serde_json::json!({"step":5,"minibatch":0,"attempt":1,"verdict":"abort","ranks":[0],"bucket":0,
+                    "param":"head.w","element":7,"nan":3,"inf":1,"per_rank":[],"loss_finite":false,"classification":"deterministic"}),
+            }),
+            has_dumps: true,
+        };
+        let a = analyze(&data, &opts());
+        assert_eq!(a.per_step, 2);
+        assert_eq!(a.abort, Some(11));
+        assert_eq!(a.warnings, vec![6, 7, 8, 9, 10, 11]);
+        let s = summary(&data, &a, &opts());
+        assert!(
+            s.contains("6 step(s) (0..=5), 12 update(s) (2 per step): 10 proceed, 0 skip, 1 rerun, 1 abort"),
+            "{s}"
+        );
+        assert!(s.contains("reruns: 1 (step 5 update 0)"), "{s}");
+        assert!(s.contains("first at step 3 update 0 (headroom 10.00), 5 update(s) before the abort"), "{s}");
+        assert!(
+            s.contains("abort: step 5 update 0 (attempt 1): rank(s) [0], bucket #0, param head.w element 7, 3 NaN, 1 Inf, loss NOT finite, deterministic"),
+            "{s}"
+        );
+        assert!(s.contains("replay: gradbus replay runs/x --trace"), "{s}");
+    }
+
+    #[test]
+    fn spikes_come_from_the_detector_over_the_agreed_values() {
+        let mut lines: Vec<String> = (0..300)
+            .map(|i| line(i, 0, 0, &format!("{}", 1.0 + (i % 7) as f64 * 0.01), "proceed", "70.0", ""))
+            .collect();
+        lines.push(line(300, 0, 0, "50.0", "proceed", "70.0", ""));
+        let data = RunData { updates: parse_metrics(&lines.join("\n")).unwrap(), abort: None, has_dumps: false };
+        let a = analyze(&data, &opts());
+        assert_eq!(a.loss_spikes.len(), 1);
+        assert_eq!(a.loss_spikes[0].update, 300);
+        assert!(a.loss_spikes[0].spike.by_zscore && a.loss_spikes[0].spike.by_megatron);
+        assert!(a.norm_spikes.is_empty());
+        let s = summary(&data, &a, &opts());
+        assert!(
+            s.contains(
+                "loss spikes (z > 6 over 128 updates, or > 10x the first-100 max): 1: step 300 update 0 = 50.0000"
+            ),
+            "{s}"
+        );
+        assert!(s.contains("abort: none") && !s.contains("replay:"), "{s}");
+    }
+
+    #[test]
+    fn svg_is_deterministic_and_has_no_time_fields() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut lines: Vec<String> = (0..40).map(|i| line(i / 2, i % 2, 0, "1.0", "proceed", "30.0", "")).collect();
+        lines.push(line(20, 0, 0, "1.0", "skip", "15.0", "1"));
+        let mut data = RunData { updates: parse_metrics(&lines.join("\n")).unwrap(), abort: None, has_dumps: false };
+        let o = Options { run_dir: dir.path().into(), ..opts() };
+        let a = analyze(&data, &o);
+        let (p1, p2) = (dir.path().join("a.svg"), dir.path().join("b.svg"));
+        render_svg(&p1, &data, &a, &o).unwrap();
+        // Different wall-clock fields change nothing.
+        for l in lines.iter_mut() {
+            *l = l.replace("12.5", "99.0");
+        }
+        data.updates = parse_metrics(&lines.join("\n")).unwrap();
+        render_svg(&p2, &data, &a, &o).unwrap();
+        let (s1, s2) = (std::fs::read(&p1).unwrap(), std::fs::read(&p2).unwrap());
+        assert_eq!(s1, s2);
+        let s = String::from_utf8(s1).unwrap();
+        assert!(s.starts_with("<svg"), "{}", &s[..80]);
+        assert!(s.contains("skipped update") && s.contains("warning: headroom &lt; margin"), "events not marked");
+    }
+}
