@@ -50,7 +50,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use gradbus_kernels::{reduce_in_place, Health};
+use gradbus_kernels::{reduce_in_place, reduce_to_one, Health};
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::layout::{Layout, ALIGN_FLOATS};
@@ -995,38 +995,6 @@ impl ShmBus {
         self.last_reduce_cpu = thread_cpu_time().saturating_sub(t0);
         self.barrier_tagged("reduced", at, Some(bucket))
     }
-}
-
-/// `reduce_in_place` that writes the sum into `slots[root]` only: the same rank-ordered sum, the same
-/// tallies, block by block (the root's block is read before it is overwritten).
-fn reduce_to_one(slots: &mut [&mut [f32]], tally: &mut [Health], root: usize) -> Health {
-    use gradbus_kernels::health::{scan_block, BLOCK};
-    assert_eq!(slots.len(), tally.len(), "one tally per slot");
-    let Some(len) = slots.first().map(|s| s.len()) else {
-        return Health::default();
-    };
-    let mut sum = Health::default();
-    let mut acc = [0f32; BLOCK];
-    let mut lo = 0;
-    while lo < len {
-        let hi = (lo + BLOCK).min(len);
-        let acc = &mut acc[..hi - lo];
-        for (k, slot) in slots.iter().enumerate() {
-            let src = &slot[lo..hi];
-            tally[k].merge(&scan_block(src), lo as u64);
-            if k == 0 {
-                acc.copy_from_slice(src);
-            } else {
-                for (a, &s) in acc.iter_mut().zip(src) {
-                    *a += s;
-                }
-            }
-        }
-        sum.merge(&scan_block(acc), lo as u64);
-        slots[root][lo..hi].copy_from_slice(acc);
-        lo = hi;
-    }
-    sum
 }
 
 fn store_health(cell: &HealthCell, h: &Health) {

@@ -11,4 +11,4 @@ pub mod reference;
 pub mod rng;
 
 pub use health::{health_scan, Health};
-pub use reduce::reduce_in_place;
+pub use reduce::{reduce_in_place, reduce_to_one};

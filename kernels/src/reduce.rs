@@ -14,6 +14,19 @@ use crate::health::{scan_block, Health, BLOCK};
 /// Panics if the slots differ in length or `tally.len() != slots.len()`: callers build both from one
 /// layout, so a mismatch is a bug, not an input error.
 pub fn reduce_in_place(slots: &mut [&mut [f32]], tally: &mut [Health]) -> Health {
+    reduce(slots, tally, None)
+}
+
+/// `reduce_in_place` that writes the sum into `slots[root]` only (the other slots keep their
+/// values): the same rank-ordered sum and the same tallies. The hierarchical transport uses it to
+/// leave a node's sum in its leader's slot.
+pub fn reduce_to_one(slots: &mut [&mut [f32]], tally: &mut [Health], root: usize) -> Health {
+    assert!(root < slots.len(), "root {root} of {} slots", slots.len());
+    reduce(slots, tally, Some(root))
+}
+
+/// The one reduce loop: every slot (`to = None`) or one slot (`Some(root)`) receives the sum.
+fn reduce(slots: &mut [&mut [f32]], tally: &mut [Health], to: Option<usize>) -> Health {
     assert_eq!(slots.len(), tally.len(), "one tally per slot");
     let Some(len) = slots.first().map(|s| s.len()) else {
         return Health::default();
@@ -40,8 +53,9 @@ pub fn reduce_in_place(slots: &mut [&mut [f32]], tally: &mut [Health]) -> Health
             }
         }
         sum.merge(&scan_block(acc), lo as u64);
-        for slot in slots.iter_mut() {
-            slot[lo..hi].copy_from_slice(acc);
+        match to {
+            None => slots.iter_mut().for_each(|slot| slot[lo..hi].copy_from_slice(acc)),
+            Some(root) => slots[root][lo..hi].copy_from_slice(acc),
         }
         lo = hi;
     }
