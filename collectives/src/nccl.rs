@@ -184,7 +184,9 @@ impl NcclTransport {
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
             return Err(Error::Nccl {
                 what: "libnccl.so could not be loaded".into(),
-                hint: "install NCCL (libnccl2, or the nvidia-nccl-cu12 wheel) and put it on LD_LIBRARY_PATH".into(),
+                hint: "cudarc looks for libnccl.so (or .so.12/.11/.10/.9/.1), never libnccl.so.2: link \
+                       libnccl.so -> libnccl.so.2 in a folder on LD_LIBRARY_PATH (scripts/gpu-check.sh does)"
+                    .into(),
             });
         }
         let path = id_path(&cfg.run_dir, &cfg.job_id);
