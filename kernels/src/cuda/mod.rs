@@ -251,7 +251,8 @@ impl Gpu {
         })?;
         let words = 4 * tiles as usize + 4;
         let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        if scratch.as_ref().map_or(true, |s| s.len() < words) {
+        let big_enough = matches!(scratch.as_ref(), Some(s) if s.len() >= words);
+        if !big_enough {
             *scratch = Some(self.zeros::<u64>(words)?);
         }
         let part = scratch.as_mut().expect("allocated just above");
