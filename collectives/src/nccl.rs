@@ -200,12 +200,13 @@ impl NcclTransport {
         let comm_stream = gpu.context().new_stream().map_err(cuda_err("cuStreamCreate"))?;
         // ncclCommInitRank works on the calling thread's current device.
         gpu.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let comm =
-            Comm::from_rank(comm_stream.clone(), cfg.rank, cfg.world, id).map_err(nccl_err("ncclCommInitRank"))?;
+        let comm = Comm::from_rank(comm_stream.clone(), cfg.rank, cfg.world, id);
         if cfg.rank == 0 {
-            // Every rank has read the id: the init above returns only once all of them joined.
+            // Success: every rank has read the id (the init returns only once all of them joined).
+            // Failure: the id is dead. Either way the file goes.
             let _ = fs::remove_file(&path);
         }
+        let comm = comm.map_err(nccl_err("ncclCommInitRank"))?;
         let dev = gpu.zeros::<f32>(cfg.layout.len)?;
         Ok(NcclTransport {
             host: AlignedBuf::zeros(cfg.layout.len),
@@ -242,6 +243,8 @@ impl NcclTransport {
         // End the group even after an error, so NCCL's group depth stays balanced.
         let end = cudarc::nccl::group_end().map(|_| ()).map_err(nccl_err("ncclGroupEnd"));
         r.and(end)?;
+        // A host-side wait, not cudarc's event tracking: inside a group the collectives are
+        // enqueued at ncclGroupEnd, after cudarc recorded its "written" events for the buffers.
         self.comm_stream.synchronize().map_err(cuda_err("cuStreamSynchronize (NCCL)"))?;
         self.gpu.download(&recv).map_err(Error::from)
     }
