@@ -341,7 +341,7 @@ impl Gpu {
                 detail: format!("params {n}, grads {}, m {}, v {}", grads.len(), m.len(), v.len()),
             });
         }
-        let s = AdamwScalars::new(lr, beta1, beta2, eps, weight_decay, t);
+        let s = AdamwScalars::new(lr, beta1, beta2, weight_decay, t);
         if n == 0 {
             return Ok(());
         }

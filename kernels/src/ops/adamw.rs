@@ -22,7 +22,7 @@ pub fn adamw_update(
 ) {
     let n = params.len();
     assert!(grads.len() == n && m.len() == n && v.len() == n, "adamw_update: length mismatch");
-    let s = AdamwScalars::new(lr, beta1, beta2, eps, weight_decay, t);
+    let s = AdamwScalars::new(lr, beta1, beta2, weight_decay, t);
     for i in 0..n {
         let g = grads[i];
         m[i] += (g - m[i]) * s.one_minus_beta1;
@@ -50,7 +50,7 @@ pub struct AdamwScalars {
 
 impl AdamwScalars {
     /// The scalars of step `t` (1-based; panics on 0).
-    pub fn new(lr: f32, beta1: f32, beta2: f32, _eps: f32, weight_decay: f32, t: u64) -> AdamwScalars {
+    pub fn new(lr: f32, beta1: f32, beta2: f32, weight_decay: f32, t: u64) -> AdamwScalars {
         assert!(t >= 1, "adamw_update: step t is 1-based");
         let bc1 = 1.0 - (beta1 as f64).powf(t as f64);
         AdamwScalars {
