@@ -3,11 +3,16 @@
 //! validated numbers into one verdict on every rank.
 //!
 //! This crate knows nothing about models: it sees named slots of f32 and ranks.
+//!
+//! Transports: `Solo` (one rank), the shared-memory bus, MPI and hierarchical shm+MPI (feature
+//! `mpi`), NCCL (feature `cuda`, module `nccl`: compiled but never run, see its header).
 
 pub mod bench;
 pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod shm;
 pub mod spikes;
 pub mod transport;
@@ -80,6 +85,17 @@ pub enum Error {
     /// MPI could not be set up, or disagrees with the environment the ranks were launched with.
     #[error("MPI: {what} (hint: {hint})")]
     Mpi {
+        /// What went wrong.
+        what: String,
+        /// What to do.
+        hint: String,
+    },
+    /// The CUDA backend failed (or is absent: `NoCudaDriver`, `NotCompiledWithCuda`).
+    #[error("CUDA: {0}")]
+    Cuda(#[from] gradbus_kernels::Error),
+    /// NCCL could not be loaded, or one of its calls failed.
+    #[error("NCCL: {what} (hint: {hint})")]
+    Nccl {
         /// What went wrong.
         what: String,
         /// What to do.

@@ -32,6 +32,7 @@ fn code_of(e: &Error) -> i32 {
         Error::Mismatch { .. } => 24,
         Error::Io { .. } => 25,
         Error::Mpi { .. } => 26,
+        Error::Cuda(_) | Error::Nccl { .. } => 27,
     }
 }
 

@@ -518,7 +518,9 @@ impl Trainer {
             .as_array()
             .map(|a| a.iter().filter_map(|b| b.as_u64()).map(|b| b as usize).collect())
             .unwrap_or_default();
-        log::info!("rank {}: resumed from {} at step {}", self.info.rank, dir.display(), self.step);
+        if self.info.rank == 0 {
+            eprintln!("resumed from {} at step {}", dir.display(), self.step);
+        }
         Ok(())
     }
 

@@ -20,18 +20,45 @@ pub fn adamw_update(
     weight_decay: f32,
     t: u64,
 ) {
-    assert!(t >= 1, "adamw_update: step t is 1-based");
     let n = params.len();
     assert!(grads.len() == n && m.len() == n && v.len() == n, "adamw_update: length mismatch");
-    let bc1 = 1.0 - (beta1 as f64).powf(t as f64);
-    let bc2_sqrt = (1.0 - (beta2 as f64).powf(t as f64)).sqrt() as f32;
-    let step_size = (lr as f64 / bc1) as f32;
-    let decay = 1.0 - lr * weight_decay;
+    let s = AdamwScalars::new(lr, beta1, beta2, weight_decay, t);
     for i in 0..n {
         let g = grads[i];
-        m[i] += (g - m[i]) * (1.0 - beta1);
-        v[i] = v[i] * beta2 + (1.0 - beta2) * g * g;
-        params[i] *= decay;
-        params[i] -= step_size * (m[i] / (v[i].sqrt() / bc2_sqrt + eps));
+        m[i] += (g - m[i]) * s.one_minus_beta1;
+        v[i] = v[i] * beta2 + s.one_minus_beta2 * g * g;
+        params[i] *= s.decay;
+        params[i] -= s.step_size * (m[i] / (v[i].sqrt() / s.bc2_sqrt + eps));
+    }
+}
+
+/// The per-call scalars of the update, computed once on the host: the CUDA kernel takes these same
+/// values, so both backends run the same f32 operations on the same operands (and get the same bits).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamwScalars {
+    /// `1 - beta1` (f32).
+    pub one_minus_beta1: f32,
+    /// `1 - beta2` (f32).
+    pub one_minus_beta2: f32,
+    /// `1 - lr * weight_decay` (f32).
+    pub decay: f32,
+    /// `lr / (1 - beta1^t)`, the bias correction in f64, rounded once.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t)`, in f64, rounded once.
+    pub bc2_sqrt: f32,
+}
+
+impl AdamwScalars {
+    /// The scalars of step `t` (1-based; panics on 0).
+    pub fn new(lr: f32, beta1: f32, beta2: f32, weight_decay: f32, t: u64) -> AdamwScalars {
+        assert!(t >= 1, "adamw_update: step t is 1-based");
+        let bc1 = 1.0 - (beta1 as f64).powf(t as f64);
+        AdamwScalars {
+            one_minus_beta1: 1.0 - beta1,
+            one_minus_beta2: 1.0 - beta2,
+            decay: 1.0 - lr * weight_decay,
+            step_size: (lr as f64 / bc1) as f32,
+            bc2_sqrt: (1.0 - (beta2 as f64).powf(t as f64)).sqrt() as f32,
+        }
     }
 }

@@ -15,13 +15,15 @@ pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
 pub mod residual;
+pub mod scale;
 pub mod softmax;
 
-pub use adamw::adamw_update;
+pub use adamw::{adamw_update, AdamwScalars};
 pub use attention::{attention_backward, attention_forward};
 pub use embedding::{encoder_backward, encoder_forward};
 pub use gelu::{gelu_backward, gelu_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward, LN_EPS};
 pub use matmul::{matmul_backward, matmul_forward};
 pub use residual::{residual_backward, residual_forward};
+pub use scale::scale;
 pub use softmax::{logsoftmax_gather_backward, logsoftmax_gather_forward};
