@@ -29,6 +29,7 @@ CASES = [
     ("nan persistent, policy rerun", "backward", 4, ["--set", "policy=rerun"], fault("nan"), 3),
     ("kill -9", "forward", 4, [], fault("kill", phase="forward"), 4),
     ("kill -9", "backward", 4, [], fault("kill", phase="backward"), 4),
+    ("kill -9", "reduce", 4, [], fault("kill", phase="reduce"), 4),
     ("kill -9", "between_buckets", 4, [], fault("kill", phase="between_buckets"), 4),
     ("kill -9", "checkpoint", 2, [], fault("kill", rank=0, step=2, minibatch=0, phase="checkpoint"), 4),
     ("exit 9", "forward", 3, [], fault("exit", code=9), 4),

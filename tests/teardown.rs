@@ -223,9 +223,20 @@ fn fault(kind: &str, rank: usize, step: u64, more: &str) -> String {
 
 #[test]
 fn kill_9_of_one_rank_ends_the_launcher_and_every_rank_within_10_s() {
+    kill_9_of_rank_1_in("forward");
+}
+
+#[test]
+fn kill_9_inside_a_bucket_reduce_ends_everything_too() {
+    kill_9_of_rank_1_in("reduce");
+}
+
+/// SIGKILL of rank 1 of 3 at `phase` of step 5, update 1.
+fn kill_9_of_rank_1_in(phase: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("r");
-    let mut job = launch(&dir, 3, &["--set", "steps=100000"], &fault("kill", 1, 5, "minibatch = 1\n"));
+    let plan = fault("kill", 1, 5, &format!("minibatch = 1\nphase = \"{phase}\"\n"));
+    let mut job = launch(&dir, 3, &["--set", "steps=100000"], &plan);
     let ranks = job.wait_ranks(3);
     // The worker announces the kill on stderr right before it; the pump logs it at once.
     job.wait_for("the planned SIGKILL", LIMIT, |j| log_has(&j.run_dir, 1, "fault plan: SIGKILL"));

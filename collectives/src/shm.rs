@@ -510,6 +510,9 @@ pub struct ShmBus {
     /// Thread CPU time of this rank's last reduce phase (between the two barriers; no waiting in
     /// it), for the benchmark: unlike wall time it does not count preemption by other processes.
     pub(crate) last_reduce_cpu: Duration,
+    /// Called inside every bucket reduce, after every rank entered it and before the sum is
+    /// written (the fault plan's `reduce` phase: a rank that dies here dies mid-collective).
+    inside_reduce: Option<Box<dyn FnMut(StepId, usize) + Send + Sync>>,
 }
 
 impl ShmBus {
@@ -553,6 +556,7 @@ impl ShmBus {
             barriers: 0,
             update: 0,
             last_reduce_cpu: Duration::ZERO,
+            inside_reduce: None,
         };
         bus.claim_cell()?;
         bus.barrier("attach", StepId::default())?;
@@ -964,6 +968,9 @@ impl ShmBus {
         let range = self.cfg.layout.buckets[bucket].range.clone();
         let chunk = chunk_range(range.len(), n, me, ALIGN_FLOATS);
         self.barrier_tagged("reduce", at, Some(bucket))?;
+        if let Some(hook) = self.inside_reduce.as_mut() {
+            hook(at, bucket);
+        }
         let lo = range.start + chunk.start;
         // SAFETY: every rank has entered this reduce (barrier above) and none leaves it before the
         // barrier below, so no rank holds a `grads()` borrow. Between the two barriers, elements
@@ -1264,6 +1271,10 @@ impl Transport for ShmBus {
 
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
         self.allreduce_bucket_with(at, bucket, true)
+    }
+
+    fn set_inside_reduce_hook(&mut self, hook: Box<dyn FnMut(StepId, usize) + Send + Sync>) {
+        self.inside_reduce = Some(hook);
     }
 
     fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {

@@ -45,6 +45,9 @@ pub trait Transport {
     fn health_chunks(&self) -> usize {
         1
     }
+    /// A hook called inside each bucket reduce, while the peers are in it too (for fault
+    /// injection: a rank killed there dies mid-collective). Transports without a reduce ignore it.
+    fn set_inside_reduce_hook(&mut self, _hook: Box<dyn FnMut(StepId, usize) + Send + Sync>) {}
     /// Publish progress for the launcher (a no-op where nobody reads it).
     fn publish(&mut self, _progress: Progress) {}
     /// Mark this rank as failed so peers stop waiting for it and fail at once (best effort).

@@ -33,6 +33,8 @@ pub enum FaultPhase {
     Forward,
     /// After forward, before backward.
     Backward,
+    /// Inside the first bucket's reduce: every rank has entered it, no sum is written yet.
+    Reduce,
     /// After the first bucket's reduce, before the next.
     BetweenBuckets,
     /// While writing a checkpoint (after the temp file, before the rename). Only rank 0 writes
@@ -150,6 +152,11 @@ impl FaultPlan {
             let i = slot.offset + f.element.min(slot.numel.saturating_sub(1));
             grads[i] = if f.kind == FaultKind::Nan { f32::NAN } else { f32::INFINITY };
         }
+    }
+
+    /// Whether a fault of this rank fires inside a reduce (the transport must call back into the plan).
+    pub fn has_phase(&self, phase: FaultPhase) -> bool {
+        self.faults.iter().any(|f| f.phase == phase)
     }
 
     /// Whether any fault is planned for this rank.

@@ -172,6 +172,14 @@ impl Trainer {
             info,
             run_dir,
         };
+        if t.faults.has_phase(FaultPhase::Reduce) {
+            let plan = t.faults.clone();
+            t.bus.set_inside_reduce_hook(Box::new(move |at, bucket| {
+                if bucket == 0 {
+                    plan.at_phase(FaultPhase::Reduce, at);
+                }
+            }));
+        }
         if resume {
             t.resume()?;
         }
