@@ -17,21 +17,41 @@ fn no_panic(r: &common::Run) {
 fn unknown_config_key_names_the_key() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("r");
-    let r = gradbus(&["run", "--np", "2", "--run-dir", d.to_str().unwrap(), "examples/tiny.toml", "--set", "rollout_sync_intervall=5"], &[]);
+    let r = gradbus(
+        &[
+            "run",
+            "--np",
+            "2",
+            "--run-dir",
+            d.to_str().unwrap(),
+            "examples/tiny.toml",
+            "--set",
+            "rollout_sync_intervall=5",
+        ],
+        &[],
+    );
     r.expect_code(2);
     no_panic(&r);
-    assert!(r.stdout().contains("rollout_sync_intervall") || r.stderr().contains("rollout_sync_intervall"), "{}", r.stderr());
+    assert!(
+        r.stdout().contains("rollout_sync_intervall") || r.stderr().contains("rollout_sync_intervall"),
+        "{}",
+        r.stderr()
+    );
 }
 
 #[test]
 fn wrong_type_and_out_of_range_values_name_the_key() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("r");
-    let r = gradbus(&["run", "--run-dir", d.to_str().unwrap(), "examples/tiny.toml", "--set", "optim.lr=\"fast\""], &[]);
+    let r =
+        gradbus(&["run", "--run-dir", d.to_str().unwrap(), "examples/tiny.toml", "--set", "optim.lr=\"fast\""], &[]);
     r.expect_code(2);
     no_panic(&r);
     assert!((r.stdout() + &r.stderr()).contains("lr"), "{}", r.stderr());
-    let r = gradbus(&["run", "--run-dir", d.to_str().unwrap(), "examples/tiny.toml", "--set", "rollout_sync_interval=0"], &[]);
+    let r = gradbus(
+        &["run", "--run-dir", d.to_str().unwrap(), "examples/tiny.toml", "--set", "rollout_sync_interval=0"],
+        &[],
+    );
     r.expect_code(2);
     assert!((r.stdout() + &r.stderr()).contains("rollout_sync_interval"), "{}", r.stderr());
     let r = gradbus(&["run", "--run-dir", d.to_str().unwrap(), "examples/tiny.toml", "--set", "nokey"], &[]);

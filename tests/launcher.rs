@@ -28,10 +28,7 @@ struct Job {
 impl Job {
     /// A job whose worker runs the common prologue, then `body` (sh; `$R` is the rank, `$D` the dir).
     fn new(body: &str) -> Job {
-        let dir = tempfile::Builder::new()
-            .prefix("gradbus-launcher-test")
-            .tempdir()
-            .unwrap();
+        let dir = tempfile::Builder::new().prefix("gradbus-launcher-test").tempdir().unwrap();
         let d = dir.path().canonicalize().unwrap();
         std::fs::write(d.join("c.toml"), "# test config\n").unwrap();
         let script = format!(
@@ -90,10 +87,7 @@ nap() {{
         let mut pids = Vec::new();
         for e in std::fs::read_dir(self.path()).unwrap() {
             let name = e.unwrap().file_name().into_string().unwrap();
-            if name
-                .strip_prefix(prefix)
-                .is_some_and(|r| r.chars().all(|c| c.is_ascii_digit()))
-            {
+            if name.strip_prefix(prefix).is_some_and(|r| r.chars().all(|c| c.is_ascii_digit())) {
                 let text = std::fs::read_to_string(self.path().join(&name)).unwrap();
                 if let Ok(pid) = text.trim().parse() {
                     pids.push(pid);
@@ -110,10 +104,7 @@ nap() {{
             if let Ok(Some(_)) = launcher.child.try_wait() {
                 panic!("launcher exited before the workers were ready");
             }
-            assert!(
-                Instant::now() < deadline,
-                "workers did not start within {LIMIT:?}"
-            );
+            assert!(Instant::now() < deadline, "workers did not start within {LIMIT:?}");
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -132,11 +123,7 @@ nap() {{
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .filter(|n| n.starts_with(&prefix))
             .collect();
-        assert!(
-            left.is_empty(),
-            "segments left: {left:?}\n{}",
-            ran.explain()
-        );
+        assert!(left.is_empty(), "segments left: {left:?}\n{}", ran.explain());
     }
 }
 
@@ -145,9 +132,7 @@ fn is_dead(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
         Ok(stat) => {
-            let state = stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.trim_start().chars().next());
+            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
             matches!(state, Some('Z' | 'X'))
         }
     }
@@ -156,11 +141,7 @@ fn is_dead(pid: i32) -> bool {
 fn wait_dead(pid: i32, ran: &Ran) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !is_dead(pid) {
-        assert!(
-            Instant::now() < deadline,
-            "pid {pid} still alive\n{}",
-            ran.explain()
-        );
+        assert!(Instant::now() < deadline, "pid {pid} still alive\n{}", ran.explain());
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -198,25 +179,17 @@ impl Ran {
     }
 
     fn assert_stderr(&self, needle: &str) {
-        assert!(
-            self.stderr.contains(needle),
-            "stderr lacks {needle:?}\n{}",
-            self.explain()
-        );
+        assert!(self.stderr.contains(needle), "stderr lacks {needle:?}\n{}", self.explain());
     }
 }
 
 fn start(mut cmd: Command) -> Running {
     let desc = format!("{cmd:?}");
-    cmd.stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .stdin(Stdio::null());
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
     let mut child = cmd.spawn().unwrap();
     let mut out = Vec::new();
-    let pipes: [Box<dyn Read + Send>; 2] = [
-        Box::new(child.stdout.take().unwrap()),
-        Box::new(child.stderr.take().unwrap()),
-    ];
+    let pipes: [Box<dyn Read + Send>; 2] =
+        [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
     for mut pipe in pipes {
         let buf = Arc::new(Mutex::new(Vec::new()));
         let b = buf.clone();
@@ -231,12 +204,7 @@ fn start(mut cmd: Command) -> Running {
         });
         out.push((buf, h));
     }
-    Running {
-        desc,
-        child,
-        out,
-        started: Instant::now(),
-    }
+    Running { desc, child, out, started: Instant::now() }
 }
 
 impl Running {
@@ -267,11 +235,7 @@ impl Running {
             stderr: texts.remove(0),
             elapsed,
         };
-        assert!(
-            status.is_some(),
-            "launcher did not exit within {LIMIT:?}\n{}",
-            ran.explain()
-        );
+        assert!(status.is_some(), "launcher did not exit within {LIMIT:?}\n{}", ran.explain());
         ran
     }
 }
@@ -304,36 +268,14 @@ fn two_and_four_ranks_succeed_with_prefixed_output_and_rank_logs() {
         let run_dir = d.join("run");
         for r in 0..np {
             let hello = format!("rank {r} of {np} local {r}/{np} node 0");
-            assert!(
-                ran.stdout.contains(&format!("[rank {r}] {hello}\n")),
-                "{}",
-                ran.explain()
-            );
-            assert!(
-                ran.stderr
-                    .contains(&format!("[rank {r}] err from rank {r}\n")),
-                "{}",
-                ran.explain()
-            );
+            assert!(ran.stdout.contains(&format!("[rank {r}] {hello}\n")), "{}", ran.explain());
+            assert!(ran.stderr.contains(&format!("[rank {r}] err from rank {r}\n")), "{}", ran.explain());
             let log = std::fs::read_to_string(run_dir.join(format!("rank-{r}.log"))).unwrap();
             assert!(log.lines().any(|l| l == hello), "rank-{r}.log: {log}");
-            assert!(
-                log.lines().any(|l| l == format!("err from rank {r}")),
-                "rank-{r}.log: {log}"
-            );
-            let args_line = format!(
-                "args: --run-dir {} {} --set a.b=1",
-                run_dir.display(),
-                d.join("c.toml").display()
-            );
-            assert!(
-                log.lines().any(|l| l == args_line),
-                "rank-{r}.log lacks {args_line:?}: {log}"
-            );
-            assert!(
-                !log.contains("[rank"),
-                "log lines must be unprefixed: {log}"
-            );
+            assert!(log.lines().any(|l| l == format!("err from rank {r}")), "rank-{r}.log: {log}");
+            let args_line = format!("args: --run-dir {} {} --set a.b=1", run_dir.display(), d.join("c.toml").display());
+            assert!(log.lines().any(|l| l == args_line), "rank-{r}.log lacks {args_line:?}: {log}");
+            assert!(!log.contains("[rank"), "log lines must be unprefixed: {log}");
         }
         assert!(run_dir.join("launch.json").is_file());
         job.assert_clean(&ran, np);
@@ -355,9 +297,7 @@ fn default_run_dir_is_under_runs() {
     let job = Job::new("exit 0");
     let ran = run(job.gradbus(&["run", "c.toml"]));
     ran.assert_code(0);
-    let runs: Vec<_> = std::fs::read_dir(job.path().join("runs"))
-        .unwrap()
-        .collect();
+    let runs: Vec<_> = std::fs::read_dir(job.path().join("runs")).unwrap().collect();
     assert_eq!(runs.len(), 1, "{}", ran.explain());
     let dir = runs.into_iter().next().unwrap().unwrap().path();
     assert!(dir.join("rank-0.log").is_file(), "{}", ran.explain());
@@ -455,20 +395,12 @@ fn sigkill_of_the_launcher_takes_the_workers_down() {
 #[test]
 fn malformed_hostfile_is_exit_2_with_file_and_line() {
     let job = Job::new("exit 0");
-    std::fs::write(
-        job.path().join("hosts"),
-        "# ok\nlocalhost slots=2\nnode2 slots=two\n",
-    )
-    .unwrap();
+    std::fs::write(job.path().join("hosts"), "# ok\nlocalhost slots=2\nnode2 slots=two\n").unwrap();
     let ran = run(job.gradbus(&["run", "--hostfile", "hosts", "c.toml"]));
     ran.assert_code(2);
     ran.assert_stderr("hosts:3: ");
     ran.assert_stderr("hint:");
-    assert!(
-        job.pids("pid-").is_empty(),
-        "no worker may start\n{}",
-        ran.explain()
-    );
+    assert!(job.pids("pid-").is_empty(), "no worker may start\n{}", ran.explain());
 }
 
 #[test]
@@ -478,15 +410,7 @@ fn too_many_ranks_for_the_hostfile_is_exit_2_with_an_oversubscribe_hint() {
     let ran = run(job.gradbus(&["run", "--hostfile", "hosts", "--np", "3", "c.toml"]));
     ran.assert_code(2);
     ran.assert_stderr("--oversubscribe");
-    let ran = run(job.gradbus(&[
-        "run",
-        "--hostfile",
-        "hosts",
-        "--np",
-        "3",
-        "--oversubscribe",
-        "c.toml",
-    ]));
+    let ran = run(job.gradbus(&["run", "--hostfile", "hosts", "--np", "3", "--oversubscribe", "c.toml"]));
     ran.assert_code(0);
 }
 
@@ -496,10 +420,7 @@ fn missing_config_is_exit_2_naming_it() {
     let ran = run(job.gradbus(&["run", "--np", "2", "no-such-config.toml"]));
     ran.assert_code(2);
     ran.assert_stderr("no-such-config.toml");
-    assert!(
-        !job.path().join("runs").exists(),
-        "no run dir for a failed launch"
-    );
+    assert!(!job.path().join("runs").exists(), "no run dir for a failed launch");
 }
 
 #[test]
@@ -531,21 +452,11 @@ fn help_and_bad_usage() {
     let job = Job::new("exit 0");
     let ran = run(job.gradbus(&["--help"]));
     ran.assert_code(0);
-    assert!(
-        ran.stdout.contains("EXIT CODES") && ran.stdout.contains("130"),
-        "{}",
-        ran.explain()
-    );
+    assert!(ran.stdout.contains("EXIT CODES") && ran.stdout.contains("130"), "{}", ran.explain());
     let ran = run(job.gradbus(&["run", "--help"]));
     ran.assert_code(0);
     assert!(ran.stdout.contains("--hostfile"), "{}", ran.explain());
-    for args in [
-        &[][..],
-        &["frobnicate"],
-        &["run"],
-        &["run", "--np", "many", "c.toml"],
-        &["bench"],
-    ] {
+    for args in [&[][..], &["frobnicate"], &["run"], &["run", "--np", "many", "c.toml"], &["bench"]] {
         let ran = run(job.gradbus(args));
         ran.assert_code(2);
         ran.assert_stderr("hint:");
@@ -563,33 +474,19 @@ fn real_worker_is_found_next_to_the_launcher() {
     let mut cmd = job.gradbus(&["run", "bad.toml"]);
     cmd.env_remove("GRADBUS_WORKER_BIN");
     let ran = run(cmd);
-    assert!(
-        !ran.stderr.contains("worker binary not found"),
-        "{}",
-        ran.explain()
-    );
-    assert!(Path::new(GRADBUS)
-        .with_file_name("gradbus-worker")
-        .is_file());
+    assert!(!ran.stderr.contains("worker binary not found"), "{}", ran.explain());
+    assert!(Path::new(GRADBUS).with_file_name("gradbus-worker").is_file());
 }
 
 #[test]
 fn two_local_host_names_make_two_nodes_with_local_ranks() {
     let job = Job::new("exit 0");
-    std::fs::write(
-        job.path().join("hosts"),
-        "localhost slots=2\n127.0.0.1 slots=2 # same machine\n",
-    )
-    .unwrap();
+    std::fs::write(job.path().join("hosts"), "localhost slots=2\n127.0.0.1 slots=2 # same machine\n").unwrap();
     let ran = run(job.gradbus(&["run", "--hostfile", "hosts", "c.toml"]));
     ran.assert_code(0);
     for (r, local, node) in [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)] {
         let line = format!("[rank {r}] rank {r} of 4 local {local}/2 node {node}\n");
-        assert!(
-            ran.stdout.contains(&line),
-            "lacks {line:?}\n{}",
-            ran.explain()
-        );
+        assert!(ran.stdout.contains(&line), "lacks {line:?}\n{}", ran.explain());
     }
     job.assert_clean(&ran, 4);
 }

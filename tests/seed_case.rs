@@ -63,7 +63,8 @@ fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes
 
     // Each rank with non-finite gradients traced its update on the spot and names the k3 exp.
     let bad = rep["ranks"][0].as_u64().unwrap();
-    let trace: Value = serde_json::from_str(&std::fs::read_to_string(a.join(format!("trace-rank-{bad}.json"))).unwrap()).unwrap();
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(a.join(format!("trace-rank-{bad}.json"))).unwrap()).unwrap();
     assert_eq!(trace["first"]["op"], "loss.kl_exp", "{trace}");
 
     // The early warning fired before the first non-finite gradient, from the agreed headroom.

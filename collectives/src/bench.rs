@@ -169,9 +169,8 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: usize = num
-        .parse()
-        .map_err(|_| format!("size {s:?}: expected a number with an optional unit (e.g. 64MiB)"))?;
+    let n: usize =
+        num.parse().map_err(|_| format!("size {s:?}: expected a number with an optional unit (e.g. 64MiB)"))?;
     let mult: usize = match unit.trim() {
         "" | "B" => 1,
         "K" | "KiB" | "k" => 1 << 10,
@@ -180,38 +179,23 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         "kB" | "KB" => 1_000,
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
-        u => {
-            return Err(format!(
-                "size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB)"
-            ))
-        }
+        u => return Err(format!("size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB)")),
     };
-    let bytes = n
-        .checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} is too large"))?;
+    let bytes = n.checked_mul(mult).ok_or_else(|| format!("size {s:?} is too large"))?;
     if bytes == 0 || bytes % 4 != 0 {
-        return Err(format!(
-            "size {s:?} = {bytes} bytes: must be a positive multiple of 4 (whole floats)"
-        ));
+        return Err(format!("size {s:?} = {bytes} bytes: must be a positive multiple of 4 (whole floats)"));
     }
     Ok(bytes)
 }
 
 /// Parse a comma-separated list of sizes.
 pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
-    s.split(',')
-        .filter(|p| !p.trim().is_empty())
-        .map(parse_size)
-        .collect()
+    s.split(',').filter(|p| !p.trim().is_empty()).map(parse_size).collect()
 }
 
 /// The layout of the benchmark: one parameter (and so one bucket) per size.
 fn bench_layout(sizes: &[usize]) -> Layout {
-    let specs: Vec<_> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| ParamSpec::new(format!("size{i}"), b / 4))
-        .collect();
+    let specs: Vec<_> = sizes.iter().enumerate().map(|(i, &b)| ParamSpec::new(format!("size{i}"), b / 4)).collect();
     Layout::new(&specs, 0)
 }
 
@@ -292,17 +276,8 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
         bus.barrier("bench-fill", at)?;
         bus.allreduce_bucket(at, bucket)?;
         let want = (n * (n + 1) / 2) as f32;
-        let wrong = bus.grads()[range.clone()]
-            .iter()
-            .filter(|&&x| x != want)
-            .count();
-        let table = bus.agree(
-            at,
-            LocalReport {
-                loss: wrong as f64,
-                values: [0.0; 7],
-            },
-        )?;
+        let wrong = bus.grads()[range.clone()].iter().filter(|&&x| x != want).count();
+        let table = bus.agree(at, LocalReport { loss: wrong as f64, values: [0.0; 7] })?;
         #[allow(unused_mut)]
         let mut wrong: u64 = table.reports.iter().map(|r| r.loss as u64).sum();
 
@@ -485,13 +460,8 @@ pub fn format_table(rows: &[BenchRow]) -> String {
         ("cpu+", "(%)"),
     ];
     const W: [usize; 16] = [12, 12, 6, 6, 10, 7, 7, 6, 7, 7, 7, 10, 7, 10, 10, 7];
-    let line = |cells: Vec<String>| -> String {
-        cells
-            .iter()
-            .zip(W)
-            .map(|(c, w)| format!(" {c:>w$}"))
-            .collect::<String>()
-    };
+    let line =
+        |cells: Vec<String>| -> String { cells.iter().zip(W).map(|(c, w)| format!(" {c:>w$}")).collect::<String>() };
     let np = rows.first().map_or(0, |r| r.np);
     // The MPI_Allreduce columns, when measured: its time, bandwidth and how many times slower than the bus.
     let with_mpi = rows.iter().any(|r| r.mpi_time_us.is_some());
@@ -499,8 +469,7 @@ pub fn format_table(rows: &[BenchRow]) -> String {
     // The hierarchical all-reduce column (shm inside fake nodes, MPI between their leaders), when measured.
     let with_hier = rows.iter().any(|r| r.hier_time_us.is_some());
     let hier_head = |a: &str| if with_hier { format!(" {a:>11}") } else { String::new() };
-    let mut s =
-        format!("# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average)\n#\n");
+    let mut s = format!("# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average)\n#\n");
     s += &format!(
         "#{}{}{}\n",
         line(HEAD.iter().map(|h| h.0.to_string()).collect()),
@@ -542,16 +511,9 @@ pub fn format_table(rows: &[BenchRow]) -> String {
             ])
         );
     }
-    let avg = if rows.is_empty() {
-        0.0
-    } else {
-        rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len() as f64
-    };
+    let avg = if rows.is_empty() { 0.0 } else { rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len() as f64 };
     let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
-    s += &format!(
-        "# Out of bounds values : {wrong} {}\n",
-        if wrong == 0 { "OK" } else { "FAILED" }
-    );
+    s += &format!("# Out of bounds values : {wrong} {}\n", if wrong == 0 { "OK" } else { "FAILED" });
     s += &format!("# Avg bus bandwidth    : {avg:.3} GB/s\n");
     if let Some(r) = rows.first() {
         s += &format!("# Barrier (all ranks)  : {:.2} us\n", r.barrier_us);
@@ -561,9 +523,7 @@ pub fn format_table(rows: &[BenchRow]) -> String {
 
 /// One JSON object per row and line (keys as in `BenchRow`, `type` for the element type).
 pub fn json_lines(rows: &[BenchRow]) -> String {
-    rows.iter()
-        .map(|r| serde_json::to_string(r).expect("rows serialize") + "\n")
-        .collect()
+    rows.iter().map(|r| serde_json::to_string(r).expect("rows serialize") + "\n").collect()
 }
 
 #[cfg(test)]
@@ -614,22 +574,11 @@ mod tests {
             hier_time_us: None,
         };
         let t = format_table(std::slice::from_ref(&row));
-        assert!(
-            t.contains("67108864") && t.contains("Avg bus bandwidth") && t.contains("OK"),
-            "{t}"
-        );
+        assert!(t.contains("67108864") && t.contains("Avg bus bandwidth") && t.contains("OK"), "{t}");
         let j: serde_json::Value =
             serde_json::from_str(json_lines(std::slice::from_ref(&row)).lines().next().unwrap()).unwrap();
-        for k in [
-            "size_bytes",
-            "algbw_gbps",
-            "busbw_gbps",
-            "memcpy_gbps",
-            "wrong",
-            "type",
-            "time_us",
-            "validation_pct",
-        ] {
+        for k in ["size_bytes", "algbw_gbps", "busbw_gbps", "memcpy_gbps", "wrong", "type", "time_us", "validation_pct"]
+        {
             assert!(j.get(k).is_some(), "{k}");
         }
         assert!(j.get("mpi_time_us").is_none(), "no MPI columns unless measured");

@@ -23,10 +23,7 @@ pub struct ParamSpec {
 impl ParamSpec {
     /// A spec from a name and an element count.
     pub fn new(name: impl Into<String>, numel: usize) -> ParamSpec {
-        ParamSpec {
-            name: name.into(),
-            numel,
-        }
+        ParamSpec { name: name.into(), numel }
     }
 }
 
@@ -85,10 +82,7 @@ impl Layout {
         let mut offset = 0;
         let mut open: Option<Bucket> = None;
         for p in (0..params.len()).rev() {
-            let b = open.get_or_insert_with(|| Bucket {
-                range: offset..offset,
-                params: Vec::new(),
-            });
+            let b = open.get_or_insert_with(|| Bucket { range: offset..offset, params: Vec::new() });
             b.params.push(p);
             slots[p] = Some(Slot {
                 name: params[p].name.clone(),
@@ -104,24 +98,13 @@ impl Layout {
             }
         }
         buckets.extend(open.take());
-        Layout {
-            slots: slots
-                .into_iter()
-                .map(|s| s.expect("every parameter placed"))
-                .collect(),
-            buckets,
-            len: offset,
-        }
+        Layout { slots: slots.into_iter().map(|s| s.expect("every parameter placed")).collect(), buckets, len: offset }
     }
 
     /// The parameter and element index at a flat offset; `None` for padding or out of range.
     pub fn locate(&self, offset: usize) -> Option<(&Slot, usize)> {
         let b = self.buckets.iter().find(|b| b.range.contains(&offset))?;
-        b.params
-            .iter()
-            .map(|&p| &self.slots[p])
-            .find(|s| s.range().contains(&offset))
-            .map(|s| (s, offset - s.offset))
+        b.params.iter().map(|&p| &self.slots[p]).find(|s| s.range().contains(&offset)).map(|s| (s, offset - s.offset))
     }
 
     /// The slot of a parameter by name.
@@ -169,11 +152,7 @@ mod tests {
     use super::*;
 
     fn specs(sizes: &[usize]) -> Vec<ParamSpec> {
-        sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| ParamSpec::new(format!("p{i}"), n))
-            .collect()
+        sizes.iter().enumerate().map(|(i, &n)| ParamSpec::new(format!("p{i}"), n)).collect()
     }
 
     #[test]
@@ -200,16 +179,9 @@ mod tests {
         let l = Layout::new(&specs(&[10, 20]), 0);
         let (s, i) = l.locate(l.slots[0].offset + 9).unwrap();
         assert_eq!((s.name.as_str(), i), ("p0", 9));
-        assert!(
-            l.locate(l.slots[1].offset + 20).is_none(),
-            "padding belongs to no parameter"
-        );
+        assert!(l.locate(l.slots[1].offset + 20).is_none(), "padding belongs to no parameter");
         assert!(l.locate(l.len).is_none());
-        assert_eq!(
-            l.buckets.len(),
-            2,
-            "bucket_bytes 0: one bucket per parameter"
-        );
+        assert_eq!(l.buckets.len(), 2, "bucket_bytes 0: one bucket per parameter");
     }
 
     #[test]

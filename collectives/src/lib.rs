@@ -19,12 +19,10 @@ pub mod transport;
 pub mod verdict;
 
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
-pub use spikes::{Spike, SpikeDetector};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
+pub use spikes::{Spike, SpikeDetector};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
-pub use verdict::{
-    decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict,
-};
+pub use verdict::{decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict};
 
 /// Errors of the collectives layer.
 #[derive(Debug, thiserror::Error)]

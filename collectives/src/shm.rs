@@ -107,12 +107,7 @@ pub struct BusConfig {
 
 impl BusConfig {
     /// A config with `shm_dir` = `/dev/shm`, node 0 and a 60 s timeout.
-    pub fn new(
-        job_id: impl Into<String>,
-        local_rank: usize,
-        local_size: usize,
-        layout: Layout,
-    ) -> BusConfig {
+    pub fn new(job_id: impl Into<String>, local_rank: usize, local_size: usize, layout: Layout) -> BusConfig {
         BusConfig {
             shm_dir: PathBuf::from("/dev/shm"),
             job_id: job_id.into(),
@@ -209,17 +204,7 @@ impl Geometry {
         let reports = round_up(table + 2 * buckets * n * entry, PAGE);
         let grads = round_up(reports + 2 * n * size_of::<LocalReport>(), PAGE);
         let slot_stride = round_up(len * 4, PAGE).max(PAGE);
-        Geometry {
-            n,
-            buckets,
-            cells,
-            table,
-            entry,
-            reports,
-            grads,
-            slot_stride,
-            size: grads + n * slot_stride,
-        }
+        Geometry { n, buckets, cells, table, entry, reports, grads, slot_stride, size: grads + n * slot_stride }
     }
 }
 
@@ -237,10 +222,7 @@ pub fn chunk_range(len: usize, n: usize, r: usize, align: usize) -> std::ops::Ra
 
 /// Nanoseconds of CLOCK_MONOTONIC (shared by every process of the machine): the clock of heartbeats.
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -248,10 +230,7 @@ pub fn monotonic_ns() -> u64 {
 
 /// CPU time consumed by the calling thread.
 fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
@@ -275,9 +254,7 @@ fn process_alive(pid: u64, start: u64) -> bool {
         return false;
     }
     match proc_stat(pid) {
-        Ok((state, st)) => {
-            !matches!(state, 'Z' | 'X' | 'x') && (start == 0 || st == 0 || st == start)
-        }
+        Ok((state, st)) => !matches!(state, 'Z' | 'X' | 'x') && (start == 0 || st == 0 || st == start),
         Err(e) if e.kind() == io::ErrorKind::NotFound => false,
         Err(_) => {
             // SAFETY: kill with signal 0 sends nothing; it only checks that the process exists.
@@ -288,9 +265,7 @@ fn process_alive(pid: u64, start: u64) -> bool {
 }
 
 fn self_start_time() -> u64 {
-    proc_stat(std::process::id() as u64)
-        .map(|(_, s)| s)
-        .unwrap_or(0)
+    proc_stat(std::process::id() as u64).map(|(_, s)| s).unwrap_or(0)
 }
 
 /// Sixteen bytes of a phase name, as two words (longer names are cut).
@@ -298,58 +273,33 @@ fn phase_words(phase: &str) -> [u64; 2] {
     let mut b = [0u8; 16];
     let n = phase.len().min(16);
     b[..n].copy_from_slice(&phase.as_bytes()[..n]);
-    [
-        u64::from_le_bytes(b[..8].try_into().unwrap()),
-        u64::from_le_bytes(b[8..].try_into().unwrap()),
-    ]
+    [u64::from_le_bytes(b[..8].try_into().unwrap()), u64::from_le_bytes(b[8..].try_into().unwrap())]
 }
 
 /// The five words of a barrier tag: phase name, step, minibatch and attempt, bucket.
 fn tag_words(phase: &str, at: StepId, bucket: Option<usize>) -> [u64; 5] {
     let [p0, p1] = phase_words(phase);
-    [
-        p0,
-        p1,
-        at.step,
-        (at.minibatch as u64) << 32 | at.attempt as u64,
-        bucket.map_or(NONE, |b| b as u64),
-    ]
+    [p0, p1, at.step, (at.minibatch as u64) << 32 | at.attempt as u64, bucket.map_or(NONE, |b| b as u64)]
 }
 
 fn describe_tag(t: &[u64; 5]) -> String {
     let mut b = [0u8; 16];
     b[..8].copy_from_slice(&t[0].to_le_bytes());
     b[8..].copy_from_slice(&t[1].to_le_bytes());
-    let name = String::from_utf8_lossy(&b)
-        .trim_end_matches('\0')
-        .to_string();
-    let bucket = if t[4] == NONE {
-        String::new()
-    } else {
-        format!(" bucket #{}", t[4])
-    };
-    format!(
-        "{name} at step {} (minibatch {}, attempt {}){bucket}",
-        t[2],
-        t[3] >> 32,
-        t[3] & 0xffff_ffff
-    )
+    let name = String::from_utf8_lossy(&b).trim_end_matches('\0').to_string();
+    let bucket = if t[4] == NONE { String::new() } else { format!(" bucket #{}", t[4]) };
+    format!("{name} at step {} (minibatch {}, attempt {}){bucket}", t[2], t[3] >> 32, t[3] & 0xffff_ffff)
 }
 
 fn check_job_id(shm_dir: &Path, job_id: &str) -> Result<(), Error> {
     let ok = !job_id.is_empty()
         && job_id.len() <= 100
-        && job_id
-            .bytes()
-            .all(|c| c.is_ascii_alphanumeric() || b"_.-".contains(&c));
+        && job_id.bytes().all(|c| c.is_ascii_alphanumeric() || b"_.-".contains(&c));
     if ok {
         return Ok(());
     }
     Err(Error::BadSegment {
-        path: shm_dir
-            .join(format!("gradbus-{job_id}"))
-            .display()
-            .to_string(),
+        path: shm_dir.join(format!("gradbus-{job_id}")).display().to_string(),
         reason: format!("job id {job_id:?} cannot name a segment"),
         hint: "use 1 to 100 characters from [A-Za-z0-9_.-]".into(),
     })
@@ -386,8 +336,7 @@ impl Peek {
         unsafe { &*self.map.as_ptr().cast::<Header>() }
     }
     fn initialised(&self) -> bool {
-        self.header().magic.load(Ordering::Acquire) == MAGIC
-            && self.header().version.load(Ordering::Relaxed) == VERSION
+        self.header().magic.load(Ordering::Acquire) == MAGIC && self.header().version.load(Ordering::Relaxed) == VERSION
     }
     fn cells(&self) -> Option<&[RankCell]> {
         let n = self.header().local_size.load(Ordering::Relaxed) as usize;
@@ -396,9 +345,7 @@ impl Peek {
         }
         // SAFETY: bounds checked just above; the cells start at HEADER_BYTES (a multiple of their
         // 128-byte alignment) and consist of atomics, valid for any bits; only loaded here.
-        Some(unsafe {
-            std::slice::from_raw_parts(self.map.as_ptr().add(HEADER_BYTES).cast::<RankCell>(), n)
-        })
+        Some(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(HEADER_BYTES).cast::<RankCell>(), n) })
     }
 }
 
@@ -528,9 +475,7 @@ impl ShmBus {
         check_job_id(&cfg.shm_dir, &cfg.job_id)?;
         if cfg.local_size == 0 || cfg.local_rank >= cfg.local_size {
             return Err(Error::BadSegment {
-                path: ShmBus::segment_path(&cfg.shm_dir, &cfg.job_id, cfg.node_id)
-                    .display()
-                    .to_string(),
+                path: ShmBus::segment_path(&cfg.shm_dir, &cfg.job_id, cfg.node_id).display().to_string(),
                 reason: format!("local rank {} of {} ranks", cfg.local_rank, cfg.local_size),
                 hint: "local_rank must be below local_size".into(),
             });
@@ -594,27 +539,14 @@ impl ShmBus {
         if w.sleepers.load(Ordering::SeqCst) > 0 {
             // SAFETY: FUTEX_WAKE on a valid, 4-byte aligned word of a shared mapping; no other
             // memory is touched. Shared (not PRIVATE) futex: the waiters are other processes.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_futex,
-                    w.seq.as_ptr(),
-                    libc::FUTEX_WAKE,
-                    i32::MAX,
-                    0usize,
-                    0usize,
-                    0u32,
-                )
-            };
+            unsafe { libc::syscall(libc::SYS_futex, w.seq.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32) };
         }
     }
 
     /// Sleep until the futex word moves away from `seen` or `max` passes (spurious wake-ups are fine:
     /// the caller re-checks).
     fn futex_sleep(&self, seen: u32, max: Duration) {
-        let ts = libc::timespec {
-            tv_sec: max.as_secs() as libc::time_t,
-            tv_nsec: max.subsec_nanos() as libc::c_long,
-        };
+        let ts = libc::timespec { tv_sec: max.as_secs() as libc::time_t, tv_nsec: max.subsec_nanos() as libc::c_long };
         // SAFETY: FUTEX_WAIT on a valid, 4-byte aligned word of a shared mapping with a valid
         // relative timeout; it returns at once if the word no longer holds `seen`.
         unsafe {
@@ -638,13 +570,7 @@ impl ShmBus {
         assert!(k < self.geo.n);
         // SAFETY: cell k lies in [cells, table) inside the mapping (Geometry), at an offset that is a
         // multiple of 128 (its alignment); it holds only atomics (plus padding never read).
-        unsafe {
-            &*self
-                .map
-                .as_ptr()
-                .add(self.geo.cells + k * size_of::<RankCell>())
-                .cast::<RankCell>()
-        }
+        unsafe { &*self.map.as_ptr().add(self.geo.cells + k * size_of::<RankCell>()).cast::<RankCell>() }
     }
 
     fn entry(&self, parity: u64, bucket: usize, reducer: usize) -> (&AtomicU64, &[HealthCell]) {
@@ -655,50 +581,30 @@ impl ShmBus {
         // aligned and holds a stamp word then n + 1 cells of 4 words, all atomics.
         unsafe {
             let p = self.map.as_ptr().add(g.table + idx * g.entry);
-            (
-                &*p.cast::<AtomicU64>(),
-                std::slice::from_raw_parts(p.add(8).cast::<HealthCell>(), g.n + 1),
-            )
+            (&*p.cast::<AtomicU64>(), std::slice::from_raw_parts(p.add(8).cast::<HealthCell>(), g.n + 1))
         }
     }
 
     fn report_cell(&self, parity: u64, k: usize) -> &[AtomicU64; 8] {
         assert!(k < self.geo.n);
         // SAFETY: report (parity, k) lies in [reports, grads) (Geometry), 8-byte aligned, 8 atomics.
-        unsafe {
-            &*self
-                .map
-                .as_ptr()
-                .add(self.geo.reports + (parity as usize * self.geo.n + k) * 64)
-                .cast()
-        }
+        unsafe { &*self.map.as_ptr().add(self.geo.reports + (parity as usize * self.geo.n + k) * 64).cast() }
     }
 
     /// Start of rank k's gradient slot.
     fn slot_ptr(&self, k: usize) -> *mut f32 {
         assert!(k < self.geo.n);
         // SAFETY: slot k lies in [grads + k * stride, grads + (k + 1) * stride) inside the mapping.
-        unsafe {
-            self.map
-                .as_mut_ptr()
-                .add(self.geo.grads + k * self.geo.slot_stride)
-                .cast::<f32>()
-        }
+        unsafe { self.map.as_mut_ptr().add(self.geo.grads + k * self.geo.slot_stride).cast::<f32>() }
     }
 
     fn claim_cell(&mut self) -> Result<(), Error> {
         let me = std::process::id() as u64;
         let c = self.cell(self.cfg.local_rank);
-        if let Err(other) = c
-            .pid
-            .compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire)
-        {
+        if let Err(other) = c.pid.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire) {
             return Err(Error::BadSegment {
                 path: self.path.display().to_string(),
-                reason: format!(
-                    "local rank {} is already attached by pid {other}",
-                    self.cfg.local_rank
-                ),
+                reason: format!("local rank {} is already attached by pid {other}", self.cfg.local_rank),
                 hint: "two processes were given the same local rank; check the launch".into(),
             });
         }
@@ -710,12 +616,7 @@ impl ShmBus {
     }
 
     /// Barrier with a tag naming what this rank is doing; see `barrier`.
-    fn barrier_tagged(
-        &mut self,
-        phase: &str,
-        at: StepId,
-        bucket: Option<usize>,
-    ) -> Result<(), Error> {
+    fn barrier_tagged(&mut self, phase: &str, at: StepId, bucket: Option<usize>) -> Result<(), Error> {
         let k = self.barriers + 1;
         self.barriers = k;
         let me = self.cfg.local_rank;
@@ -769,13 +670,7 @@ impl ShmBus {
     }
 
     /// Wait until every rank's arrival counter is at least `k`.
-    fn wait_all(
-        &self,
-        k: u64,
-        phase: &str,
-        at: StepId,
-        bucket: Option<usize>,
-    ) -> Result<(), Error> {
+    fn wait_all(&self, k: u64, phase: &str, at: StepId, bucket: Option<usize>) -> Result<(), Error> {
         let n = self.geo.n;
         let start = Instant::now();
         let deadline = start + self.cfg.timeout;
@@ -809,16 +704,14 @@ impl ShmBus {
                         return Err(self.peer_failed(self.culprit(j), phase, at, bucket));
                     }
                     let gone = state == ST_DEPARTED
-                        || (state == ST_ATTACHED
-                            && !process_alive(pid, c.start_time.load(Ordering::Relaxed)));
+                        || (state == ST_ATTACHED && !process_alive(pid, c.start_time.load(Ordering::Relaxed)));
                     if gone {
                         return Err(self.peer_failed(j, phase, at, bucket));
                     }
                 }
                 if now >= deadline {
-                    let missing = (0..n)
-                        .filter(|&j| self.cell(j).arrive.load(Ordering::SeqCst) < k)
-                        .collect::<Vec<_>>();
+                    let missing =
+                        (0..n).filter(|&j| self.cell(j).arrive.load(Ordering::SeqCst) < k).collect::<Vec<_>>();
                     if missing.is_empty() {
                         continue;
                     }
@@ -846,9 +739,7 @@ impl ShmBus {
                 w.sleepers.fetch_add(1, Ordering::SeqCst);
                 let seen = w.seq.load(Ordering::SeqCst);
                 if !self.all_arrived(k) {
-                    let max = next_check
-                        .min(deadline)
-                        .saturating_duration_since(Instant::now());
+                    let max = next_check.min(deadline).saturating_duration_since(Instant::now());
                     self.futex_sleep(seen, max.max(Duration::from_micros(10)));
                 }
                 w.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -860,13 +751,7 @@ impl ShmBus {
     /// taking part in the reduce we are about to run; stop instead of writing into its slot. A rank
     /// that failed at a LATER barrier passed this one and is no reason to stop here (the next
     /// barrier names the real culprit).
-    fn check_no_failed(
-        &self,
-        k: u64,
-        phase: &str,
-        at: StepId,
-        bucket: Option<usize>,
-    ) -> Result<(), Error> {
+    fn check_no_failed(&self, k: u64, phase: &str, at: StepId, bucket: Option<usize>) -> Result<(), Error> {
         for j in 0..self.geo.n {
             let c = self.cell(j);
             if j != self.cfg.local_rank
@@ -884,25 +769,15 @@ impl ShmBus {
             Some(b) => format!("{phase} (bucket #{b})"),
             None => phase.to_string(),
         };
-        Error::PeerFailed {
-            rank,
-            phase,
-            step: at.step,
-        }
+        Error::PeerFailed { rank, phase, step: at.step }
     }
 
     /// Every rank compares every rank's tag of barrier `k`: all see the same tags, so all fail alike.
     fn check_tags(&self, k: u64, mine: &[u64; 5]) -> Result<(), Error> {
         for j in 0..self.geo.n {
-            let t: [u64; 5] = std::array::from_fn(|i| {
-                self.cell(j).tags[(k % 2) as usize][i].load(Ordering::Relaxed)
-            });
+            let t: [u64; 5] = std::array::from_fn(|i| self.cell(j).tags[(k % 2) as usize][i].load(Ordering::Relaxed));
             if &t != mine {
-                return Err(Error::Mismatch {
-                    rank: j,
-                    theirs: describe_tag(&t),
-                    mine: describe_tag(mine),
-                });
+                return Err(Error::Mismatch { rank: j, theirs: describe_tag(&t), mine: describe_tag(mine) });
             }
         }
         Ok(())
@@ -910,12 +785,7 @@ impl ShmBus {
 
     /// The all-reduce of one bucket; `validate` = false skips the health tallies (for the benchmark's
     /// measurement of what validation costs).
-    pub(crate) fn allreduce_bucket_with(
-        &mut self,
-        at: StepId,
-        bucket: usize,
-        validate: bool,
-    ) -> Result<(), Error> {
+    pub(crate) fn allreduce_bucket_with(&mut self, at: StepId, bucket: usize, validate: bool) -> Result<(), Error> {
         self.reduce_bucket(at, bucket, validate, None)
     }
 
@@ -947,8 +817,7 @@ impl ShmBus {
         unsafe {
             let src = std::slice::from_raw_parts(self.slot_ptr(root).add(lo), chunk.len());
             for k in (0..n).filter(|&k| k != root) {
-                std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len())
-                    .copy_from_slice(src);
+                std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len()).copy_from_slice(src);
             }
         }
         self.barrier_tagged("bcasted", at, Some(bucket))
@@ -956,13 +825,7 @@ impl ShmBus {
 
     /// Reduce one bucket: barrier, sum my chunk over every slot in rank order, write the sum into
     /// every slot (`to` = None) or into slot `to` only, barrier.
-    fn reduce_bucket(
-        &mut self,
-        at: StepId,
-        bucket: usize,
-        validate: bool,
-        to: Option<usize>,
-    ) -> Result<(), Error> {
+    fn reduce_bucket(&mut self, at: StepId, bucket: usize, validate: bool, to: Option<usize>) -> Result<(), Error> {
         let n = self.geo.n;
         let me = self.cfg.local_rank;
         let range = self.cfg.layout.buckets[bucket].range.clone();
@@ -978,11 +841,8 @@ impl ShmBus {
         // reducers own the other chunks of `chunk_range`, which are disjoint. Slots are disjoint
         // (`slot_stride >= len * 4`) and `range.end <= layout.len`, so the n slices do not overlap
         // and lie inside the mapping, f32-aligned.
-        let mut slices: Vec<&mut [f32]> = (0..n)
-            .map(|k| unsafe {
-                std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len())
-            })
-            .collect();
+        let mut slices: Vec<&mut [f32]> =
+            (0..n).map(|k| unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len()) }).collect();
         let t0 = thread_cpu_time();
         if validate {
             let mut tally = vec![Health::default(); n];
@@ -1069,16 +929,11 @@ fn create(cfg: &BusConfig, path: &Path, geo: &Geometry) -> Result<(File, MmapRaw
                         hint: "another job runs with the same job id on this node; pick a unique job id".into(),
                     });
                 }
-                log::warn!(
-                    "{}: removing a stale segment (its creator is gone)",
-                    path.display()
-                );
+                log::warn!("{}: removing a stale segment (its creator is gone)", path.display());
                 match std::fs::remove_file(path) {
                     Ok(()) => {}
                     Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => {
-                        return Err(io_err(format!("removing stale segment {}", path.display()))(e))
-                    }
+                    Err(e) => return Err(io_err(format!("removing stale segment {}", path.display()))(e)),
                 }
             }
             Err(e) => return Err(io_err(format!("creating {}", path.display()))(e)),
@@ -1095,26 +950,16 @@ fn create(cfg: &BusConfig, path: &Path, geo: &Geometry) -> Result<(File, MmapRaw
     if rc != 0 {
         let source = io::Error::from_raw_os_error(rc);
         let e = if rc == libc::ENOSPC || rc == libc::EFBIG {
-            Error::ShmFull {
-                path: path.display().to_string(),
-                need: geo.size as u64,
-                reason: source.to_string(),
-            }
+            Error::ShmFull { path: path.display().to_string(), need: geo.size as u64, reason: source.to_string() }
         } else {
-            Error::Io {
-                what: format!("reserving {} bytes for {}", geo.size, path.display()),
-                source,
-            }
+            Error::Io { what: format!("reserving {} bytes for {}", geo.size, path.display()), source }
         };
         return Err(unlink(e));
     }
-    let map = map_rw(&file)
-        .map_err(io_err(format!("mapping {}", path.display())))
-        .map_err(unlink)?;
+    let map = map_rw(&file).map_err(io_err(format!("mapping {}", path.display()))).map_err(unlink)?;
     // SAFETY: the mapping is page-aligned and geo.size > HEADER_BYTES long; the header is atomics.
     let h = unsafe { &*map.as_ptr().cast::<Header>() };
-    h.creator_pid
-        .store(std::process::id() as u64, Ordering::Relaxed);
+    h.creator_pid.store(std::process::id() as u64, Ordering::Relaxed);
     h.creator_start.store(self_start_time(), Ordering::Relaxed);
     h.version.store(VERSION, Ordering::Relaxed);
     h.config_hash.store(cfg.config_hash, Ordering::Relaxed);
@@ -1131,12 +976,7 @@ fn create(cfg: &BusConfig, path: &Path, geo: &Geometry) -> Result<(File, MmapRaw
 }
 
 /// Attach to the segment of local rank 0 once it exists and is initialised, within the deadline.
-fn attach(
-    cfg: &BusConfig,
-    path: &Path,
-    geo: &Geometry,
-    start: Instant,
-) -> Result<(File, MmapRaw), Error> {
+fn attach(cfg: &BusConfig, path: &Path, geo: &Geometry, start: Instant) -> Result<(File, MmapRaw), Error> {
     let bad = |reason: String, hint: &str| Error::BadSegment {
         path: path.display().to_string(),
         reason,
@@ -1144,28 +984,16 @@ fn attach(
     };
     let mut wait = Duration::from_micros(200);
     loop {
-        match OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-        {
+        match OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path) {
             Ok(file) => {
-                let len = file
-                    .metadata()
-                    .map_err(io_err(format!("stat {}", path.display())))?
-                    .len() as usize;
+                let len = file.metadata().map_err(io_err(format!("stat {}", path.display())))?.len() as usize;
                 if len >= HEADER_BYTES {
-                    let map =
-                        map_rw(&file).map_err(io_err(format!("mapping {}", path.display())))?;
+                    let map = map_rw(&file).map_err(io_err(format!("mapping {}", path.display())))?;
                     // SAFETY: page-aligned mapping of len >= HEADER_BYTES bytes; header is atomics.
                     let h = unsafe { &*map.as_ptr().cast::<Header>() };
                     let magic = h.magic.load(Ordering::Acquire);
                     let creator_alive = || {
-                        process_alive(
-                            h.creator_pid.load(Ordering::Relaxed),
-                            h.creator_start.load(Ordering::Relaxed),
-                        )
+                        process_alive(h.creator_pid.load(Ordering::Relaxed), h.creator_start.load(Ordering::Relaxed))
                     };
                     if magic != 0 && magic != MAGIC {
                         return Err(bad(
@@ -1198,12 +1026,7 @@ fn attach(
 }
 
 /// Whether an initialised header matches this rank's view of the job.
-fn check_header(
-    h: &Header,
-    cfg: &BusConfig,
-    geo: &Geometry,
-    len: usize,
-) -> Result<(), (String, &'static str)> {
+fn check_header(h: &Header, cfg: &BusConfig, geo: &Geometry, len: usize) -> Result<(), (String, &'static str)> {
     let version = h.version.load(Ordering::Relaxed);
     if version != VERSION {
         return Err((
@@ -1214,20 +1037,14 @@ fn check_header(
     let hash = h.config_hash.load(Ordering::Relaxed);
     if hash != cfg.config_hash {
         return Err((
-            format!(
-                "config hash {hash:#018x} differs from this rank's {:#018x}",
-                cfg.config_hash
-            ),
+            format!("config hash {hash:#018x} differs from this rank's {:#018x}", cfg.config_hash),
             "every rank must run with the same config and layout",
         ));
     }
     let lsize = h.local_size.load(Ordering::Relaxed);
     if lsize != cfg.local_size as u64 {
         return Err((
-            format!(
-                "segment made for {lsize} local ranks, this rank expects {}",
-                cfg.local_size
-            ),
+            format!("segment made for {lsize} local ranks, this rank expects {}", cfg.local_size),
             "every rank must be given the same local size",
         ));
     }
@@ -1235,7 +1052,11 @@ fn check_header(
     let size = h.size.load(Ordering::Relaxed);
     if lhash != cfg.layout.hash() || size != geo.size as u64 || len != geo.size {
         return Err((
-            format!("segment layout {lhash:#018x} of {size} bytes, this rank expects {:#018x} of {} bytes", cfg.layout.hash(), geo.size),
+            format!(
+                "segment layout {lhash:#018x} of {size} bytes, this rank expects {:#018x} of {} bytes",
+                cfg.layout.hash(),
+                geo.size
+            ),
             "every rank must build the same model layout (parameters and bucket size)",
         ));
     }
@@ -1264,9 +1085,7 @@ impl Transport for ShmBus {
         // write into it only between the two barriers of a bucket reduce, while this rank is inside
         // `allreduce_bucket` (which borrows `self` mutably, so this borrow has ended); see the module
         // invariants. `&mut self` makes the borrow unique within this process.
-        unsafe {
-            std::slice::from_raw_parts_mut(self.slot_ptr(self.cfg.local_rank), self.cfg.layout.len)
-        }
+        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(self.cfg.local_rank), self.cfg.layout.len) }
     }
 
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
@@ -1320,10 +1139,7 @@ impl Transport for ShmBus {
         for k in 0..n {
             let w = self.report_cell(parity, k);
             let f = |i: usize| f64::from_bits(w[i].load(Ordering::Relaxed));
-            table.reports.push(LocalReport {
-                loss: f(0),
-                values: std::array::from_fn(|i| f(i + 1)),
-            });
+            table.reports.push(LocalReport { loss: f(0), values: std::array::from_fn(|i| f(i + 1)) });
         }
         self.update += 1;
         Ok(table)
@@ -1352,23 +1168,16 @@ impl Drop for ShmBus {
     fn drop(&mut self) {
         // Peers still waiting for this rank fail at once instead of at the deadline.
         if self.claimed {
-            self.cell(self.cfg.local_rank)
-                .state
-                .store(ST_DEPARTED, Ordering::SeqCst);
+            self.cell(self.cfg.local_rank).state.store(ST_DEPARTED, Ordering::SeqCst);
             self.wake_all();
         }
         if self.creator {
             // Unlink only if the name still points at OUR segment (same inode).
             let ours = self.file.metadata().ok().map(|m| (m.dev(), m.ino()));
-            let there = std::fs::metadata(&self.path)
-                .ok()
-                .map(|m| (m.dev(), m.ino()));
+            let there = std::fs::metadata(&self.path).ok().map(|m| (m.dev(), m.ino()));
             if ours.is_some() && ours == there {
                 if let Err(e) = std::fs::remove_file(&self.path) {
-                    log::warn!(
-                        "{}: cannot remove the bus segment: {e}",
-                        self.path.display()
-                    );
+                    log::warn!("{}: cannot remove the bus segment: {e}", self.path.display());
                 }
             }
         }
@@ -1399,10 +1208,7 @@ mod tests {
                     assert_eq!(at, len, "chunks cover the range");
                     let units = len.div_ceil(align);
                     let max = sizes.iter().max().unwrap();
-                    assert!(
-                        *max <= units.div_ceil(n) * align,
-                        "len {len} n {n} align {align}: {sizes:?}"
-                    );
+                    assert!(*max <= units.div_ceil(n) * align, "len {len} n {n} align {align}: {sizes:?}");
                 }
             }
         }
@@ -1438,45 +1244,18 @@ mod tests {
 
     #[test]
     fn tags_describe_themselves() {
-        let t = tag_words(
-            "reduce",
-            StepId {
-                step: 7,
-                minibatch: 2,
-                attempt: 1,
-            },
-            Some(3),
-        );
-        assert_eq!(
-            describe_tag(&t),
-            "reduce at step 7 (minibatch 2, attempt 1) bucket #3"
-        );
-        assert_ne!(
-            t,
-            tag_words(
-                "reduced",
-                StepId {
-                    step: 7,
-                    minibatch: 2,
-                    attempt: 1
-                },
-                Some(3)
-            )
-        );
+        let t = tag_words("reduce", StepId { step: 7, minibatch: 2, attempt: 1 }, Some(3));
+        assert_eq!(describe_tag(&t), "reduce at step 7 (minibatch 2, attempt 1) bucket #3");
+        assert_ne!(t, tag_words("reduced", StepId { step: 7, minibatch: 2, attempt: 1 }, Some(3)));
     }
 
     #[test]
     fn plain_reduce_matches_validated_reduce() {
         let mut rng = gradbus_kernels::rng::Rng::new(&[1, 2]);
-        let mut a: Vec<Vec<f32>> = (0..3)
-            .map(|_| (0..2500).map(|_| rng.normal()).collect())
-            .collect();
+        let mut a: Vec<Vec<f32>> = (0..3).map(|_| (0..2500).map(|_| rng.normal()).collect()).collect();
         let mut b = a.clone();
         let mut tally = vec![Health::default(); 3];
-        reduce_in_place(
-            &mut a.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(),
-            &mut tally,
-        );
+        reduce_in_place(&mut a.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(), &mut tally);
         reduce_plain(&mut b.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>());
         let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a), bits(&b));
@@ -1485,22 +1264,13 @@ mod tests {
     #[test]
     fn reduce_to_one_matches_reduce_in_place_in_the_root_and_leaves_the_others() {
         let mut rng = gradbus_kernels::rng::Rng::new(&[3, 4]);
-        let mut a: Vec<Vec<f32>> = (0..3)
-            .map(|_| (0..2500).map(|_| rng.normal()).collect())
-            .collect();
+        let mut a: Vec<Vec<f32>> = (0..3).map(|_| (0..2500).map(|_| rng.normal()).collect()).collect();
         a[2][1700] = f32::NAN;
         let orig = a.clone();
         let mut b = a.clone();
         let (mut ta, mut tb) = (vec![Health::default(); 3], vec![Health::default(); 3]);
-        let sa = reduce_in_place(
-            &mut a.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(),
-            &mut ta,
-        );
-        let sb = reduce_to_one(
-            &mut b.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(),
-            &mut tb,
-            1,
-        );
+        let sa = reduce_in_place(&mut a.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(), &mut ta);
+        let sb = reduce_to_one(&mut b.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(), &mut tb, 1);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a[1]), bits(&b[1]), "the root holds the same sum");
         assert_eq!(bits(&b[0]), bits(&orig[0]), "other slots keep their gradients");
@@ -1515,20 +1285,14 @@ mod tests {
         let d = Path::new("/dev/shm");
         assert!(check_job_id(d, "job-1_a.b").is_ok());
         for bad in ["", "a/b", "..\0", "a b"] {
-            assert!(
-                matches!(check_job_id(d, bad), Err(Error::BadSegment { .. })),
-                "{bad:?}"
-            );
+            assert!(matches!(check_job_id(d, bad), Err(Error::BadSegment { .. })), "{bad:?}");
         }
     }
 
     #[test]
     fn liveness_of_self_and_of_a_reaped_child() {
         assert!(process_alive(std::process::id() as u64, self_start_time()));
-        assert!(
-            !process_alive(std::process::id() as u64, self_start_time() + 1),
-            "pid reuse is told apart"
-        );
+        assert!(!process_alive(std::process::id() as u64, self_start_time() + 1), "pid reuse is told apart");
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let pid = child.id() as u64;
         // Not reaped yet: a zombie once it exits; dead either way after the wait.

@@ -81,10 +81,7 @@ struct Line([f32; 16]);
 impl AlignedBuf {
     /// `len` zeros.
     pub fn zeros(len: usize) -> AlignedBuf {
-        AlignedBuf {
-            lines: vec![Line([0.0; 16]); len.div_ceil(16)],
-            len,
-        }
+        AlignedBuf { lines: vec![Line([0.0; 16]); len.div_ceil(16)], len }
     }
     /// The elements.
     pub fn as_slice(&self) -> &[f32] {
@@ -110,11 +107,7 @@ impl Solo {
     /// A solo transport over `layout`.
     pub fn new(layout: Layout) -> Solo {
         let n = layout.buckets.len();
-        Solo {
-            grads: AlignedBuf::zeros(layout.len),
-            layout,
-            local: vec![Health::default(); n],
-        }
+        Solo { grads: AlignedBuf::zeros(layout.len), layout, local: vec![Health::default(); n] }
     }
 }
 

@@ -63,10 +63,7 @@ impl HealthTable {
 
     /// True when every rank's local gradients and every reduced bucket are finite.
     pub fn all_finite(&self) -> bool {
-        self.local
-            .iter()
-            .chain(&self.reduced)
-            .all(Health::is_finite)
+        self.local.iter().chain(&self.reduced).all(Health::is_finite)
     }
 
     /// True when every rank reported a finite loss.
@@ -76,10 +73,7 @@ impl HealthTable {
 
     /// Non-finite counts per (bucket, rank), the fingerprint a rerun is compared by.
     fn fingerprint(&self) -> Vec<(u64, u64, Option<u64>)> {
-        self.local
-            .iter()
-            .map(|h| (h.nan, h.inf, h.first_bad))
-            .collect()
+        self.local.iter().map(|h| (h.nan, h.inf, h.first_bad)).collect()
     }
 }
 
@@ -90,11 +84,7 @@ pub enum Policy {
     Abort,
     /// Drop the update on every rank, at most `max_consecutive` in a row and at most `max_fraction`
     /// of the last `window` updates; past either bound, abort.
-    Skip {
-        max_consecutive: u32,
-        max_fraction: f64,
-        window: u32,
-    },
+    Skip { max_consecutive: u32, max_fraction: f64, window: u32 },
     /// Recompute the update with the same inputs: the same non-finite result means a deterministic
     /// cause (abort with the trace), a different one a transient fault (continue, rank marked suspect).
     Rerun,
@@ -191,24 +181,13 @@ fn report(table: &HealthTable, layout: &Layout, at: StepId, verdict: Action) -> 
         if let Some(&(first_bucket, _)) = bad.first() {
             let nan = bad.iter().map(|(_, h)| h.nan).sum();
             let inf = bad.iter().map(|(_, h)| h.inf).sum();
-            per_rank.push(RankHealth {
-                rank,
-                nan,
-                inf,
-                first_bucket,
-            });
+            per_rank.push(RankHealth { rank, nan, inf, first_bucket });
         }
     }
     let bucket = per_rank.iter().map(|r| r.first_bucket).min().unwrap_or(0);
-    let first_rank = per_rank
-        .iter()
-        .find(|r| r.first_bucket == bucket)
-        .map_or(0, |r| r.rank);
-    let offset = table.cell(bucket, first_rank).first_bad.unwrap_or(0) as usize
-        + layout.buckets[bucket].range.start;
-    let (param, element) = layout
-        .locate(offset)
-        .map_or((String::from("?"), 0), |(s, i)| (s.name.clone(), i));
+    let first_rank = per_rank.iter().find(|r| r.first_bucket == bucket).map_or(0, |r| r.rank);
+    let offset = table.cell(bucket, first_rank).first_bad.unwrap_or(0) as usize + layout.buckets[bucket].range.start;
+    let (param, element) = layout.locate(offset).map_or((String::from("?"), 0), |(s, i)| (s.name.clone(), i));
     Report {
         step: at.step,
         minibatch: at.minibatch,
@@ -227,33 +206,18 @@ fn report(table: &HealthTable, layout: &Layout, at: StepId, verdict: Action) -> 
 }
 
 /// The verdict on one update. Pure: the same table, policy and history give the same verdict.
-pub fn decide(
-    table: &HealthTable,
-    layout: &Layout,
-    policy: &Policy,
-    history: &History,
-    at: StepId,
-) -> Verdict {
+pub fn decide(table: &HealthTable, layout: &Layout, policy: &Policy, history: &History, at: StepId) -> Verdict {
     let finite = table.all_finite();
     // A rerun that came back finite was a transient fault: continue with the recomputed gradients.
     if at.attempt > 0 && finite {
-        let mut v = Verdict {
-            action: Action::Proceed,
-            report: None,
-        };
+        let mut v = Verdict { action: Action::Proceed, report: None };
         if history.first_attempt.is_some() {
-            v.report = Some(Report {
-                classification: Some("transient".into()),
-                ..empty_report(at, Action::Proceed)
-            });
+            v.report = Some(Report { classification: Some("transient".into()), ..empty_report(at, Action::Proceed) });
         }
         return v;
     }
     if finite {
-        return Verdict {
-            action: Action::Proceed,
-            report: None,
-        };
+        return Verdict { action: Action::Proceed, report: None };
     }
     let (action, class) = match policy {
         Policy::Abort => (Action::Abort, None),
@@ -266,22 +230,9 @@ pub fn decide(
                 (Action::Skip, Some("transient"))
             }
         }
-        Policy::Skip {
-            max_consecutive,
-            max_fraction,
-            window,
-        } => {
-            let in_window = history
-                .recent
-                .iter()
-                .rev()
-                .take(*window as usize - 1)
-                .filter(|&&s| s)
-                .count()
-                + 1;
-            if history.consecutive_skips + 1 > *max_consecutive
-                || in_window as f64 > max_fraction * *window as f64
-            {
+        Policy::Skip { max_consecutive, max_fraction, window } => {
+            let in_window = history.recent.iter().rev().take(*window as usize - 1).filter(|&&s| s).count() + 1;
+            if history.consecutive_skips + 1 > *max_consecutive || in_window as f64 > max_fraction * *window as f64 {
                 (Action::Abort, Some("skip-budget"))
             } else {
                 (Action::Skip, None)
@@ -290,10 +241,7 @@ pub fn decide(
     };
     let mut r = report(table, layout, at, action);
     r.classification = class.map(String::from);
-    Verdict {
-        action,
-        report: Some(r),
-    }
+    Verdict { action, report: Some(r) }
 }
 
 fn empty_report(at: StepId, verdict: Action) -> Report {
@@ -330,11 +278,7 @@ impl History {
         }
         if let Some(r) = &verdict.report {
             if r.classification.as_deref() == Some("transient") {
-                let ranks = self
-                    .first_attempt
-                    .as_ref()
-                    .map(|fp| suspects(fp, table.world))
-                    .unwrap_or_default();
+                let ranks = self.first_attempt.as_ref().map(|fp| suspects(fp, table.world)).unwrap_or_default();
                 for k in ranks {
                     if !self.suspects.contains(&k) {
                         self.suspects.push(k);
@@ -352,12 +296,7 @@ impl History {
 
 /// Ranks with non-finite cells in a fingerprint.
 fn suspects(fp: &[(u64, u64, Option<u64>)], world: usize) -> Vec<usize> {
-    let mut out: Vec<usize> = fp
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.0 + c.1 > 0)
-        .map(|(i, _)| i % world)
-        .collect();
+    let mut out: Vec<usize> = fp.iter().enumerate().filter(|(_, c)| c.0 + c.1 > 0).map(|(i, _)| i % world).collect();
     out.sort_unstable();
     out.dedup();
     out
@@ -394,7 +333,13 @@ mod tests {
                 h
             })
             .collect();
-        HealthTable { world, buckets, local, reduced, reports: vec![LocalReport { loss: 0.5, values: [0.0; 7] }; world] }
+        HealthTable {
+            world,
+            buckets,
+            local,
+            reduced,
+            reports: vec![LocalReport { loss: 0.5, values: [0.0; 7] }; world],
+        }
     }
 
     const AT: StepId = StepId { step: 7, minibatch: 2, attempt: 0 };

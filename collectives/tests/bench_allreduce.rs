@@ -85,15 +85,8 @@ fn run(np: usize, sizes: &str, iters: usize) -> String {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert_eq!(
-        remove_job_segments(Path::new("/dev/shm"), &job).unwrap(),
-        0,
-        "the creator removed the segment"
-    );
-    assert!(
-        codes.iter().all(|&c| c == Some(Some(0))),
-        "exit codes {codes:?}"
-    );
+    assert_eq!(remove_job_segments(Path::new("/dev/shm"), &job).unwrap(), 0, "the creator removed the segment");
+    assert!(codes.iter().all(|&c| c == Some(Some(0))), "exit codes {codes:?}");
     std::fs::read_to_string(dir.path().join("rows.txt")).unwrap()
 }
 
@@ -101,11 +94,8 @@ fn run(np: usize, sizes: &str, iters: usize) -> String {
 fn bench_smoke() {
     for np in [2, 3] {
         let out = run(np, "4KiB,65540", 2);
-        let rows: Vec<serde_json::Value> = out
-            .lines()
-            .filter(|l| l.starts_with('{'))
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let rows: Vec<serde_json::Value> =
+            out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(rows.len(), 2, "{out}");
         assert_eq!(rows[1]["count"], 65540 / 4);
         for r in &rows {

@@ -40,20 +40,12 @@ fn code_of(e: &Error) -> i32 {
 /// 0-element one (an empty bucket).
 fn reduce_layout() -> Layout {
     let sizes = [1000, 1, 0, 37, 5000, 3, 70001];
-    let specs: Vec<_> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| ParamSpec::new(format!("p{i}"), n))
-        .collect();
+    let specs: Vec<_> = sizes.iter().enumerate().map(|(i, &n)| ParamSpec::new(format!("p{i}"), n)).collect();
     Layout::new(&specs, 0)
 }
 
 fn nonfinite_layout() -> Layout {
-    let specs = [
-        ParamSpec::new("embed", 3000),
-        ParamSpec::new("blk.w", 5000),
-        ParamSpec::new("head", 70),
-    ];
+    let specs = [ParamSpec::new("embed", 3000), ParamSpec::new("blk.w", 5000), ParamSpec::new("head", 70)];
     Layout::new(&specs, 0)
 }
 
@@ -108,11 +100,7 @@ fn child_entry() {
     let code = match std::panic::catch_unwind(|| run_child(&e)) {
         Ok(Ok(())) => 0,
         Ok(Err(err)) => {
-            std::fs::write(
-                e.dir.join(format!("outcome-{}.txt", e.rank)),
-                format!("{err:?}\n{err}"),
-            )
-            .unwrap();
+            std::fs::write(e.dir.join(format!("outcome-{}.txt", e.rank)), format!("{err:?}\n{err}")).unwrap();
             code_of(&err)
         }
         Err(_) => 101,
@@ -131,13 +119,7 @@ fn run_child(e: &Env) -> Result<(), Error> {
             if e.rank == e.arg {
                 std::thread::sleep(Duration::from_secs(600));
             }
-            bus.allreduce_bucket(
-                StepId {
-                    step: 5,
-                    ..StepId::default()
-                },
-                0,
-            )
+            bus.allreduce_bucket(StepId { step: 5, ..StepId::default() }, 0)
         }
         "exit" | "exit-mark" | "exit-leave" => {
             // `arg` is the rank that exits without cleanup (as under kill -9), or marks itself
@@ -153,13 +135,7 @@ fn run_child(e: &Env) -> Result<(), Error> {
                 std::thread::sleep(Duration::from_secs(600));
                 unreachable!("killed by the parent");
             }
-            bus.allreduce_bucket(
-                StepId {
-                    step: 9,
-                    ..StepId::default()
-                },
-                1,
-            )
+            bus.allreduce_bucket(StepId { step: 9, ..StepId::default() }, 1)
         }
         "mismatch" => {
             let mut bus = ShmBus::open(config(e, reduce_layout(), long))?;
@@ -187,12 +163,8 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
     let mut bus = ShmBus::open(config(e, layout.clone(), Duration::from_secs(30)))?;
     let mut history = History::default();
     for u in 0..3u64 {
-        bus.grads()
-            .copy_from_slice(&inputs(e.seed + u, e.rank, layout.len));
-        let at = StepId {
-            step: u,
-            ..StepId::default()
-        };
+        bus.grads().copy_from_slice(&inputs(e.seed + u, e.rank, layout.len));
+        let at = StepId { step: u, ..StepId::default() };
         if u == 1 && e.rank == e.np - 1 {
             // A late rank: the others wait past the spin/yield phase and sleep on the futex (the
             // outcome must not change).
@@ -201,57 +173,28 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
         for b in 0..layout.buckets.len() {
             bus.allreduce_bucket(at, b)?;
         }
-        let report = LocalReport {
-            loss: e.rank as f64 + 0.5,
-            values: [u as f64; 7],
-        };
+        let report = LocalReport { loss: e.rank as f64 + 0.5, values: [u as f64; 7] };
         let table = bus.agree(at, report)?;
         let verdict = decide(&table, &layout, &Policy::Abort, &history, at);
         history.record(&table, &verdict);
-        std::fs::write(
-            e.dir.join(format!("grads-{}-{u}.bin", e.rank)),
-            to_bytes(bus.grads()),
-        )
-        .unwrap();
-        std::fs::write(
-            e.dir.join(format!("table-{}-{u}.txt", e.rank)),
-            format!("{table:?}\n{verdict:?}"),
-        )
-        .unwrap();
-        let cells: Vec<_> = table
-            .local
-            .iter()
-            .map(|h| serde_json::json!([h.nan, h.inf, h.sumsq, h.first_bad]))
-            .collect();
-        std::fs::write(
-            e.dir.join(format!("cells-{}-{u}.json", e.rank)),
-            serde_json::to_string(&cells).unwrap(),
-        )
-        .unwrap();
+        std::fs::write(e.dir.join(format!("grads-{}-{u}.bin", e.rank)), to_bytes(bus.grads())).unwrap();
+        std::fs::write(e.dir.join(format!("table-{}-{u}.txt", e.rank)), format!("{table:?}\n{verdict:?}")).unwrap();
+        let cells: Vec<_> =
+            table.local.iter().map(|h| serde_json::json!([h.nan, h.inf, h.sumsq, h.first_bad])).collect();
+        std::fs::write(e.dir.join(format!("cells-{}-{u}.json", e.rank)), serde_json::to_string(&cells).unwrap())
+            .unwrap();
     }
     // Progress: every rank publishes, rank 0 peeks at the segment like the launcher does.
-    bus.publish(Progress {
-        step: 100 + e.rank as u64,
-        loss: 0.25,
-        grad_norm: e.rank as f32,
-        skipped: 1,
-    });
+    bus.publish(Progress { step: 100 + e.rank as u64, loss: 0.25, grad_norm: e.rank as f32, skipped: 1 });
     bus.barrier("published", StepId::default())?;
     if e.rank == 0 {
         let p = read_progress(bus.path()).expect("segment readable");
         let steps: Vec<u64> = p.iter().map(|p| p.step).collect();
         assert_eq!(steps, (0..e.np as u64).map(|r| 100 + r).collect::<Vec<_>>());
-        assert!(p
-            .iter()
-            .enumerate()
-            .all(|(r, p)| p.grad_norm == r as f32 && p.loss == 0.25 && p.skipped == 1));
+        assert!(p.iter().enumerate().all(|(r, p)| p.grad_norm == r as f32 && p.loss == 0.25 && p.skipped == 1));
         let st = gradbus_collectives::read_status(bus.path()).expect("segment readable");
         assert_eq!(st.len(), e.np);
-        assert!(
-            st.iter()
-                .all(|s| s.pid != 0 && !s.failed && !s.departed && s.barriers >= 1),
-            "{st:?}"
-        );
+        assert!(st.iter().all(|s| s.pid != 0 && !s.failed && !s.departed && s.barriers >= 1), "{st:?}");
         assert_eq!(st[0].pid, std::process::id());
     }
     bus.barrier("end", StepId::default())
@@ -272,28 +215,14 @@ fn child_nonfinite(e: &Env) -> Result<(), Error> {
         x[emb + 5] = f32::INFINITY;
     }
     bus.grads().copy_from_slice(&x);
-    let at = StepId {
-        step: 205,
-        minibatch: 1,
-        attempt: 0,
-    };
+    let at = StepId { step: 205, minibatch: 1, attempt: 0 };
     for b in 0..layout.buckets.len() {
         bus.allreduce_bucket(at, b)?;
     }
-    let table = bus.agree(
-        at,
-        LocalReport {
-            loss: 1.0,
-            values: [0.0; 7],
-        },
-    )?;
+    let table = bus.agree(at, LocalReport { loss: 1.0, values: [0.0; 7] })?;
     let verdict = decide(&table, &layout, &Policy::Abort, &History::default(), at);
     let json = serde_json::to_string(&verdict.report).unwrap();
-    std::fs::write(
-        e.dir.join(format!("table-{}.txt", e.rank)),
-        format!("{table:?}\n{verdict:?}"),
-    )
-    .unwrap();
+    std::fs::write(e.dir.join(format!("table-{}.txt", e.rank)), format!("{table:?}\n{verdict:?}")).unwrap();
     std::fs::write(e.dir.join(format!("report-{}.json", e.rank)), json).unwrap();
     bus.barrier("end", at)
 }
@@ -302,19 +231,11 @@ fn child_nonfinite(e: &Env) -> Result<(), Error> {
 fn child_shmfull(e: &Env) -> Result<(), Error> {
     let shm = e.dir.join("shm");
     // A bus that fits: the tmpfs works.
-    let mut small = config(
-        e,
-        Layout::new(&[ParamSpec::new("w", 1000)], 0),
-        Duration::from_secs(5),
-    );
+    let mut small = config(e, Layout::new(&[ParamSpec::new("w", 1000)], 0), Duration::from_secs(5));
     small.shm_dir = shm.clone();
     drop(ShmBus::open(small)?);
     // 4 MiB of gradients do not fit in 1 MiB: a clear error up front, no SIGBUS, nothing left.
-    let mut big = config(
-        e,
-        Layout::new(&[ParamSpec::new("w", 1 << 20)], 0),
-        Duration::from_secs(5),
-    );
+    let mut big = config(e, Layout::new(&[ParamSpec::new("w", 1 << 20)], 0), Duration::from_secs(5));
     big.shm_dir = shm.clone();
     let r = ShmBus::open(big).map(drop);
     let left = std::fs::read_dir(&shm).unwrap().count();
@@ -328,11 +249,7 @@ static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
 /// A unique job id and a fresh temp dir for one test.
 fn job(name: &str) -> (String, tempfile::TempDir) {
-    let job = format!(
-        "t{}-{name}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    );
+    let job = format!("t{}-{name}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
     (job, tempfile::tempdir().unwrap())
 }
 
@@ -352,13 +269,7 @@ fn spawn_via(
 ) -> Child {
     let exe = std::env::current_exe().unwrap();
     let exe = exe.to_str().unwrap();
-    let args = [
-        exe,
-        "--exact",
-        "child_entry",
-        "--nocapture",
-        "--test-threads=1",
-    ];
+    let args = [exe, "--exact", "child_entry", "--nocapture", "--test-threads=1"];
     let mut cmd = match wrap {
         Some(w) => {
             let mut c = Command::new(w[0]);
@@ -417,10 +328,7 @@ fn wait_children(children: &mut [Child], stalled: &[usize], dir: &Path) -> Vec<O
                 let _ = c.kill();
                 let _ = c.wait();
             }
-            panic!(
-                "children did not finish within the limit\n{}",
-                logs(dir, children.len())
-            );
+            panic!("children did not finish within the limit\n{}", logs(dir, children.len()));
         }
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -449,15 +357,9 @@ fn outcome(dir: &Path, rank: usize) -> String {
 
 fn run_reduce(np: usize) {
     let (job, dir) = job(&format!("reduce{np}"));
-    let mut ch: Vec<Child> = (0..np)
-        .map(|r| spawn("reduce", r, np, &job, dir.path(), 0))
-        .collect();
+    let mut ch: Vec<Child> = (0..np).map(|r| spawn("reduce", r, np, &job, dir.path(), 0)).collect();
     let codes = wait_children(&mut ch, &[], dir.path());
-    assert!(
-        codes.iter().all(|&c| c == Some(0)),
-        "exit codes {codes:?}\n{}",
-        logs(dir.path(), np)
-    );
+    assert!(codes.iter().all(|&c| c == Some(0)), "exit codes {codes:?}\n{}", logs(dir.path(), np));
     let layout = reduce_layout();
     for u in 0..3u64 {
         // Serial oracle: ((x0 + x1) + x2) + ..., element by element, in rank order.
@@ -472,22 +374,15 @@ fn run_reduce(np: usize) {
         assert!(table0.contains("action: Proceed"), "{table0}");
         for r in 0..np {
             let got = std::fs::read(dir.path().join(format!("grads-{r}-{u}.bin"))).unwrap();
-            assert!(
-                got == want,
-                "update {u}: rank {r}'s reduced buffer differs from the serial rank-order sum"
-            );
+            assert!(got == want, "update {u}: rank {r}'s reduced buffer differs from the serial rank-order sum");
             let t = std::fs::read_to_string(dir.path().join(format!("table-{r}-{u}.txt"))).unwrap();
-            assert_eq!(
-                t, table0,
-                "update {u}: rank {r}'s table differs from rank 0's"
-            );
+            assert_eq!(t, table0, "update {u}: rank {r}'s table differs from rank 0's");
         }
         // The table's per-rank cells agree with a direct scan of each rank's input (the bus merges
         // chunk sums, a different order than one scan of the whole bucket: equal to ~1 ulp).
-        let cells: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.path().join(format!("cells-0-{u}.json"))).unwrap(),
-        )
-        .unwrap();
+        let cells: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join(format!("cells-0-{u}.json"))).unwrap())
+                .unwrap();
         for r in 0..np {
             let x = inputs(1234 + u, r, layout.len);
             for (b, bucket) in layout.buckets.iter().enumerate() {
@@ -499,11 +394,7 @@ fn run_reduce(np: usize) {
                     "bucket {b} rank {r}"
                 );
                 let got = c[2].as_f64().unwrap();
-                assert!(
-                    (got - h.sumsq).abs() <= 1e-12 * h.sumsq,
-                    "bucket {b} rank {r}: sumsq {got} vs {}",
-                    h.sumsq
-                );
+                assert!((got - h.sumsq).abs() <= 1e-12 * h.sumsq, "bucket {b} rank {r}: sumsq {got} vs {}", h.sumsq);
             }
         }
     }
@@ -529,23 +420,13 @@ fn reduce_4_ranks_is_bitwise_the_serial_rank_order_sum() {
 fn nonfinite_gradients_give_every_rank_the_same_verdict_naming_rank_bucket_param_element() {
     let np = 3;
     let (job, dir) = job("nonfinite");
-    let mut ch: Vec<Child> = (0..np)
-        .map(|r| spawn("nonfinite", r, np, &job, dir.path(), 0))
-        .collect();
+    let mut ch: Vec<Child> = (0..np).map(|r| spawn("nonfinite", r, np, &job, dir.path(), 0)).collect();
     let codes = wait_children(&mut ch, &[], dir.path());
-    assert!(
-        codes.iter().all(|&c| c == Some(0)),
-        "exit codes {codes:?}\n{}",
-        logs(dir.path(), np)
-    );
+    assert!(codes.iter().all(|&c| c == Some(0)), "exit codes {codes:?}\n{}", logs(dir.path(), np));
     let read = |name: String| std::fs::read_to_string(dir.path().join(name)).unwrap();
     let (t0, j0) = (read("table-0.txt".into()), read("report-0.json".into()));
     for r in 1..np {
-        assert_eq!(
-            read(format!("table-{r}.txt")),
-            t0,
-            "rank {r}'s table and verdict"
-        );
+        assert_eq!(read(format!("table-{r}.txt")), t0, "rank {r}'s table and verdict");
         assert_eq!(read(format!("report-{r}.json")), j0, "rank {r}'s report");
     }
     let v: serde_json::Value = serde_json::from_str(&j0).unwrap();
@@ -567,51 +448,28 @@ fn a_stalled_rank_is_named_by_a_timeout_on_every_other_rank() {
     let np = 3;
     let stalled = 2;
     let (job, dir) = job("stall");
-    let mut ch: Vec<Child> = (0..np)
-        .map(|r| spawn("stall", r, np, &job, dir.path(), stalled))
-        .collect();
+    let mut ch: Vec<Child> = (0..np).map(|r| spawn("stall", r, np, &job, dir.path(), stalled)).collect();
     let codes = wait_children(&mut ch, &[stalled], dir.path());
     for r in 0..np - 1 {
         let o = outcome(dir.path(), r);
-        assert_eq!(
-            codes[r],
-            Some(20),
-            "rank {r}: {o}\n{}",
-            logs(dir.path(), np)
-        );
-        assert!(
-            o.contains("missing: [2]") && o.contains("phase: \"reduce\"") && o.contains("step: 5"),
-            "{o}"
-        );
+        assert_eq!(codes[r], Some(20), "rank {r}: {o}\n{}", logs(dir.path(), np));
+        assert!(o.contains("missing: [2]") && o.contains("phase: \"reduce\"") && o.contains("step: 5"), "{o}");
         assert!(o.contains("bucket: Some(0)"), "{o}");
     }
-    assert_eq!(
-        codes[stalled], None,
-        "the stalled rank was still alive and had to be killed"
-    );
+    assert_eq!(codes[stalled], None, "the stalled rank was still alive and had to be killed");
     assert_no_segment(&job);
 }
 
 fn run_exit(how: &str, np: usize, dead: usize) {
     let (job, dir) = job(&format!("{how}{dead}"));
-    let mut ch: Vec<Child> = (0..np)
-        .map(|r| spawn(how, r, np, &job, dir.path(), dead))
-        .collect();
+    let mut ch: Vec<Child> = (0..np).map(|r| spawn(how, r, np, &job, dir.path(), dead)).collect();
     // A rank that marked itself failed or left the bus stays alive: killed after the others.
     let alive: &[usize] = if how == "exit" { &[] } else { &[dead] };
     let codes = wait_children(&mut ch, alive, dir.path());
     for r in (0..np).filter(|&r| r != dead) {
         let o = outcome(dir.path(), r);
-        assert_eq!(
-            codes[r],
-            Some(21),
-            "rank {r}: {o}\n{}",
-            logs(dir.path(), np)
-        );
-        assert!(
-            o.contains(&format!("PeerFailed {{ rank: {dead}")) && o.contains("step: 9"),
-            "{o}"
-        );
+        assert_eq!(codes[r], Some(21), "rank {r}: {o}\n{}", logs(dir.path(), np));
+        assert!(o.contains(&format!("PeerFailed {{ rank: {dead}")) && o.contains("step: 9"), "{o}");
     }
     assert_eq!(codes[dead], if how == "exit" { Some(0) } else { None });
     if dead == 0 && how == "exit" {
@@ -645,16 +503,10 @@ fn a_creator_that_dies_fails_the_others_and_the_sweep_removes_its_segment() {
 fn ranks_in_different_buckets_all_fail_with_mismatch() {
     let np = 2;
     let (job, dir) = job("mismatch");
-    let mut ch: Vec<Child> = (0..np)
-        .map(|r| spawn("mismatch", r, np, &job, dir.path(), 0))
-        .collect();
+    let mut ch: Vec<Child> = (0..np).map(|r| spawn("mismatch", r, np, &job, dir.path(), 0)).collect();
     let codes = wait_children(&mut ch, &[], dir.path());
     assert_eq!(codes, vec![Some(24), Some(24)], "{}", logs(dir.path(), np));
-    assert!(
-        outcome(dir.path(), 0).contains("bucket #1"),
-        "{}",
-        outcome(dir.path(), 0)
-    );
+    assert!(outcome(dir.path(), 0).contains("bucket #1"), "{}", outcome(dir.path(), 0));
     assert_no_segment(&job);
 }
 
@@ -662,9 +514,7 @@ fn ranks_in_different_buckets_all_fail_with_mismatch() {
 fn attach_with_a_different_config_hash_is_refused() {
     let np = 2;
     let (job, dir) = job("badhash");
-    let mut ch: Vec<Child> = (0..np)
-        .map(|r| spawn("badhash", r, np, &job, dir.path(), 0))
-        .collect();
+    let mut ch: Vec<Child> = (0..np).map(|r| spawn("badhash", r, np, &job, dir.path(), 0)).collect();
     let codes = wait_children(&mut ch, &[], dir.path());
     let o1 = outcome(dir.path(), 1);
     assert_eq!(codes[1], Some(22), "{o1}\n{}", logs(dir.path(), np));
@@ -708,19 +558,11 @@ fn a_stale_segment_of_a_dead_creator_is_replaced_and_a_live_one_is_not() {
     let path = ShmBus::segment_path(dir.path(), &job, 0);
     // A creator that dies without cleanup (local size 1: its attach barrier passes alone).
     let mut ch = vec![spawn("create-and-die", 0, 1, &job, dir.path(), 0)];
-    assert_eq!(
-        wait_children(&mut ch, &[], dir.path()),
-        vec![Some(0)],
-        "{}",
-        logs(dir.path(), 1)
-    );
+    assert_eq!(wait_children(&mut ch, &[], dir.path()), vec![Some(0)], "{}", logs(dir.path(), 1));
     // Held open, the stale file keeps its inode number, so a fresh segment gets another one.
     let stale = std::fs::File::open(&path).expect("stale segment left");
     let stale_ino = std::os::unix::fs::MetadataExt::ino(&stale.metadata().unwrap());
-    assert!(
-        read_progress(&path).is_some(),
-        "the stale segment is initialised"
-    );
+    assert!(read_progress(&path).is_some(), "the stale segment is initialised");
     // An attacher does not attach to it (its creator is dead): it waits for a new one, times out.
     match ShmBus::open(solo_config(&job, dir.path(), 1, 2)) {
         Err(Error::Timeout { phase, missing, .. }) => {
@@ -732,11 +574,7 @@ fn a_stale_segment_of_a_dead_creator_is_replaced_and_a_live_one_is_not() {
     let bus = ShmBus::open(solo_config(&job, dir.path(), 0, 1)).expect("stale segment replaced");
     let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&path).unwrap());
     assert_ne!(ino, stale_ino, "a fresh segment");
-    assert_eq!(
-        std::os::unix::fs::MetadataExt::nlink(&stale.metadata().unwrap()),
-        0,
-        "the stale one was unlinked"
-    );
+    assert_eq!(std::os::unix::fs::MetadataExt::nlink(&stale.metadata().unwrap()), 0, "the stale one was unlinked");
     // A second creator while this one lives is refused.
     match ShmBus::open(solo_config(&job, dir.path(), 0, 1)) {
         Err(Error::BadSegment { reason, .. }) => {
@@ -744,10 +582,7 @@ fn a_stale_segment_of_a_dead_creator_is_replaced_and_a_live_one_is_not() {
         }
         other => panic!("expected BadSegment, got {:?}", other.map(|_| ())),
     }
-    assert!(
-        path.exists(),
-        "the refused creator left the live segment alone"
-    );
+    assert!(path.exists(), "the refused creator left the live segment alone");
     drop(bus);
     assert!(!path.exists(), "the creator unlinks on drop");
     assert!(read_progress(&path).is_none());
@@ -756,26 +591,14 @@ fn a_stale_segment_of_a_dead_creator_is_replaced_and_a_live_one_is_not() {
 #[test]
 fn remove_job_segments_removes_only_that_jobs_segments() {
     let dir = tempfile::tempdir().unwrap();
-    for n in [
-        "gradbus-a-n0",
-        "gradbus-a-n12",
-        "gradbus-ab-n0",
-        "gradbus-a-n1-n0",
-        "gradbus-a-nx",
-        "other",
-    ] {
+    for n in ["gradbus-a-n0", "gradbus-a-n12", "gradbus-ab-n0", "gradbus-a-n1-n0", "gradbus-a-nx", "other"] {
         std::fs::write(dir.path().join(n), b"").unwrap();
     }
     assert_eq!(remove_job_segments(dir.path(), "a").unwrap(), 2);
-    let mut left: Vec<_> = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
+    let mut left: Vec<_> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     left.sort();
-    assert_eq!(
-        left,
-        ["gradbus-a-n1-n0", "gradbus-a-nx", "gradbus-ab-n0", "other"]
-    );
+    assert_eq!(left, ["gradbus-a-n1-n0", "gradbus-a-nx", "gradbus-ab-n0", "other"]);
 }
 
 /// A full /dev/shm, for real: the child runs in a private mount namespace (`unshare -rm`, which
@@ -786,12 +609,7 @@ fn a_too_small_shm_is_a_clear_shm_full_error() {
     let shm = dir.path().join("shm");
     std::fs::create_dir(&shm).unwrap();
     let probe = Command::new("unshare")
-        .args([
-            "-rm",
-            "sh",
-            "-c",
-            &format!("mount -t tmpfs -o size=1m tmpfs '{}'", shm.display()),
-        ])
+        .args(["-rm", "sh", "-c", &format!("mount -t tmpfs -o size=1m tmpfs '{}'", shm.display())])
         .output();
     match probe {
         Ok(o) if o.status.success() => {}
@@ -801,10 +619,7 @@ fn a_too_small_shm_is_a_clear_shm_full_error() {
             return;
         }
     }
-    let script = format!(
-        "mount -t tmpfs -o size=1m tmpfs '{}' && exec \"$0\" \"$@\"",
-        shm.display()
-    );
+    let script = format!("mount -t tmpfs -o size=1m tmpfs '{}' && exec \"$0\" \"$@\"", shm.display());
     let wrap = ["unshare", "-rm", "sh", "-c", &script];
     let mut ch = vec![spawn_via(Some(&wrap), "shmfull", 0, 1, &job, dir.path(), 0)];
     let codes = wait_children(&mut ch, &[], dir.path());

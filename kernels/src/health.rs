@@ -60,12 +60,7 @@ impl Health {
 pub fn scan_block(x: &[f32]) -> Health {
     debug_assert!(x.len() <= BLOCK);
     if let Some(sumsq) = simd::sumsq_if_finite(x) {
-        return Health {
-            nan: 0,
-            inf: 0,
-            sumsq,
-            first_bad: None,
-        };
+        return Health { nan: 0, inf: 0, sumsq, first_bad: None };
     }
     scan_block_portable(x)
 }
@@ -95,17 +90,8 @@ pub fn scan_block_portable(x: &[f32]) -> Health {
     }
     let bad: u64 = bad.iter().map(|&b| b as u64).sum();
     let nan: u64 = nan.iter().map(|&b| b as u64).sum();
-    let first_bad = if bad > 0 {
-        x.iter().position(|v| !v.is_finite()).map(|i| i as u64)
-    } else {
-        None
-    };
-    Health {
-        nan,
-        inf: bad - nan,
-        sumsq: fold_lanes(ss),
-        first_bad,
-    }
+    let first_bad = if bad > 0 { x.iter().position(|v| !v.is_finite()).map(|i| i as u64) } else { None };
+    Health { nan, inf: bad - nan, sumsq: fold_lanes(ss), first_bad }
 }
 
 /// Pairwise fold of the lanes: fixed order, fewer rounding steps than a chain.
@@ -248,40 +234,18 @@ mod tests {
             let scale = 10f32.powi(rng.below(44) as i32 - 22);
             let mut x: Vec<f32> = (0..n).map(|_| rng.normal() * scale).collect();
             if n > 0 {
-                let specials = [
-                    f32::NAN,
-                    f32::INFINITY,
-                    f32::NEG_INFINITY,
-                    f32::MAX,
-                    1e-45,
-                    -0.0,
-                    1e21,
-                ];
+                let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, 1e-45, -0.0, 1e21];
                 for _ in 0..t % 3 {
                     let k = rng.below(n);
                     x[k] = specials[rng.below(specials.len())];
                 }
             }
             let (fast, slow) = (scan_block(&x), scan_block_portable(&x));
-            assert_eq!(
-                (fast.nan, fast.inf, fast.first_bad),
-                (slow.nan, slow.inf, slow.first_bad),
-                "case {t}"
-            );
-            assert_eq!(
-                fast.sumsq.to_bits(),
-                slow.sumsq.to_bits(),
-                "case {t}: {} vs {}",
-                fast.sumsq,
-                slow.sumsq
-            );
+            assert_eq!((fast.nan, fast.inf, fast.first_bad), (slow.nan, slow.inf, slow.first_bad), "case {t}");
+            assert_eq!(fast.sumsq.to_bits(), slow.sumsq.to_bits(), "case {t}: {} vs {}", fast.sumsq, slow.sumsq);
             // The SSE2 path too, which this CPU may not take through `scan_block`.
             #[cfg(target_arch = "x86_64")]
-            assert_eq!(
-                simd::sse2(&x).map(f64::to_bits),
-                slow.is_finite().then(|| slow.sumsq.to_bits()),
-                "case {t}"
-            );
+            assert_eq!(simd::sse2(&x).map(f64::to_bits), slow.is_finite().then(|| slow.sumsq.to_bits()), "case {t}");
         }
     }
 }

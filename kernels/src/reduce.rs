@@ -31,10 +31,7 @@ fn reduce(slots: &mut [&mut [f32]], tally: &mut [Health], to: Option<usize>) -> 
     let Some(len) = slots.first().map(|s| s.len()) else {
         return Health::default();
     };
-    assert!(
-        slots.iter().all(|s| s.len() == len),
-        "slots of one bucket chunk must have one length"
-    );
+    assert!(slots.iter().all(|s| s.len() == len), "slots of one bucket chunk must have one length");
     let mut sum = Health::default();
     let mut acc = [0f32; BLOCK];
     let mut lo = 0;

@@ -24,12 +24,7 @@ impl Rng {
             x ^= k;
             splitmix(&mut x);
         }
-        let s = [
-            splitmix(&mut x),
-            splitmix(&mut x),
-            splitmix(&mut x),
-            splitmix(&mut x),
-        ];
+        let s = [splitmix(&mut x), splitmix(&mut x), splitmix(&mut x), splitmix(&mut x)];
         Rng { s }
     }
 

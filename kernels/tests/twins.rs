@@ -32,36 +32,16 @@ fn assert_health_close(fast: &Health, slow: &Health, what: &str) {
     // The lanes change the order of f64 additions; with n <= 1e6 terms the relative error of either
     // order is below n * eps(f64) ~ 2e-10.
     let tol = 1e-9 * slow.sumsq.abs().max(f64::MIN_POSITIVE);
-    assert!(
-        (fast.sumsq - slow.sumsq).abs() <= tol,
-        "{what}: sumsq {} vs {}",
-        fast.sumsq,
-        slow.sumsq
-    );
+    assert!((fast.sumsq - slow.sumsq).abs() <= tol, "{what}: sumsq {} vs {}", fast.sumsq, slow.sumsq);
 }
 
 #[test]
 fn health_scan_matches_reference() {
     let mut rng = Rng::new(&[1]);
-    for &n in &[
-        0,
-        1,
-        15,
-        16,
-        17,
-        BLOCK - 1,
-        BLOCK,
-        BLOCK + 1,
-        3 * BLOCK + 7,
-        100_003,
-    ] {
+    for &n in &[0, 1, 15, 16, 17, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 7, 100_003] {
         for specials in [false, true] {
             let x = gradients(&mut rng, n, specials);
-            assert_health_close(
-                &health_scan(&x),
-                &reference::health_scan(&x),
-                &format!("n={n}"),
-            );
+            assert_health_close(&health_scan(&x), &reference::health_scan(&x), &format!("n={n}"));
         }
     }
 }
@@ -95,14 +75,8 @@ fn reduce_matches_rank_ordered_sum_bitwise() {
             let mut tally = vec![Health::default(); n_ranks];
             let sum_health = reduce_in_place(&mut refs, &mut tally);
             for (k, slot) in slots.iter().enumerate() {
-                let same = slot
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same,
-                    "rank {k} of {n_ranks}, n={n}: reduced values differ from the serial sum"
-                );
+                let same = slot.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "rank {k} of {n_ranks}, n={n}: reduced values differ from the serial sum");
                 assert_health_close(&tally[k], &reference::health_scan(&srcs[k]), "tally");
             }
             assert_health_close(&sum_health, &reference::health_scan(&want), "sum");

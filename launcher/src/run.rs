@@ -419,9 +419,8 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
     // The bar's length comes from the config when the launcher can read it (the worker reports
     // config errors itself); segments are those of this machine's nodes.
     let total_steps = gradbus_worker::config::Config::load(&config, &args.sets).ok().map(|(cfg, _, _)| cfg.steps);
-    let segments = (0..plan.nodes.len())
-        .map(|node| ShmBus::segment_path(Path::new(shm::SHM_DIR), &job_id, node))
-        .collect();
+    let segments =
+        (0..plan.nodes.len()).map(|node| ShmBus::segment_path(Path::new(shm::SHM_DIR), &job_id, node)).collect();
     let mut progress = ShmProgress::new(segments, total_steps);
     let outcome = supervise_job(specs, &opts, &mut progress, &job_id)?;
     Ok(outcome.code())

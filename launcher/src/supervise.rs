@@ -71,11 +71,7 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Options {
-        Options {
-            grace: Duration::from_secs(3),
-            settle: Duration::from_secs(2),
-            poll: Duration::from_millis(20),
-        }
+        Options { grace: Duration::from_secs(3), settle: Duration::from_secs(2), poll: Duration::from_millis(20) }
     }
 }
 
@@ -174,10 +170,7 @@ impl Outcome {
             return Code::Timeout;
         }
         if let Ending::Code(c) = self.exits[first].ending {
-            let shared = matches!(
-                Code::from_status(c),
-                Some(Code::Usage | Code::NonFinite | Code::Timeout)
-            );
+            let shared = matches!(Code::from_status(c), Some(Code::Usage | Code::NonFinite | Code::Timeout));
             if shared && self.exits.iter().all(|e| e.ending == Ending::Code(c)) {
                 return Code::from_status(c).unwrap_or(Code::RankFailed);
             }
@@ -197,10 +190,7 @@ impl Outcome {
                 "interrupted by a signal: stopped {} process(es) with SIGTERM{}",
                 self.exits.iter().filter(|e| e.stopped_by_launcher).count(),
                 if self.killed_after_grace > 0 {
-                    format!(
-                        ", {} needed SIGKILL after the grace period",
-                        self.killed_after_grace
-                    )
+                    format!(", {} needed SIGKILL after the grace period", self.killed_after_grace)
                 } else {
                     String::new()
                 }
@@ -214,11 +204,7 @@ impl Outcome {
             out.push(format!("every rank ended with exit {}: an agreed ending, not one rank's failure", code as i32));
         } else if let Some(f) = self.first_failure {
             let e = &self.exits[f];
-            let log = e
-                .log
-                .as_ref()
-                .map(|l| format!("; log: {}", l.display()))
-                .unwrap_or_default();
+            let log = e.log.as_ref().map(|l| format!("; log: {}", l.display())).unwrap_or_default();
             out.push(format!(
                 "root cause: {} failed first: {} ({:.1} s after start{log})",
                 e.label,
@@ -276,12 +262,7 @@ fn has_ended(pid: u32) -> bool {
     // SAFETY: `info` is a valid, writable siginfo_t; WNOWAIT leaves the child waitable, WNOHANG
     // returns at once. pid is our own child's pid.
     let rc = unsafe {
-        libc::waitid(
-            libc::P_PID,
-            pid as libc::id_t,
-            &mut info,
-            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-        )
+        libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT)
     };
     if rc != 0 {
         // ECHILD: not (or no longer) our child to wait for; treat it as ended rather than poll
@@ -308,14 +289,7 @@ fn spawn(spec: &ProcSpec) -> Result<Child, Error> {
     // race in which the launcher died between fork and prctl: the death signal would then never come.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(
-                libc::PR_SET_PDEATHSIG,
-                libc::SIGKILL as libc::c_ulong,
-                0,
-                0,
-                0,
-            ) != 0
-            {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             if libc::getppid() != parent {
@@ -324,11 +298,7 @@ fn spawn(spec: &ProcSpec) -> Result<Child, Error> {
             Ok(())
         });
     }
-    cmd.spawn().map_err(|source| Error::Spawn {
-        label: spec.label.clone(),
-        program: spec.program.clone(),
-        source,
-    })
+    cmd.spawn().map_err(|source| Error::Spawn { label: spec.label.clone(), program: spec.program.clone(), source })
 }
 
 /// Copies `pipe` line by line to the console (prefixed) and to the log (whole), then says so on
@@ -364,14 +334,10 @@ fn pump(
             crate::progress::with_console(|| {
                 if to_stderr {
                     let mut err = std::io::stderr().lock();
-                    let _ = err
-                        .write_all(prefix.as_bytes())
-                        .and_then(|_| err.write_all(&line));
+                    let _ = err.write_all(prefix.as_bytes()).and_then(|_| err.write_all(&line));
                 } else {
                     let mut out = std::io::stdout().lock();
-                    let _ = out
-                        .write_all(prefix.as_bytes())
-                        .and_then(|_| out.write_all(&line));
+                    let _ = out.write_all(prefix.as_bytes()).and_then(|_| out.write_all(&line));
                     let _ = out.flush();
                 }
             });
@@ -406,11 +372,7 @@ fn abort_started(procs: &mut [Running]) {
 ///
 /// Errors only when a process cannot be started (or its log file created); the processes already
 /// started are then killed and reaped before the error is returned.
-pub fn supervise(
-    specs: Vec<ProcSpec>,
-    opts: &Options,
-    progress: &mut dyn Progress,
-) -> Result<Outcome, Error> {
+pub fn supervise(specs: Vec<ProcSpec>, opts: &Options, progress: &mut dyn Progress) -> Result<Outcome, Error> {
     let start = Instant::now();
     let (done_tx, done_rx) = mpsc::channel();
     let mut pumps = 0usize;
@@ -425,10 +387,7 @@ pub fn supervise(
                 Ok(f) => Some(Arc::new(Mutex::new(f))),
                 Err(source) => {
                     abort_started(&mut procs);
-                    return Err(Error::LogFile {
-                        path: path.clone(),
-                        source,
-                    });
+                    return Err(Error::LogFile { path: path.clone(), source });
                 }
             },
             None => None,
@@ -449,12 +408,7 @@ pub fn supervise(
             pump(err, prefix, true, log, done_tx.clone());
             pumps += 1;
         }
-        log::debug!(
-            "started {} as pid {}: {}",
-            spec.label,
-            child.id(),
-            spec.program.display()
-        );
+        log::debug!("started {} as pid {}: {}", spec.label, child.id(), spec.program.display());
         procs.push(Running {
             label: spec.label.clone(),
             pid: child.id(),
@@ -514,9 +468,7 @@ pub fn supervise(
             log::info!("signal received: stopping every process");
             interrupted_at = Some(signals_now);
         }
-        let live: Vec<usize> = (0..procs.len())
-            .filter(|&i| procs[i].exit.is_none())
-            .collect();
+        let live: Vec<usize> = (0..procs.len()).filter(|&i| procs[i].exit.is_none()).collect();
         if live.is_empty() {
             break;
         }
@@ -593,23 +545,12 @@ mod tests {
     }
 
     fn exit(label: &str, ending: Ending) -> ProcExit {
-        ProcExit {
-            label: label.into(),
-            pid: 1,
-            ending,
-            after: Duration::ZERO,
-            stopped_by_launcher: false,
-            log: None,
-        }
+        ProcExit { label: label.into(), pid: 1, ending, after: Duration::ZERO, stopped_by_launcher: false, log: None }
     }
 
     fn outcome(endings: &[Ending], first: Option<usize>) -> Outcome {
         Outcome {
-            exits: endings
-                .iter()
-                .enumerate()
-                .map(|(i, &e)| exit(&format!("rank {i}"), e))
-                .collect(),
+            exits: endings.iter().enumerate().map(|(i, &e)| exit(&format!("rank {i}"), e)).collect(),
             first_failure: first,
             interrupted: false,
             killed_after_grace: 0,
@@ -637,10 +578,7 @@ mod tests {
     fn summary_names_the_first_failure() {
         let o = outcome(&[Ending::Signal(15), Ending::Signal(9)], Some(1));
         let s = o.summary().join("\n");
-        assert!(
-            s.contains("root cause: rank 1 failed first: killed by SIGKILL"),
-            "{s}"
-        );
+        assert!(s.contains("root cause: rank 1 failed first: killed by SIGKILL"), "{s}");
         assert!(s.contains("exit 4: a rank failed"), "{s}");
         assert!(outcome(&[Ending::Code(0)], None).summary().is_empty());
     }
@@ -658,19 +596,9 @@ mod tests {
     fn supervises_success_failure_and_stubborn_processes() {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("a.log");
-        let opts = Options {
-            grace: Duration::from_millis(300),
-            ..Options::default()
-        };
+        let opts = Options { grace: Duration::from_millis(300), ..Options::default() };
         let ok = supervise(
-            vec![
-                sh(
-                    "a",
-                    "echo one; echo two >&2; printf three",
-                    Some(log.clone()),
-                ),
-                sh("b", "true", None),
-            ],
+            vec![sh("a", "echo one; echo two >&2; printf three", Some(log.clone())), sh("b", "true", None)],
             &opts,
             &mut Silent,
         )
@@ -690,7 +618,9 @@ mod tests {
                 sh("a", &format!("trap '' TERM; touch '{ready}'; sleep 60"), None),
                 sh(
                     "b",
-                    &format!("i=0; while [ ! -e '{ready}' ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; exit 7"),
+                    &format!(
+                        "i=0; while [ ! -e '{ready}' ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; exit 7"
+                    ),
                     None,
                 ),
             ],
@@ -698,11 +628,7 @@ mod tests {
             &mut Silent,
         )
         .unwrap();
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "teardown took {:?}",
-            t.elapsed()
-        );
+        assert!(t.elapsed() < Duration::from_secs(20), "teardown took {:?}", t.elapsed());
         assert_eq!(failed.code(), Code::RankFailed);
         assert_eq!(failed.first_failure, Some(1));
         assert_eq!(failed.exits[1].ending, Ending::Code(7));
@@ -714,12 +640,7 @@ mod tests {
     fn spawn_failure_is_an_error_naming_the_program() {
         let mut spec = sh("rank 0", "true", None);
         spec.program = "/nonexistent/gradbus-worker".into();
-        let e = supervise(
-            vec![sh("x", "sleep 30", None), spec],
-            &Options::default(),
-            &mut Silent,
-        )
-        .unwrap_err();
+        let e = supervise(vec![sh("x", "sleep 30", None), spec], &Options::default(), &mut Silent).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/gradbus-worker"), "{e}");
     }
 }

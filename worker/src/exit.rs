@@ -26,15 +26,8 @@ impl Code {
 
     /// The code a raw exit status maps to, if it is one of ours.
     pub fn from_status(code: i32) -> Option<Code> {
-        [
-            Code::Done,
-            Code::Usage,
-            Code::NonFinite,
-            Code::RankFailed,
-            Code::Timeout,
-            Code::Interrupted,
-        ]
-        .into_iter()
-        .find(|c| *c as i32 == code)
+        [Code::Done, Code::Usage, Code::NonFinite, Code::RankFailed, Code::Timeout, Code::Interrupted]
+            .into_iter()
+            .find(|c| *c as i32 == code)
     }
 }

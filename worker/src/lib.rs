@@ -91,7 +91,9 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
     let kind = match forced.as_deref() {
         None if info.world == 1 => return Ok(Box::new(Solo::new(layout))),
         Some(k @ ("shm" | "mpi" | "hier")) => k,
-        Some(other) => return Err(WorkerError::Usage(format!("{}={other:?}: expected shm, mpi or hier", env::TRANSPORT))),
+        Some(other) => {
+            return Err(WorkerError::Usage(format!("{}={other:?}: expected shm, mpi or hier", env::TRANSPORT)))
+        }
         None if info.nodes > 1 && info.local_size == 1 => "mpi",
         None if info.nodes > 1 => "hier",
         None => "shm",
@@ -108,7 +110,11 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
     };
     if kind == "shm" {
         if info.nodes > 1 {
-            return Err(WorkerError::Usage(format!("{}=shm: the bus serves one node, this job has {}", env::TRANSPORT, info.nodes)));
+            return Err(WorkerError::Usage(format!(
+                "{}=shm: the bus serves one node, this job has {}",
+                env::TRANSPORT,
+                info.nodes
+            )));
         }
         return Ok(Box::new(gradbus_collectives::shm::ShmBus::open(bus)?));
     }
@@ -116,7 +122,11 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
 }
 
 #[cfg(feature = "mpi")]
-fn mpi_transport(kind: &str, info: &RankInfo, bus: gradbus_collectives::shm::BusConfig) -> Result<Box<dyn Transport>, WorkerError> {
+fn mpi_transport(
+    kind: &str,
+    info: &RankInfo,
+    bus: gradbus_collectives::shm::BusConfig,
+) -> Result<Box<dyn Transport>, WorkerError> {
     use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
     let expect = Expect { rank: info.rank, world: info.world, source: info.source.into(), timeout: bus.timeout };
     Ok(match kind {
@@ -126,7 +136,11 @@ fn mpi_transport(kind: &str, info: &RankInfo, bus: gradbus_collectives::shm::Bus
 }
 
 #[cfg(not(feature = "mpi"))]
-fn mpi_transport(kind: &str, info: &RankInfo, _bus: gradbus_collectives::shm::BusConfig) -> Result<Box<dyn Transport>, WorkerError> {
+fn mpi_transport(
+    kind: &str,
+    info: &RankInfo,
+    _bus: gradbus_collectives::shm::BusConfig,
+) -> Result<Box<dyn Transport>, WorkerError> {
     Err(WorkerError::Usage(format!(
         "the {kind} transport ({} nodes) needs MPI between nodes (hint: build with `--features mpi`)",
         info.nodes

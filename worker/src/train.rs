@@ -537,13 +537,24 @@ impl Trainer {
     /// log and in `RUN_DIR/trace-rank-K.json`.
     fn trace_failure(&mut self, mb: &Batch, report: &Report) -> Result<(), WorkerError> {
         let layout = self.layout().clone();
-        let mut trace = crate::forensics::Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
+        let mut trace =
+            crate::forensics::Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
         let mut scratch = vec![0.0; layout.len];
         compute_gradients(&self.gpt, &self.cfg, &self.params, &mut self.acts, mb, &mut scratch, &mut trace);
-        let line = trace.first.as_ref().map_or_else(|| "no non-finite tensor on recomputation (transient?)".to_string(), |f| f.describe());
-        eprintln!("rank {}: trace of step {} update {}: first non-finite: {line}", self.info.rank, report.step, report.minibatch);
+        let line = trace
+            .first
+            .as_ref()
+            .map_or_else(|| "no non-finite tensor on recomputation (transient?)".to_string(), |f| f.describe());
+        eprintln!(
+            "rank {}: trace of step {} update {}: first non-finite: {line}",
+            self.info.rank, report.step, report.minibatch
+        );
         let p = self.run_dir.join(format!("trace-rank-{}.json", self.info.rank));
-        let text = serde_json::to_string_pretty(&json!({"step": report.step, "minibatch": report.minibatch, "rank": self.info.rank, "first": trace.first})).expect("json") + "\n";
+        let text = serde_json::to_string_pretty(
+            &json!({"step": report.step, "minibatch": report.minibatch, "rank": self.info.rank, "first": trace.first}),
+        )
+        .expect("json")
+            + "\n";
         tensorfile::write_atomic(&p, text.as_bytes()).map_err(|e| WorkerError::io(&p.display().to_string(), e))
     }
 
