@@ -114,3 +114,21 @@ fn worker_whose_world_size_disagrees_with_mpi_exits_2_naming_both() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("says 2 ranks, but MPI_COMM_WORLD has 1"), "{err}");
 }
+
+/// `gradbus bench allreduce --transport mpi` runs the bus and MPI_Allreduce side by side under
+/// mpirun; every element exact on both.
+#[test]
+fn bench_allreduce_compares_the_bus_with_mpi_allreduce() {
+    let r = gradbus(
+        &["bench", "allreduce", "--np", "2", "--sizes", "4KiB,1MiB", "--iters", "2", "--transport", "mpi", "--json"],
+        &[],
+    );
+    r.expect_code(0);
+    let rows: Vec<serde_json::Value> =
+        r.stdout().lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2, "{}", r.stdout());
+    for row in rows {
+        assert_eq!(row["wrong"], 0, "{row}");
+        assert!(row["mpi_time_us"].as_f64().is_some_and(|t| t > 0.0), "{row}");
+    }
+}

@@ -19,6 +19,7 @@ use gradbus_worker::env;
 use gradbus_worker::exit::Code;
 
 use crate::cli::Command;
+use crate::mpirun::{self, MpirunSpec};
 use crate::plan::LaunchPlan;
 use crate::progress::Silent;
 use crate::run::{self, lex};
@@ -39,6 +40,11 @@ OPTIONS:
     --iters K         timed all-reduces per round (default: 20)
     --warmup W        untimed all-reduces per size (default: 3)
     --timeout S       deadline of every barrier in seconds (default: 120)
+    --transport T     shm (default: the shared-memory bus alone), mpi (also MPI_Allreduce of the
+                      same bytes over the same processes), hier (also the hierarchical path over
+                      --nodes K fake nodes); mpi and hier start the ranks with `mpirun` and need
+                      a build with `--features mpi`
+    --nodes K         fake nodes for --transport hier (default: 2)
     --json            one JSON object per size and line on stdout, nothing else
     --run-dir DIR     keep the ranks' logs and the result in DIR (default: a temporary
                       directory, removed after a successful run)
@@ -67,6 +73,10 @@ pub struct BenchCmd {
     pub json: bool,
     /// `--run-dir`.
     pub run_dir: Option<PathBuf>,
+    /// `--transport`: `shm`, `mpi` or `hier`.
+    pub transport: String,
+    /// `--nodes`, for `hier`.
+    pub nodes: usize,
 }
 
 /// The hidden `gradbus __bench-rank` command line (one benchmark process).
@@ -130,6 +140,8 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
         timeout: Duration::from_secs(120),
         json: false,
         run_dir: None,
+        transport: "shm".into(),
+        nodes: 2,
     };
     let mut what: Option<String> = None;
     while let Some(arg) = parser.next().map_err(|e| lex(e, h))? {
@@ -141,6 +153,8 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
             Long("warmup") => cmd.warmup = number(parser.value().map_err(|e| lex(e, h))?, "--warmup", "3")?,
             Long("timeout") => cmd.timeout = seconds(parser.value().map_err(|e| lex(e, h))?)?,
             Long("json") => cmd.json = true,
+            Long("transport") => cmd.transport = parser.value().map_err(|e| lex(e, h))?.to_string_lossy().into_owned(),
+            Long("nodes") => cmd.nodes = number(parser.value().map_err(|e| lex(e, h))?, "--nodes", "2")?,
             Long("run-dir") => cmd.run_dir = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?)),
             Value(v) if what.is_none() => what = Some(v.to_string_lossy().into_owned()),
             Value(v) => {
@@ -158,6 +172,9 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
     }
     if cmd.iters == 0 {
         return Err(Error::usage("--iters 0: nothing would be timed", "use --iters 1 or more"));
+    }
+    if !["shm", "mpi", "hier"].contains(&cmd.transport.as_str()) {
+        return Err(Error::usage(format!("--transport {}: unknown transport", cmd.transport), "use shm, mpi or hier"));
     }
     Ok(Command::Bench(cmd))
 }
@@ -207,8 +224,50 @@ fn rank_args(cmd: &BenchCmd, out: &Path) -> Vec<OsString> {
     args
 }
 
+/// `--transport mpi|hier`: the same benchmark with `MPI_Allreduce` beside the bus, every process
+/// started by `mpirun` (the worker's hidden `--bench-allreduce`); rank 0 prints the table.
+fn execute_mpirun(cmd: &BenchCmd) -> Result<Code, Error> {
+    let mpirun = mpirun::find_on_path("mpirun", std::env::var_os("PATH").as_deref()).ok_or(Error::MpirunMissing)?;
+    let sizes = cmd.sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let mut worker_args: Vec<OsString> =
+        vec!["--bench-allreduce".into(), "--transport".into(), cmd.transport.clone().into()];
+    for (flag, value) in [
+        ("--sizes", sizes),
+        ("--iters", cmd.iters.to_string()),
+        ("--warmup", cmd.warmup.to_string()),
+        ("--nodes", cmd.nodes.to_string()),
+    ] {
+        worker_args.push(flag.into());
+        worker_args.push(value.into());
+    }
+    if cmd.json {
+        worker_args.push("--json".into());
+    }
+    let spec = MpirunSpec {
+        mpirun,
+        hostfile: None,
+        np: cmd.np,
+        oversubscribe: true,
+        as_root: mpirun::running_as_root(),
+        exports: std::env::var_os("RUST_LOG").map(|_| "RUST_LOG".to_string()).into_iter().collect(),
+        worker: run::worker_path()?,
+        worker_args,
+    };
+    let argv = mpirun::command_line(&spec);
+    eprintln!("gradbus: bench allreduce: {}", argv.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" "));
+    let status = std::process::Command::new(&argv[0]).args(&argv[1..]).status().map_err(|source| Error::Spawn {
+        label: "mpirun".into(),
+        program: spec.mpirun.clone(),
+        source,
+    })?;
+    Ok(status.code().and_then(Code::from_status).unwrap_or(Code::RankFailed))
+}
+
 /// Executes `gradbus bench allreduce`.
 pub fn execute(cmd: BenchCmd) -> Result<Code, Error> {
+    if cmd.transport != "shm" {
+        return execute_mpirun(&cmd);
+    }
     let plan = LaunchPlan::local(cmd.np)?;
     let exe = std::env::current_exe().map_err(|source| Error::Spawn {
         label: "rank 0".into(),
