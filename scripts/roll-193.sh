@@ -12,6 +12,22 @@ cargo build --release --quiet
 gb=target/release/gradbus
 rm -rf "$out"; mkdir -p "$out"
 
+# The first update whose agreed headroom (88.72 - the largest log-ratio fed to an exp) fell under
+# 20 nats, and how many updates before the abort it came.
+lead() {
+  python3 - "$1/metrics.jsonl" <<'PY'
+import json, sys
+L = [json.loads(l) for l in open(sys.argv[1])]
+def gap(l):
+    v = [x for x in (l["max_logratio_response"], l["max_logratio_masked"]) if isinstance(x, (int, float))]
+    return max(v) if v else float("inf")
+w = next((i for i, l in enumerate(L) if 88.72 - gap(l) < 20), None)
+f = next((i for i, l in enumerate(L) if l["verdict"] == "abort"), None)
+if f is not None and w is not None:
+    print(f"warning at step {L[w]['step']} update {L[w]['minibatch']} (headroom {88.72 - gap(L[w]):.2f}); failure at step {L[f]['step']} update {L[f]['minibatch']}: {f - w} updates ahead")
+PY
+}
+
 field() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get(sys.argv[2]))" "$1" "$2"; }
 
 echo "== 1. roll loss, stale rollouts, 8 ranks, policy abort"
@@ -38,15 +54,7 @@ echo "== 4. replay the failing update in one process, with the trace"
 /usr/bin/time -f "replay wall time: %es" $gb replay "$out/roll" --trace
 
 echo "== 5. the early warning: first update whose agreed log-ratio headroom fell under 20 nats"
-python3 - "$out/roll/metrics.jsonl" <<'PY'
-import json, sys
-L = [json.loads(l) for l in open(sys.argv[1])]
-w = next((l for l in L if isinstance(l.get("headroom"), float) and l["headroom"] < 20), None)
-f = next(l for l in L if l["verdict"] == "abort")
-if w:
-    ahead = L.index(f) - L.index(w)
-    print(f"warning at step {w['step']} update {w['minibatch']} (headroom {w['headroom']:.2f}); failure at step {f['step']} update {f['minibatch']}: {ahead} updates ahead")
-PY
+lead "$out/roll"
 
 echo "== 6. the fix: loss.style=safe, same seed, 400 steps"
 $gb run --np 8 --run-dir "$out/safe" $cfg --set loss.style=safe > "$out/safe.log" 2>&1
@@ -83,6 +91,6 @@ if [ -n "${SEEDS:-}" ]; then
   echo "== 9. first non-finite step across seeds (roll loss, 300 steps, policy abort)"
   for s in $SEEDS; do
     set +e; $gb run --np 8 --run-dir "$out/seed-$s" $cfg --set seed=$s --set steps=300 --set checkpoint.every=0 > "$out/seed-$s.log" 2>&1; rc=$?; set -e
-    if [ -f "$out/seed-$s/report.json" ]; then echo "seed $s: step $(field "$out/seed-$s/report.json" step) (exit $rc)"; else echo "seed $s: none in 300 steps (exit $rc)"; fi
+    if [ -f "$out/seed-$s/report.json" ]; then echo "seed $s: step $(field "$out/seed-$s/report.json" step) (exit $rc); $(lead "$out/seed-$s")"; else echo "seed $s: none in 300 steps (exit $rc)"; fi
   done
 fi

@@ -122,3 +122,25 @@ fn rerun_policy_tells_transient_from_deterministic() {
     assert_eq!(report["classification"], "deterministic");
     assert_eq!(report["attempt"], 1);
 }
+
+#[test]
+fn spike_policy_skips_updates_whose_agreed_loss_or_norm_spikes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("r");
+    // A window of 4 updates and a z-limit of 1: plenty of "spikes" on a short run.
+    let sets = ["--set", "steps=4", "--set", "spike.skip=true", "--set", "spike.window=4", "--set", "spike.z_limit=1.0"];
+    run(&dir, "2", &sets, &[]).expect_code(0);
+    let m = metrics(&dir);
+    let skipped: Vec<usize> = (0..m.len()).filter(|&i| m[i]["verdict"] == "skip").collect();
+    assert!(!skipped.is_empty(), "no spike skipped: {m:?}");
+    for &i in &skipped {
+        let cause = m[i]["skip_cause"].as_str().unwrap();
+        assert!(cause.contains("spike"), "{cause}");
+        assert_eq!(m[i]["checksum"], m[i - 1]["checksum"], "a skipped update leaves the weights");
+    }
+    assert!(m.iter().filter(|l| l["verdict"] == "proceed").all(|l| l["skip_cause"].is_null()));
+    // The same on a second run: the detector decides from agreed values only.
+    let again = tmp.path().join("again");
+    run(&again, "2", &sets, &[]).expect_code(0);
+    assert_eq!(metrics(&again), m);
+}

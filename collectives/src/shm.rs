@@ -169,7 +169,7 @@ struct RankCell {
     loss: AtomicU32,
     grad_norm: AtomicU32,
     skipped: AtomicU32,
-    _pad: u32,
+    warnings: AtomicU32,
     /// What the rank was doing at its last two barriers (by barrier parity).
     tags: [[AtomicU64; 5]; 2],
 }
@@ -405,6 +405,7 @@ fn read_cell_progress(c: &RankCell) -> Progress {
             loss: f32::from_bits(c.loss.load(Ordering::Relaxed)),
             grad_norm: f32::from_bits(c.grad_norm.load(Ordering::Relaxed)),
             skipped: c.skipped.load(Ordering::Relaxed),
+            warnings: c.warnings.load(Ordering::Relaxed),
         };
         std::sync::atomic::fence(Ordering::Acquire);
         if s0 % 2 == 0 && c.seq.load(Ordering::Relaxed) == s0 {
@@ -1154,6 +1155,7 @@ impl Transport for ShmBus {
         c.loss.store(p.loss.to_bits(), Ordering::Relaxed);
         c.grad_norm.store(p.grad_norm.to_bits(), Ordering::Relaxed);
         c.skipped.store(p.skipped, Ordering::Relaxed);
+        c.warnings.store(p.warnings, Ordering::Relaxed);
         c.seq.store(s + 2, Ordering::Release);
         c.heartbeat_ns.store(monotonic_ns(), Ordering::Relaxed);
     }

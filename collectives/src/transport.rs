@@ -23,6 +23,8 @@ pub struct Progress {
     pub grad_norm: f32,
     /// Updates skipped so far.
     pub skipped: u32,
+    /// Updates whose log-ratio headroom to exp overflow fell under the warning margin.
+    pub warnings: u32,
 }
 
 /// A data-parallel gradient transport.

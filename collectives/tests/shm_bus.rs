@@ -185,13 +185,16 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
             .unwrap();
     }
     // Progress: every rank publishes, rank 0 peeks at the segment like the launcher does.
-    bus.publish(Progress { step: 100 + e.rank as u64, loss: 0.25, grad_norm: e.rank as f32, skipped: 1 });
+    bus.publish(Progress { step: 100 + e.rank as u64, loss: 0.25, grad_norm: e.rank as f32, skipped: 1, warnings: 2 });
     bus.barrier("published", StepId::default())?;
     if e.rank == 0 {
         let p = read_progress(bus.path()).expect("segment readable");
         let steps: Vec<u64> = p.iter().map(|p| p.step).collect();
         assert_eq!(steps, (0..e.np as u64).map(|r| 100 + r).collect::<Vec<_>>());
-        assert!(p.iter().enumerate().all(|(r, p)| p.grad_norm == r as f32 && p.loss == 0.25 && p.skipped == 1));
+        assert!(p
+            .iter()
+            .enumerate()
+            .all(|(r, p)| p.grad_norm == r as f32 && p.loss == 0.25 && p.skipped == 1 && p.warnings == 2));
         let st = gradbus_collectives::read_status(bus.path()).expect("segment readable");
         assert_eq!(st.len(), e.np);
         assert!(st.iter().all(|s| s.pid != 0 && !s.failed && !s.departed && s.barriers >= 1), "{st:?}");

@@ -82,6 +82,8 @@ pub struct Snapshot {
     pub grad_norm: f32,
     /// Updates skipped so far.
     pub skipped: u32,
+    /// Updates whose log-ratio headroom fell under the warning margin (the highest count).
+    pub warnings: u32,
 }
 
 impl Snapshot {
@@ -96,6 +98,7 @@ impl Snapshot {
             loss: latest.loss,
             grad_norm: latest.grad_norm,
             skipped: ranks.iter().map(|p| p.skipped).max().unwrap_or(0),
+            warnings: ranks.iter().map(|p| p.warnings).max().unwrap_or(0),
         })
     }
 
@@ -107,7 +110,15 @@ impl Snapshot {
         } else {
             String::new()
         };
-        format!("{rate}  loss {:.4}  grad norm {:.4}  skipped {}{spread}", self.loss, self.grad_norm, self.skipped)
+        let warn = if self.warnings > 0 {
+            format!("  WARNING: exp headroom low in {} update(s)", self.warnings)
+        } else {
+            String::new()
+        };
+        format!(
+            "{rate}  loss {:.4}  grad norm {:.4}  skipped {}{warn}{spread}",
+            self.loss, self.grad_norm, self.skipped
+        )
     }
 }
 
@@ -228,7 +239,15 @@ mod tests {
     use super::*;
 
     fn p(step: u64, loss: f32, skipped: u32) -> RankProgress {
-        RankProgress { step, loss, grad_norm: 0.5, skipped }
+        RankProgress { step, loss, grad_norm: 0.5, skipped, warnings: 0 }
+    }
+
+    #[test]
+    fn headroom_warnings_are_marked() {
+        assert!(!Snapshot::of(&[p(3, 0.1, 0)]).unwrap().figures(None).contains("WARNING"));
+        let warned = RankProgress { warnings: 4, ..p(3, 0.1, 0) };
+        let text = Snapshot::of(&[p(3, 0.1, 0), warned]).unwrap().figures(None);
+        assert!(text.contains("WARNING: exp headroom low in 4 update(s)"), "{text}");
     }
 
     #[test]

@@ -97,6 +97,9 @@ pub struct Config {
     /// Early warning on log-ratio headroom.
     #[serde(default)]
     pub warn: WarnConfig,
+    /// Spike detection on the agreed loss and gradient norm.
+    #[serde(default)]
+    pub spike: SpikeConfig,
     /// Planned faults (testing).
     #[serde(default)]
     pub faults: Vec<crate::faults::Fault>,
@@ -202,6 +205,26 @@ pub struct WarnConfig {
 impl Default for WarnConfig {
     fn default() -> Self {
         WarnConfig { headroom: 20.0 }
+    }
+}
+
+/// Spike detection: a rolling z-score over `window` updates (llm.c) and Megatron's rule (10x the
+/// largest of the first 100 values), on the loss and the global gradient norm every rank agreed on.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpikeConfig {
+    /// Skip (on every rank) an update whose loss or gradient norm is a spike. Off by default:
+    /// spikes are then only counted in the metrics (`spike`).
+    pub skip: bool,
+    /// Updates in the z-score window.
+    pub window: usize,
+    /// z-score above which a value is a spike (0 = only Megatron's rule).
+    pub z_limit: f64,
+}
+
+impl Default for SpikeConfig {
+    fn default() -> Self {
+        SpikeConfig { skip: false, window: 128, z_limit: 6.0 }
     }
 }
 

@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use serde_json::json;
 
+use gradbus_collectives::spikes::SpikeDetector;
 use gradbus_collectives::{
     decide, Action, HealthTable, History, Layout, LocalReport, Progress, Report, StepId, Transport,
 };
@@ -117,6 +118,10 @@ pub struct Trainer {
     pub reference: Vec<f32>,
     /// Verdict history.
     pub history: History,
+    /// Spike detectors of the agreed loss and gradient norm (in that order).
+    pub spikes: [SpikeDetector; 2],
+    /// Updates whose agreed log-ratio headroom fell under `warn.headroom`.
+    pub warnings: u32,
     /// Planned faults.
     pub faults: FaultPlan,
     /// Next RL step to run.
@@ -160,6 +165,11 @@ impl Trainer {
             reference: params.clone(),
             params,
             history: History::default(),
+            spikes: [
+                SpikeDetector::new(cfg.spike.window, cfg.spike.z_limit),
+                SpikeDetector::new(cfg.spike.window, cfg.spike.z_limit),
+            ],
+            warnings: 0,
             faults,
             step: 0,
             acts,
@@ -316,7 +326,11 @@ impl Trainer {
             let table = self.bus.agree(at, LocalReport { loss: stats.loss as f64, values })?;
             check_replicas(&table, at)?;
             let policy = self.cfg.policy();
-            let verdict = decide(&table, self.layout(), &policy, &self.history, at);
+            let mut verdict = decide(&table, self.layout(), &policy, &self.history, at);
+            let spike = if verdict.action == Action::Proceed { self.spike(&table) } else { None };
+            if spike.is_some() && self.cfg.spike.skip {
+                verdict.action = Action::Skip;
+            }
             self.history.record(&table, &verdict);
             if let Some(r) = &verdict.report {
                 log::warn!("rank {}: {}", self.info.rank, describe(r));
@@ -325,12 +339,16 @@ impl Trainer {
             if verdict.action == Action::Proceed {
                 self.apply(&table, lr);
             }
-            self.write_metrics(&table, at, verdict.action, lr, start)?;
+            if headroom(&table) < self.cfg.warn.headroom as f64 {
+                self.warnings += 1;
+            }
+            self.write_metrics(&table, at, verdict.action, spike.as_deref(), lr, start)?;
             self.bus.publish(Progress {
                 step: self.step,
                 loss: mean_loss(&table) as f32,
                 grad_norm: (table.grad_norm() / table.world as f64) as f32,
                 skipped: self.history.skipped as u32,
+                warnings: self.warnings,
             });
             match verdict.action {
                 Action::Proceed | Action::Skip => return Ok(None),
@@ -416,11 +434,25 @@ impl Trainer {
         );
     }
 
+    /// Feed the agreed loss and gradient norm of a proceeding update to the spike detectors; the
+    /// spike, described, if either is one. Every rank feeds the same values: the same answer.
+    fn spike(&mut self, table: &HealthTable) -> Option<String> {
+        let values = [mean_loss(table), table.grad_norm() / table.world as f64];
+        let mut found = None;
+        for ((d, x), name) in self.spikes.iter_mut().zip(values).zip(["loss", "grad norm"]) {
+            if let Some(s) = d.observe(x) {
+                found.get_or_insert(format!("{name} spike {x:.4} ({})", s.rules()));
+            }
+        }
+        found
+    }
+
     fn write_metrics(
         &mut self,
         table: &HealthTable,
         at: StepId,
         action: Action,
+        spike: Option<&str>,
         lr: f32,
         start: Instant,
     ) -> Result<(), WorkerError> {
@@ -442,7 +474,9 @@ impl Trainer {
             "nonfinite_ranks": bad,
             "max_logratio_response": finite_or_null(max(slot::MAX_LR_RESPONSE)),
             "max_logratio_masked": finite_or_null(max(slot::MAX_LR_MASKED)),
-            "headroom": finite_or_null(EXP_OVERFLOW as f64 - max(slot::MAX_LR_RESPONSE).max(max(slot::MAX_LR_MASKED))),
+            "headroom": finite_or_null(headroom(table)),
+            "spike": spike,
+            "skip_cause": (action == Action::Skip).then(|| spike.unwrap_or("non-finite gradients")),
             "min_response_logp": finite_or_null(table.reports.iter().map(|r| r.values[slot::MIN_LOGP]).fold(f64::INFINITY, f64::min)),
             "lr": lr,
             "verdict": action,
@@ -469,6 +503,8 @@ impl Trainer {
             "adam_t": self.adam_t,
             "config_hash": format!("{:016x}", self.config_hash),
             "layout_hash": format!("{:016x}", self.layout().hash()),
+            "spikes": self.spikes,
+            "warnings": self.warnings,
             "history": {
                 "consecutive_skips": self.history.consecutive_skips,
                 "skipped": self.history.skipped,
@@ -526,6 +562,10 @@ impl Trainer {
             .as_array()
             .map(|a| a.iter().filter_map(|b| b.as_u64()).map(|b| b as usize).collect())
             .unwrap_or_default();
+        if let Ok(spikes) = serde_json::from_value(l.meta["spikes"].clone()) {
+            self.spikes = spikes;
+        }
+        self.warnings = l.meta["warnings"].as_u64().unwrap_or(0) as u32;
         if self.info.rank == 0 {
             eprintln!("resumed from {} at step {}", dir.display(), self.step);
         }
@@ -644,6 +684,12 @@ fn check_replicas(table: &HealthTable, at: StepId) -> Result<(), WorkerError> {
         )));
     }
     Ok(())
+}
+
+/// ln(f32::MAX) minus the largest log-ratio any rank fed to an exp of the loss.
+fn headroom(table: &HealthTable) -> f64 {
+    let max = |k: usize| table.reports.iter().map(|r| r.values[k]).fold(f64::NEG_INFINITY, f64::max);
+    EXP_OVERFLOW as f64 - max(slot::MAX_LR_RESPONSE).max(max(slot::MAX_LR_MASKED))
 }
 
 fn mean(x: &[f32]) -> f32 {
