@@ -10,25 +10,14 @@ mod common;
 use common::{gradbus, metrics};
 use serde_json::Value;
 
-/// The fast seed-case config: examples/tiny.toml with a stale rollout engine and lr 1e-2.
-const SETS: &[&str] = &[
-    "--set",
-    "steps=200",
-    "--set",
-    "rollout_sync_interval=1000",
-    "--set",
-    "optim.lr=1e-2",
-    "--set",
-    "rl.epochs=2",
-    "--set",
-    "rl.minibatches=2",
-    "--set",
-    "checkpoint.every=40",
-];
+/// The fast seed-case config, with a checkpoint every 40 steps.
+fn sets() -> Vec<&'static str> {
+    [common::FAST_SEED_CASE, &["--set", "checkpoint.every=40"]].concat()
+}
 
 fn run(dir: &std::path::Path, extra: &[&str]) -> common::Run {
     let mut args = vec!["run", "--np", "2", "--run-dir", dir.to_str().unwrap(), "examples/tiny.toml"];
-    args.extend_from_slice(SETS);
+    args.extend(sets());
     args.extend_from_slice(extra);
     gradbus(&args, &[])
 }
@@ -84,7 +73,7 @@ fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes
     let ckpt = (step / 40) * 40;
     assert!(a.join(format!("checkpoints/step-{ckpt:06}/DONE")).exists());
     let mut args = vec!["run", "--np", "2", "--resume", a.to_str().unwrap(), "examples/tiny.toml"];
-    args.extend_from_slice(SETS);
+    args.extend(sets());
     gradbus(&args, &[]).expect_code(3);
     assert_eq!(report(&a), rep);
 

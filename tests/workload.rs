@@ -128,7 +128,8 @@ fn spike_policy_skips_updates_whose_agreed_loss_or_norm_spikes() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("r");
     // A window of 4 updates and a z-limit of 1: plenty of "spikes" on a short run.
-    let sets = ["--set", "steps=4", "--set", "spike.skip=true", "--set", "spike.window=4", "--set", "spike.z_limit=1.0"];
+    let sets =
+        ["--set", "steps=4", "--set", "spike.skip=true", "--set", "spike.window=4", "--set", "spike.z_limit=1.0"];
     run(&dir, "2", &sets, &[]).expect_code(0);
     let m = metrics(&dir);
     let skipped: Vec<usize> = (0..m.len()).filter(|&i| m[i]["verdict"] == "skip").collect();

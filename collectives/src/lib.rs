@@ -17,6 +17,8 @@ pub mod shm;
 pub mod spikes;
 pub mod transport;
 pub mod verdict;
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+mod wire;
 
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};

@@ -63,7 +63,7 @@ use crate::verdict::{HealthTable, LocalReport, StepId};
 use crate::Error;
 
 /// "No first bad index" in a gathered word.
-const NONE: u64 = u64::MAX;
+use crate::wire::{fold_op, health_of, health_words};
 /// Largest element count of one `MPI_Allreduce` call (counts are C ints).
 const MAX_COUNT: usize = 1 << 30;
 
@@ -195,23 +195,6 @@ fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
     for (s, r) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
         comm.all_reduce_into(s, r, ::mpi::collective::SystemOperation::sum());
     }
-}
-
-fn health_words(h: &Health) -> [u64; 4] {
-    [h.nan, h.inf, h.sumsq.to_bits(), h.first_bad.unwrap_or(NONE)]
-}
-
-fn health_of(w: &[u64]) -> Health {
-    Health { nan: w[0], inf: w[1], sumsq: f64::from_bits(w[2]), first_bad: (w[3] != NONE).then_some(w[3]) }
-}
-
-/// Hash of one collective, folded into the per-update sequence hash.
-fn fold_op(h: &mut Fnv, phase: &str, at: StepId, bucket: Option<usize>) {
-    h.write(phase.as_bytes());
-    h.write(&at.step.to_le_bytes());
-    h.write(&at.minibatch.to_le_bytes());
-    h.write(&at.attempt.to_le_bytes());
-    h.write(&bucket.map_or(NONE, |b| b as u64).to_le_bytes());
 }
 
 /// The per-update agreement shared by both transports: one allgather of a fixed-size row per rank,

@@ -60,7 +60,7 @@ use crate::verdict::{HealthTable, LocalReport, StepId};
 use crate::Error;
 
 /// "No first bad index" in a row word.
-const NONE: u64 = u64::MAX;
+use crate::wire::{fold_op, health_of, health_words};
 /// Bytes of an NCCL unique id.
 const ID_BYTES: usize = 128;
 
@@ -133,24 +133,6 @@ fn await_id(path: &Path, timeout: Duration) -> Result<Id, Error> {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-/// Health as 4 row words.
-fn health_words(h: &Health) -> [u64; 4] {
-    [h.nan, h.inf, h.sumsq.to_bits(), h.first_bad.unwrap_or(NONE)]
-}
-
-fn health_of(w: &[u64]) -> Health {
-    Health { nan: w[0], inf: w[1], sumsq: f64::from_bits(w[2]), first_bad: (w[3] != NONE).then_some(w[3]) }
-}
-
-/// Hash of one collective, folded into the per-update sequence hash.
-fn fold_op(h: &mut Fnv, phase: &str, at: StepId, bucket: Option<usize>) {
-    h.write(phase.as_bytes());
-    h.write(&at.step.to_le_bytes());
-    h.write(&at.minibatch.to_le_bytes());
-    h.write(&at.attempt.to_le_bytes());
-    h.write(&bucket.map_or(NONE, |b| b as u64).to_le_bytes());
 }
 
 /// Words of a row before the buckets: op hash, config hash, layout hash.

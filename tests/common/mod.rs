@@ -79,3 +79,18 @@ pub fn segments_left(job_hint: &str) -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+/// The fast seed-case config (after `examples/tiny.toml`): a stale rollout engine (never synced) and
+/// lr 1e-2 drive the ROLL-style loss's k3 log-ratio past exp overflow around step 110 on 2 ranks.
+pub const FAST_SEED_CASE: &[&str] = &[
+    "--set",
+    "steps=200",
+    "--set",
+    "rollout_sync_interval=1000",
+    "--set",
+    "optim.lr=1e-2",
+    "--set",
+    "rl.epochs=2",
+    "--set",
+    "rl.minibatches=2",
+];
