@@ -8,6 +8,8 @@
 //! remove. Waits are bounded polls on conditions; time bounds are generous (the workers that must be
 //! stopped sleep 300 s, the bounds are 60 s).
 
+mod common;
+
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -211,17 +213,7 @@ impl Running {
     /// Waits (bounded) for the launcher to exit; on timeout kills it and fails with its output.
     fn finish(mut self) -> Ran {
         let deadline = self.started + LIMIT;
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break Some(s);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = common::wait_until(&mut self.child, deadline);
         let elapsed = self.started.elapsed();
         let mut texts = Vec::new();
         for (buf, h) in self.out {

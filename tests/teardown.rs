@@ -146,17 +146,7 @@ impl Launch {
     /// Waits for the launcher to exit within `limit` of now; fails with its output if it does not.
     fn finish_within(mut self, limit: Duration) -> Ended {
         let deadline = Instant::now() + limit;
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break Some(s);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = common::wait_until(&mut self.child, deadline);
         let mut texts = self.out.iter_mut().map(|(buf, h)| {
             if let Some(h) = h.take() {
                 let _ = h.join();

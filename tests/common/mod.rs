@@ -94,3 +94,19 @@ pub const FAST_SEED_CASE: &[&str] = &[
     "--set",
     "rl.minibatches=2",
 ];
+
+/// Waits for `child` until `deadline`; past it, kills it and returns `None` (bounded polling, never a
+/// hang: a test that waits for a launcher fails with its output instead of stalling CI).
+pub fn wait_until(child: &mut std::process::Child, deadline: std::time::Instant) -> Option<std::process::ExitStatus> {
+    loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            return Some(s);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
