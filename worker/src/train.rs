@@ -122,6 +122,8 @@ pub struct Trainer {
     pub spikes: [SpikeDetector; 2],
     /// Updates whose agreed log-ratio headroom fell under `warn.headroom`.
     pub warnings: u32,
+    /// The last update's agreed loss, mean reward and gradient norm, for the step's summary line.
+    last: [f64; 3],
     /// Planned faults.
     pub faults: FaultPlan,
     /// Next RL step to run.
@@ -170,6 +172,7 @@ impl Trainer {
                 SpikeDetector::new(cfg.spike.window, cfg.spike.z_limit),
             ],
             warnings: 0,
+            last: [f64::NAN; 3],
             faults,
             step: 0,
             acts,
@@ -223,8 +226,9 @@ impl Trainer {
 
     /// A one-line summary of the step just finished, from the last metrics the ranks agreed on.
     fn step_summary(&self) -> String {
+        let [loss, reward, norm] = self.last;
         format!(
-            "step {} done: {} updates, {} skipped in total",
+            "step {} done: {} updates, loss {loss:.4}, reward {reward:.3}, grad norm {norm:.4}, {} skipped in total",
             self.step,
             self.cfg.rl.epochs * self.cfg.rl.minibatches,
             self.history.skipped
@@ -342,6 +346,9 @@ impl Trainer {
             if headroom(&table) < self.cfg.warn.headroom as f64 {
                 self.warnings += 1;
             }
+            let world = table.world as f64;
+            let reward = table.reports.iter().map(|r| r.values[slot::REWARD]).sum::<f64>() / world;
+            self.last = [mean_loss(&table), reward, table.grad_norm() / world];
             self.write_metrics(&table, at, verdict.action, spike.as_deref(), lr, start)?;
             self.bus.publish(Progress {
                 step: self.step,
