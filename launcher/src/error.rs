@@ -21,13 +21,6 @@ pub enum Error {
         hint: String,
     },
 
-    /// A subcommand that exists in the CLI's design but has not been written yet.
-    #[error("`gradbus {command}` is not implemented yet\n  hint: `gradbus run`, `replay` and `bench` work in this build; see `gradbus --help`")]
-    NotImplemented {
-        /// The subcommand's name.
-        command: &'static str,
-    },
-
     /// The hostfile could not be read at all.
     #[error("cannot read hostfile {}: {source}\n  hint: check the path given to --hostfile", path.display())]
     HostfileRead {
@@ -135,7 +128,6 @@ impl Error {
             // Nothing of the job ran (or what ran was stopped before it did anything): the cause is
             // an input, a path or the environment the user controls.
             Error::Usage { .. }
-            | Error::NotImplemented { .. }
             | Error::HostfileRead { .. }
             | Error::Hostfile { .. }
             | Error::HostfileEmpty { .. }
