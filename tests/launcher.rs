@@ -10,12 +10,9 @@
 
 mod common;
 
-use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 const GRADBUS: &str = env!("CARGO_BIN_EXE_gradbus");
@@ -149,13 +146,11 @@ fn wait_dead(pid: i32, ran: &Ran) {
 }
 
 /// One output pipe of the launcher: the bytes read so far and the thread reading them.
-type Captured = (Arc<Mutex<Vec<u8>>>, JoinHandle<()>);
-
 /// A launcher process being run, its output collected by threads.
 struct Running {
     desc: String,
     child: Child,
-    out: Vec<Captured>,
+    out: [common::Captured; 2],
     started: Instant,
 }
 
@@ -189,23 +184,7 @@ fn start(mut cmd: Command) -> Running {
     let desc = format!("{cmd:?}");
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
     let mut child = cmd.spawn().unwrap();
-    let mut out = Vec::new();
-    let pipes: [Box<dyn Read + Send>; 2] =
-        [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
-    for mut pipe in pipes {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let b = buf.clone();
-        let h = std::thread::spawn(move || {
-            let mut chunk = [0u8; 4096];
-            while let Ok(n) = pipe.read(&mut chunk) {
-                if n == 0 {
-                    break;
-                }
-                b.lock().unwrap().extend_from_slice(&chunk[..n]);
-            }
-        });
-        out.push((buf, h));
-    }
+    let out = common::capture(&mut child);
     Running { desc, child, out, started: Instant::now() }
 }
 
@@ -215,16 +194,11 @@ impl Running {
         let deadline = self.started + LIMIT;
         let status = common::wait_until(&mut self.child, deadline);
         let elapsed = self.started.elapsed();
-        let mut texts = Vec::new();
-        for (buf, h) in self.out {
-            let _ = h.join();
-            texts.push(String::from_utf8_lossy(&buf.lock().unwrap()).into_owned());
-        }
         let ran = Ran {
             desc: self.desc,
             code: status.and_then(|s| s.code()),
-            stdout: texts.remove(0),
-            stderr: texts.remove(0),
+            stdout: self.out[0].finish(),
+            stderr: self.out[1].finish(),
             elapsed,
         };
         assert!(status.is_some(), "launcher did not exit within {LIMIT:?}\n{}", ran.explain());

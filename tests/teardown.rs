@@ -10,11 +10,8 @@
 
 mod common;
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::{metrics, root};
@@ -29,13 +26,11 @@ const TEARDOWN: Duration = Duration::from_secs(10);
 const FAST: &[&str] = &["--set", "rl.epochs=2", "--set", "rl.minibatches=2"];
 
 /// One output pipe of the launcher: the bytes read so far and the thread reading them.
-type Captured = (Arc<Mutex<Vec<u8>>>, Option<JoinHandle<()>>);
-
 /// A `gradbus run` in progress, its stdout and stderr collected by threads.
 struct Launch {
     desc: String,
     child: Child,
-    out: [Captured; 2],
+    out: [common::Captured; 2],
     run_dir: PathBuf,
 }
 
@@ -88,28 +83,13 @@ fn launch(run_dir: &Path, np: usize, extra: &[&str], faults: &str) -> Launch {
         .stderr(Stdio::piped());
     let desc = format!("GRADBUS_FAULTS='{faults}' gradbus {}", args.join(" "));
     let mut child = cmd.spawn().expect("spawn gradbus");
-    let pipes: [Box<dyn Read + Send>; 2] =
-        [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
-    let out = pipes.map(|mut pipe| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let b = buf.clone();
-        let h = std::thread::spawn(move || {
-            let mut chunk = [0u8; 4096];
-            while let Ok(n) = pipe.read(&mut chunk) {
-                if n == 0 {
-                    break;
-                }
-                b.lock().unwrap().extend_from_slice(&chunk[..n]);
-            }
-        });
-        (buf, Some(h))
-    });
+    let out = common::capture(&mut child);
     Launch { desc, child, out, run_dir: run_dir.to_path_buf() }
 }
 
 impl Launch {
     fn stderr_so_far(&self) -> String {
-        String::from_utf8_lossy(&self.out[1].0.lock().unwrap()).into_owned()
+        self.out[1].so_far()
     }
 
     /// Polls `cond` every 20 ms until it holds; fails (killing the launcher) after `limit` or if the
@@ -147,17 +127,11 @@ impl Launch {
     fn finish_within(mut self, limit: Duration) -> Ended {
         let deadline = Instant::now() + limit;
         let status = common::wait_until(&mut self.child, deadline);
-        let mut texts = self.out.iter_mut().map(|(buf, h)| {
-            if let Some(h) = h.take() {
-                let _ = h.join();
-            }
-            String::from_utf8_lossy(&buf.lock().unwrap()).into_owned()
-        });
         let ended = Ended {
             desc: self.desc,
             code: status.and_then(|s| s.code()),
-            stdout: texts.next().unwrap(),
-            stderr: texts.next().unwrap(),
+            stdout: self.out[0].finish(),
+            stderr: self.out[1].finish(),
             run_dir: self.run_dir,
         };
         assert!(status.is_some(), "launcher did not exit within {limit:?}\n{}", ended.explain());

@@ -110,3 +110,45 @@ pub fn wait_until(child: &mut std::process::Child, deadline: std::time::Instant)
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// One pipe of a child process, read to its end by a thread while the test goes on.
+pub struct Captured {
+    buf: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Captured {
+    /// What the pipe has delivered so far.
+    pub fn so_far(&self) -> String {
+        String::from_utf8_lossy(&self.buf.lock().unwrap()).into_owned()
+    }
+
+    /// Everything, once the writer has closed the pipe (call after the child exited).
+    pub fn finish(&mut self) -> String {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.so_far()
+    }
+}
+
+/// Take the child's piped stdout and stderr (in that order) and read each on its own thread.
+pub fn capture(child: &mut std::process::Child) -> [Captured; 2] {
+    use std::io::Read;
+    let pipes: [Box<dyn Read + Send>; 2] =
+        [Box::new(child.stdout.take().expect("piped stdout")), Box::new(child.stderr.take().expect("piped stderr"))];
+    pipes.map(|mut pipe| {
+        let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let b = buf.clone();
+        let thread = std::thread::spawn(move || {
+            let mut chunk = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                b.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+        });
+        Captured { buf, thread: Some(thread) }
+    })
+}
