@@ -65,26 +65,50 @@ fn resume_from_checkpoint_continues_bitwise_identically() {
 #[test]
 fn planted_nan_with_abort_policy_stops_every_rank_with_one_report() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("r");
     let faults =
         "[[faults]]\nkind = \"nan\"\nrank = 1\nstep = 1\nminibatch = 2\nparam = \"head.weight\"\nelement = 5\n";
-    let r = run(&dir, "3", &["--set", "steps=3"], &[("GRADBUS_FAULTS", faults)]);
-    r.expect_code(3);
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
-    assert_eq!(report["step"], 1);
-    assert_eq!(report["minibatch"], 2);
-    assert_eq!(report["verdict"], "abort");
-    assert_eq!(report["ranks"], serde_json::json!([1]));
-    assert_eq!(report["bucket"], 0, "head.weight is the last parameter: bucket #0");
-    assert_eq!(report["param"], "head.weight");
-    assert_eq!(report["element"], 5);
-    assert_eq!(report["nan"], 1);
-    assert_eq!(report["inf"], 0);
-    assert_eq!(report["loss_finite"], true);
-    for rank in 0..3 {
-        assert!(dir.join(format!("dumps/rank-{rank}.bin")).exists(), "rank {rank} wrote its dump");
+    let mut reports = Vec::new();
+    // Bucket #0 reduced while backward goes on, or after it: the same verdict and report.
+    for overlap in ["on", "off"] {
+        let dir = tmp.path().join(overlap);
+        let set = format!("overlap=\"{overlap}\"");
+        let r = run(&dir, "3", &["--set", "steps=3", "--set", &set], &[("GRADBUS_FAULTS", faults)]);
+        r.expect_code(3);
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+        assert_eq!(report["step"], 1);
+        assert_eq!(report["minibatch"], 2);
+        assert_eq!(report["verdict"], "abort");
+        assert_eq!(report["ranks"], serde_json::json!([1]));
+        assert_eq!(report["bucket"], 0, "head.weight is the last parameter: bucket #0");
+        assert_eq!(report["param"], "head.weight");
+        assert_eq!(report["element"], 5);
+        assert_eq!(report["nan"], 1);
+        assert_eq!(report["inf"], 0);
+        assert_eq!(report["loss_finite"], true);
+        for rank in 0..3 {
+            assert!(dir.join(format!("dumps/rank-{rank}.bin")).exists(), "rank {rank} wrote its dump");
+        }
+        reports.push((report, metrics(&dir)));
     }
+    assert_eq!(reports[0], reports[1]);
+}
+
+#[test]
+fn reducing_buckets_during_backward_changes_no_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut runs = Vec::new();
+    for overlap in ["on", "off"] {
+        let dir = tmp.path().join(overlap);
+        let set = format!("overlap=\"{overlap}\"");
+        // 4 KiB buckets: most parameters get their own bucket, each reduced as soon as it is final.
+        run(&dir, "3", &["--set", "steps=2", "--set", "bucket_bytes=4096", "--set", &set], &[]).expect_code(0);
+        runs.push(metrics(&dir));
+    }
+    let buckets = runs[0][0]["bucket_norms"].as_array().unwrap().len();
+    assert!(buckets > 10, "{buckets} buckets");
+    assert_eq!(runs[0].len(), 2 * 4);
+    assert_eq!(runs[0], runs[1]);
 }
 
 #[test]

@@ -13,6 +13,7 @@ pub mod layout;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod overlap;
 pub mod shm;
 pub mod spikes;
 pub mod transport;
@@ -21,6 +22,7 @@ pub mod verdict;
 mod wire;
 
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
+pub use overlap::{backward_and_reduce, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
 pub use spikes::{Spike, SpikeDetector};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};

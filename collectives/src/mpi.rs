@@ -83,10 +83,13 @@ pub fn universe() -> Result<Arc<Universe>, Error> {
             hint: "MPI can be initialised once per process: keep one transport for the whole run".into(),
         });
     }
-    let u = Arc::new(::mpi::initialize().ok_or_else(|| Error::Mpi {
-        what: "MPI_Init failed".into(),
+    // FUNNELED: backward may run on a second thread (`overlap`), but every MPI call is made by the
+    // thread that initialised MPI.
+    let (u, _level) = ::mpi::initialize_with_threading(::mpi::Threading::Funneled).ok_or_else(|| Error::Mpi {
+        what: "MPI_Init_thread failed".into(),
         hint: "run under the mpirun of the MPI this binary was built with".into(),
-    })?);
+    })?;
+    let u = Arc::new(u);
     *slot = Arc::downgrade(&u);
     Ok(u)
 }
@@ -407,12 +410,12 @@ impl Transport for MpiTransport {
     fn layout(&self) -> &Layout {
         &self.layout
     }
-    fn grads(&mut self) -> &mut [f32] {
-        self.grads.as_mut_slice()
+    fn grads_ptr(&mut self) -> *mut f32 {
+        self.grads.as_mut_ptr()
     }
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
         let r = self.layout.buckets[bucket].range.clone();
-        let g = &mut self.grads.as_mut_slice()[r.clone()];
+        let g = self.grads.range_mut(r.clone());
         self.local[bucket] = health_scan(g);
         let out = &mut self.scratch[..r.len()];
         allreduce_sum(&self.core.comms().world, g, out);
@@ -496,7 +499,9 @@ impl HierTransport {
         if let Some(leaders) = &self.core.comms().leaders {
             let r = self.bus.layout().buckets[bucket].range.clone();
             // Between `reduce_bucket_to` and `broadcast_bucket` no peer touches the leader's slot.
-            let g = &mut self.bus.grads()[r.clone()];
+            // SAFETY: the bucket's range of this rank's slot (`grads_ptr` is `layout.len` f32s),
+            // and only it: backward may hold views of the rest (`Transport::allreduce_bucket`).
+            let g = unsafe { std::slice::from_raw_parts_mut(self.bus.grads_ptr().add(r.start), r.len()) };
             let out = &mut self.scratch[..r.len()];
             allreduce_sum(leaders, g, out);
             self.reduced[bucket] = health_scan(out);
@@ -516,8 +521,8 @@ impl Transport for HierTransport {
     fn layout(&self) -> &Layout {
         self.bus.layout()
     }
-    fn grads(&mut self) -> &mut [f32] {
-        self.bus.grads()
+    fn grads_ptr(&mut self) -> *mut f32 {
+        self.bus.grads_ptr()
     }
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
         fold_op(&mut self.ops, "reduce", at, Some(bucket));

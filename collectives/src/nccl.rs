@@ -242,8 +242,8 @@ impl Transport for NcclTransport {
     fn layout(&self) -> &Layout {
         &self.cfg.layout
     }
-    fn grads(&mut self) -> &mut [f32] {
-        self.host.as_mut_slice()
+    fn grads_ptr(&mut self) -> *mut f32 {
+        self.host.as_mut_ptr()
     }
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
         fold_op(&mut self.ops, "reduce", at, Some(bucket));
@@ -251,7 +251,7 @@ impl Transport for NcclTransport {
         let mut view = self.dev.slice_mut(range.clone());
         self.gpu
             .stream()
-            .memcpy_htod(&self.host.as_slice()[range], &mut view)
+            .memcpy_htod(&*self.host.range_mut(range), &mut view)
             .map_err(cuda_err("copy bucket to device"))?;
         self.local[bucket] = self.gpu.health_scan(&view)?;
         self.pending.push(bucket);

@@ -1081,12 +1081,11 @@ impl Transport for ShmBus {
         self.cfg.local_size
     }
 
-    fn grads(&mut self) -> &mut [f32] {
-        // SAFETY: this rank's slot holds `layout.len` f32s inside the mapping, page-aligned. Peers
-        // write into it only between the two barriers of a bucket reduce, while this rank is inside
-        // `allreduce_bucket` (which borrows `self` mutably, so this borrow has ended); see the module
-        // invariants. `&mut self` makes the borrow unique within this process.
-        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(self.cfg.local_rank), self.cfg.layout.len) }
+    fn grads_ptr(&mut self) -> *mut f32 {
+        // This rank's slot: `layout.len` f32s inside the mapping, page-aligned. Peers write into it
+        // only between the two barriers of a bucket reduce, and only that bucket's range, while
+        // this rank is inside `allreduce_bucket` too; see the module invariants.
+        self.slot_ptr(self.cfg.local_rank)
     }
 
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {

@@ -6,6 +6,8 @@
 //! failure (a peer that never arrives, a dead peer) is an `Error` on every live rank within the
 //! deadline, never a hang.
 
+use std::ops::Range;
+
 use gradbus_kernels::{health_scan, Health};
 
 use crate::layout::Layout;
@@ -36,9 +38,20 @@ pub trait Transport {
     /// The layout every rank shares.
     fn layout(&self) -> &Layout;
     /// This rank's flat gradient buffer (for the shared-memory bus it lives in the segment, so
-    /// backward writes straight onto the bus). `layout().len` elements, 64-byte aligned.
-    fn grads(&mut self) -> &mut [f32];
+    /// backward writes straight onto the bus): `layout().len` f32s, 64-byte aligned, valid and at
+    /// the same address for the transport's lifetime. A raw pointer, so that backward can hold
+    /// views of some parameters while `allreduce_bucket` works on others (`overlap`).
+    fn grads_ptr(&mut self) -> *mut f32;
+    /// The whole gradient buffer as one slice.
+    fn grads(&mut self) -> &mut [f32] {
+        let len = self.layout().len;
+        // SAFETY: `grads_ptr` is `len` valid, aligned f32s (its contract); `&mut self` makes this
+        // the only borrow made through the transport until it ends.
+        unsafe { std::slice::from_raw_parts_mut(self.grads_ptr(), len) }
+    }
     /// Sum one bucket over all ranks, in rank order, tallying each rank's local health on the way.
+    /// Touches only the bucket's range of this rank's buffer, and makes no borrow of the rest of
+    /// it: backward may be writing there (`overlap`).
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error>;
     /// After the last bucket: exchange the local reports and return the agreed table.
     fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error>;
@@ -93,8 +106,19 @@ impl AlignedBuf {
     }
     /// The elements, mutable.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes the borrow unique.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<f32>(), self.len) }
+        let len = self.len;
+        self.range_mut(0..len)
+    }
+    /// Elements `r`, mutable, without borrowing the others (see `Transport::allreduce_bucket`).
+    pub fn range_mut(&mut self, r: Range<usize>) -> &mut [f32] {
+        assert!(r.start <= r.end && r.end <= self.len, "range {r:?} of {} elements", self.len);
+        // SAFETY: as in `as_slice`, `r` lies inside the buffer, and `&mut self` makes the borrow
+        // unique. `Vec::as_mut_ptr` materializes no reference to the other elements.
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr().add(r.start), r.len()) }
+    }
+    /// The first element's address (stable: the buffer never reallocates).
+    pub fn as_mut_ptr(&mut self) -> *mut f32 {
+        self.lines.as_mut_ptr().cast::<f32>()
     }
 }
 
@@ -123,12 +147,12 @@ impl Transport for Solo {
     fn layout(&self) -> &Layout {
         &self.layout
     }
-    fn grads(&mut self) -> &mut [f32] {
-        self.grads.as_mut_slice()
+    fn grads_ptr(&mut self) -> *mut f32 {
+        self.grads.as_mut_ptr()
     }
     fn allreduce_bucket(&mut self, _at: StepId, bucket: usize) -> Result<(), Error> {
         let r = self.layout.buckets[bucket].range.clone();
-        self.local[bucket] = health_scan(&self.grads.as_slice()[r]);
+        self.local[bucket] = health_scan(self.grads.range_mut(r));
         Ok(())
     }
     fn agree(&mut self, _at: StepId, local: LocalReport) -> Result<HealthTable, Error> {

@@ -76,6 +76,10 @@ pub struct Config {
     /// Seconds a rank waits in a collective for its peers before failing with a timeout.
     #[serde(default = "default_timeout")]
     pub collective_timeout_s: f64,
+    /// Reduce each bucket while backward goes on ("on"), after backward ("off"), or "auto": on
+    /// in a multi-rank job on a node with two cores per local rank. The same bits either way.
+    #[serde(default)]
+    pub overlap: Overlap,
     /// The policy model.
     #[serde(default)]
     pub model: GptConfig,
@@ -116,6 +120,33 @@ pub enum PolicyName {
     Skip,
     /// Recompute the update to classify the cause.
     Rerun,
+}
+
+/// When to all-reduce a bucket: as soon as backward has finished it, or after backward.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Overlap {
+    /// On when there are peers to reduce with and the node has a core for each rank's backward
+    /// and one for its reducer (`available_parallelism() >= 2 x` local ranks).
+    #[default]
+    Auto,
+    /// Backward on its own thread, each bucket reduced as soon as it is final.
+    On,
+    /// Every bucket reduced after backward.
+    Off,
+}
+
+impl Overlap {
+    /// Whether to overlap in a job of `world` ranks, `local_ranks` of them on this node.
+    pub fn resolve(self, world: usize, local_ranks: usize) -> bool {
+        match self {
+            Overlap::On => true,
+            Overlap::Off => false,
+            Overlap::Auto => {
+                world > 1 && std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 * local_ranks
+            }
+        }
+    }
 }
 
 /// The RL task and schedule.
@@ -338,4 +369,19 @@ fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), ConfigError>
     }
     cur.insert(last.to_string(), value);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Overlap;
+
+    #[test]
+    fn overlap_auto_needs_peers_and_a_free_core_per_rank() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert!(Overlap::On.resolve(1, 1000));
+        assert!(!Overlap::Off.resolve(8, 1));
+        assert!(!Overlap::Auto.resolve(1, 1), "nothing to overlap with one rank");
+        assert!(!Overlap::Auto.resolve(4, cores), "every core already runs a rank");
+        assert_eq!(Overlap::Auto.resolve(4, (cores / 2).max(1)), cores >= 2);
+    }
 }

@@ -138,8 +138,8 @@ impl FaultPlan {
         }
     }
 
-    /// Plant the nan/inf faults of this update into the local gradients.
-    pub fn poison(&self, at: StepId, layout: &Layout, grads: &mut [f32]) {
+    /// Plant the nan/inf faults of this update into parameter `param`'s final gradient `grad`.
+    pub fn poison(&self, at: StepId, layout: &Layout, param: usize, grad: &mut [f32]) {
         for f in self.matching(at).filter(|f| matches!(f.kind, FaultKind::Nan | FaultKind::Inf)) {
             if f.transient && at.attempt > 0 {
                 continue;
@@ -148,9 +148,10 @@ impl FaultPlan {
                 Some(name) => layout.slot(name),
                 None => layout.slots.last(),
             };
-            let Some(slot) = slot else { continue };
-            let i = slot.offset + f.element.min(slot.numel.saturating_sub(1));
-            grads[i] = if f.kind == FaultKind::Nan { f32::NAN } else { f32::INFINITY };
+            if slot.is_some_and(|s| s.param == param) && !grad.is_empty() {
+                let i = f.element.min(grad.len() - 1);
+                grad[i] = if f.kind == FaultKind::Nan { f32::NAN } else { f32::INFINITY };
+            }
         }
     }
 

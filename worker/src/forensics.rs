@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use gradbus_collectives::transport::bucket_health;
-use gradbus_collectives::Layout;
+use gradbus_collectives::{Layout, ParamGrads};
 
 use crate::config::Config;
 use crate::model::{self, Gpt};
@@ -226,10 +226,11 @@ pub fn replay(path: &Path, trace: bool) -> Result<Replay, String> {
     let mut acts = model::Activations::new(&cfg.model, b, t);
     let mut grads = vec![0.0; layout.len];
     let mut probe = Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
+    let g = &mut ParamGrads::new(&mut grads, &layout);
     let stats = if trace {
-        train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, &mut grads, &mut probe)
+        train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut probe)
     } else {
-        train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, &mut grads, &mut crate::probe::NoProbe)
+        train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut crate::probe::NoProbe)
     };
     let chunks = meta["health_chunks"].as_u64().unwrap_or(1).max(1) as usize;
     let buckets: Vec<serde_json::Value> =

@@ -5,14 +5,15 @@
 //! Invariants: parameters and gradients live in flat buffers laid out by a [`Layout`] built from
 //! [`param_specs`]; the model only holds each parameter's range in them. Parameters are declared in
 //! forward order, head last, so the layout puts the head at offset 0 (bucket #0). Backward runs last
-//! layer first, ACCUMULATES into the gradient buffer, and reports each parameter as soon as its
-//! gradient is final, in strictly descending parameter order. Everything is plain f32 on one thread
-//! in a fixed order of operations: the same inputs give the same bits. Non-finite values are not
+//! layer first, ACCUMULATES into the gradient buffer through per-parameter views ([`ParamGrads`]),
+//! and releases each view as soon as its gradient is final, in strictly descending parameter order,
+//! so the bus can reduce a finished bucket while backward goes on. Everything is plain f32 on one
+//! thread in a fixed order of operations: the same inputs give the same bits. Non-finite values are not
 //! guarded against; every op's output goes to a [`Probe`] so the trace can find where they are born.
 
 use std::ops::Range;
 
-use gradbus_collectives::{Layout, ParamSpec};
+use gradbus_collectives::{Layout, ParamGrads, ParamSpec};
 use gradbus_kernels::ops::*;
 use gradbus_kernels::rng::Rng;
 use serde::{Deserialize, Serialize};
@@ -206,18 +207,6 @@ impl Activations {
     }
 }
 
-/// Two disjoint ranges of one buffer, both mutable.
-fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
-    if a.end <= b.start {
-        let (lo, hi) = buf.split_at_mut(b.start);
-        (&mut lo[a], &mut hi[..b.len()])
-    } else {
-        assert!(b.end <= a.start, "two_mut: overlapping ranges {a:?} and {b:?}");
-        let (lo, hi) = buf.split_at_mut(a.start);
-        (&mut hi[..a.len()], &mut lo[b])
-    }
-}
-
 /// The model: its shape and where each parameter lives in the flat buffers.
 #[derive(Clone, Debug)]
 pub struct Gpt {
@@ -342,17 +331,17 @@ impl Gpt {
         &a.logits[..bt * v]
     }
 
-    /// Backward pass of the last forward on `acts`. dlogits: (B, T, V); grads: the flat gradient
-    /// buffer (same layout as `params`), ACCUMULATED into. `on_param_ready(p)` is called once per
-    /// parameter, in strictly descending p, as soon as p's gradient is final.
+    /// Backward pass of the last forward on `acts`. dlogits: (B, T, V); grads: the gradient buffer
+    /// (same layout as `params`), ACCUMULATED into, one parameter view at a time; each view is
+    /// released, in strictly descending parameter order, as soon as its gradient is final, so the
+    /// buckets it completes can be all-reduced while backward goes on.
     pub fn backward<P: Probe + ?Sized>(
         &self,
         params: &[f32],
         acts: &mut Activations,
         dlogits: &[f32],
-        grads: &mut [f32],
+        grads: &mut ParamGrads<'_>,
         probe: &mut P,
-        on_param_ready: &mut dyn FnMut(usize),
     ) {
         let GptConfig { vocab: v, channels: c, heads: nh, layers: nl, .. } = self.cfg;
         let a = acts;
@@ -361,36 +350,31 @@ impl Gpt {
         let (n, n3, n4) = (bt * c, bt * 3 * c, bt * 4 * c);
         assert_eq!(dlogits.len(), bt * v, "backward: dlogits are not (B, T, V) of the last forward");
         let bwd = Phase::Backward;
-        let mut ready = |p: usize, grads: &[f32], probe: &mut P| {
-            probe.grad(p, &grads[self.ranges[p].clone()]);
-            on_param_ready(p);
-        };
         let (lnf_w, lnf_b, head) = (bp(nl, 0), bp(nl, 1), bp(nl, 2));
 
         // head: logits = lnf @ head^T
         let d_lnf = &mut a.d1[..n];
         d_lnf.fill(0.0);
-        let dhead = &mut grads[self.ranges[head].clone()];
+        let dhead = grads.take(head);
         matmul_backward(d_lnf, dhead, None, dlogits, &a.lnf, self.w(params, head), bt, c, v);
         probe.check("head", None, bwd, d_lnf, &[b, t, c]);
-        ready(head, grads, probe);
+        ready(grads, probe, head, dhead);
 
         // ln_f
         let x: &[f32] = if nl == 0 { &a.encoded } else { &a.blocks[nl - 1].res3 };
         let dx = &mut a.dx[..n];
         dx.fill(0.0);
-        let (dw, db) = two_mut(grads, self.ranges[lnf_w].clone(), self.ranges[lnf_b].clone());
+        let (dw, db) = (grads.take(lnf_w), grads.take(lnf_b));
         let wf = self.w(params, lnf_w);
         layernorm_backward(dx, dw, db, &a.d1, x, wf, &a.lnf_mean, &a.lnf_rstd, bt, c);
         probe.check("ln_f", None, bwd, dx, &[b, t, c]);
-        ready(lnf_b, grads, probe);
-        ready(lnf_w, grads, probe);
+        ready(grads, probe, lnf_b, db);
+        ready(grads, probe, lnf_w, dw);
 
         for l in (0..nl).rev() {
             let k = &a.blocks[l];
             let x: &[f32] = if l == 0 { &a.encoded } else { &a.blocks[l - 1].res3 };
             let w = |i| self.w(params, bp(l, i));
-            let rg = |i| self.ranges[bp(l, i)].clone();
             let lo = Some(l);
 
             // res3 = res2 + fcproj
@@ -402,11 +386,11 @@ impl Gpt {
             // fcproj = gelu @ W^T + b
             let dgelu = &mut a.dh2[..n4];
             dgelu.fill(0.0);
-            let (dw, db) = two_mut(grads, rg(FCPROJ_W), rg(FCPROJ_B));
+            let (dw, db) = (grads.take(bp(l, FCPROJ_W)), grads.take(bp(l, FCPROJ_B)));
             matmul_backward(dgelu, dw, Some(db), &a.d1, &k.fch_gelu, w(FCPROJ_W), bt, 4 * c, c);
             probe.check("mlp.proj", lo, bwd, dgelu, &[b, t, 4 * c]);
-            ready(bp(l, FCPROJ_B), grads, probe);
-            ready(bp(l, FCPROJ_W), grads, probe);
+            ready(grads, probe, bp(l, FCPROJ_B), db);
+            ready(grads, probe, bp(l, FCPROJ_W), dw);
             // gelu
             let dfch = &mut a.dh1[..n4];
             dfch.fill(0.0);
@@ -415,18 +399,18 @@ impl Gpt {
             // fch = ln2 @ W^T + b
             let dln2 = &mut a.d2[..n];
             dln2.fill(0.0);
-            let (dw, db) = two_mut(grads, rg(FC_W), rg(FC_B));
+            let (dw, db) = (grads.take(bp(l, FC_W)), grads.take(bp(l, FC_B)));
             matmul_backward(dln2, dw, Some(db), &a.dh1, &k.ln2, w(FC_W), bt, c, 4 * c);
             probe.check("mlp.fc", lo, bwd, dln2, &[b, t, c]);
-            ready(bp(l, FC_B), grads, probe);
-            ready(bp(l, FC_W), grads, probe);
+            ready(grads, probe, bp(l, FC_B), db);
+            ready(grads, probe, bp(l, FC_W), dw);
             // ln2, accumulating into the mid-block residual gradient
             let dres = &mut a.dres[..n];
-            let (dw, db) = two_mut(grads, rg(LN2_W), rg(LN2_B));
+            let (dw, db) = (grads.take(bp(l, LN2_W)), grads.take(bp(l, LN2_B)));
             layernorm_backward(dres, dw, db, &a.d2, &k.res2, w(LN2_W), &k.ln2_mean, &k.ln2_rstd, bt, c);
             probe.check("ln2", lo, bwd, dres, &[b, t, c]);
-            ready(bp(l, LN2_B), grads, probe);
-            ready(bp(l, LN2_W), grads, probe);
+            ready(grads, probe, bp(l, LN2_B), db);
+            ready(grads, probe, bp(l, LN2_W), dw);
 
             // res2 = x + attproj
             let (dx, dattproj) = (&mut a.dx[..n], &mut a.d1[..n]);
@@ -437,11 +421,11 @@ impl Gpt {
             // attproj = atty @ W^T + b
             let datty = &mut a.d2[..n];
             datty.fill(0.0);
-            let (dw, db) = two_mut(grads, rg(PROJ_W), rg(PROJ_B));
+            let (dw, db) = (grads.take(bp(l, PROJ_W)), grads.take(bp(l, PROJ_B)));
             matmul_backward(datty, dw, Some(db), &a.d1, &k.atty, w(PROJ_W), bt, c, c);
             probe.check("attn.proj", lo, bwd, datty, &[b, t, c]);
-            ready(bp(l, PROJ_B), grads, probe);
-            ready(bp(l, PROJ_W), grads, probe);
+            ready(grads, probe, bp(l, PROJ_B), db);
+            ready(grads, probe, bp(l, PROJ_W), dw);
             // attention
             let dqkv = &mut a.dqkv[..n3];
             dqkv.fill(0.0);
@@ -450,25 +434,31 @@ impl Gpt {
             // qkv = ln1 @ W^T + b
             let dln1 = &mut a.d1[..n];
             dln1.fill(0.0);
-            let (dw, db) = two_mut(grads, rg(QKV_W), rg(QKV_B));
+            let (dw, db) = (grads.take(bp(l, QKV_W)), grads.take(bp(l, QKV_B)));
             matmul_backward(dln1, dw, Some(db), &a.dqkv, &k.ln1, w(QKV_W), bt, c, 3 * c);
             probe.check("attn.qkv", lo, bwd, dln1, &[b, t, c]);
-            ready(bp(l, QKV_B), grads, probe);
-            ready(bp(l, QKV_W), grads, probe);
+            ready(grads, probe, bp(l, QKV_B), db);
+            ready(grads, probe, bp(l, QKV_W), dw);
             // ln1, accumulating into the block input's gradient
             let dx = &mut a.dx[..n];
-            let (dw, db) = two_mut(grads, rg(LN1_W), rg(LN1_B));
+            let (dw, db) = (grads.take(bp(l, LN1_W)), grads.take(bp(l, LN1_B)));
             layernorm_backward(dx, dw, db, &a.d1, x, w(LN1_W), &k.ln1_mean, &k.ln1_rstd, bt, c);
             probe.check("ln1", lo, bwd, dx, &[b, t, c]);
-            ready(bp(l, LN1_B), grads, probe);
-            ready(bp(l, LN1_W), grads, probe);
+            ready(grads, probe, bp(l, LN1_B), db);
+            ready(grads, probe, bp(l, LN1_W), dw);
         }
 
-        let (dwte, dwpe) = two_mut(grads, self.ranges[WTE].clone(), self.ranges[WPE].clone());
+        let (dwte, dwpe) = (grads.take(WTE), grads.take(WPE));
         encoder_backward(dwte, dwpe, &a.dx[..n], &a.tokens[..bt], b, t, c);
-        ready(WPE, grads, probe);
-        ready(WTE, grads, probe);
+        ready(grads, probe, WPE, dwpe);
+        ready(grads, probe, WTE, dwte);
     }
+}
+
+/// Hand parameter `p`'s final gradient to the probe, then release it to the bus.
+fn ready<'a, P: Probe + ?Sized>(g: &mut ParamGrads<'a>, probe: &mut P, p: usize, grad: &'a mut [f32]) {
+    probe.grad(p, grad);
+    g.release(p, grad);
 }
 
 #[cfg(test)]

@@ -15,7 +15,8 @@ use serde_json::json;
 
 use gradbus_collectives::spikes::SpikeDetector;
 use gradbus_collectives::{
-    decide, Action, HealthTable, History, Layout, LocalReport, Progress, Report, StepId, Transport,
+    backward_and_reduce, decide, Action, HealthTable, History, Layout, LocalReport, ParamGrads, Progress, Report,
+    StepId, Transport,
 };
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::Health;
@@ -52,15 +53,15 @@ mod slot {
     pub const CHECKSUM_LO: usize = 6;
 }
 
-/// The gradients of one mini-batch: zero `grads`, forward, RL loss, backward into `grads`. The one
-/// code path of both the step loop and the replay, so a replay is bit for bit the original.
+/// The gradients of one mini-batch: forward, RL loss, backward into `grads` (zeroed by the caller).
+/// The one code path of both the step loop and the replay, so a replay is bit for bit the original.
 pub fn compute_gradients<P: Probe + ?Sized>(
     gpt: &Gpt,
     cfg: &Config,
     params: &[f32],
     acts: &mut model::Activations,
     mb: &Batch,
-    grads: &mut [f32],
+    grads: &mut ParamGrads<'_>,
     probe: &mut P,
 ) -> LossStats {
     let logits = gpt.forward(params, &mb.inputs, mb.b, mb.t, acts, probe).to_vec();
@@ -74,8 +75,7 @@ pub fn compute_gradients<P: Probe + ?Sized>(
         ref_logp: &mb.ref_logp,
     };
     let (stats, dlogits) = crate::loss::rl_loss(&cfg.loss, &logits, &inputs, cfg.model.vocab, probe);
-    grads.fill(0.0);
-    gpt.backward(params, acts, &dlogits, grads, probe, &mut |_| {});
+    gpt.backward(params, acts, &dlogits, grads, probe);
     stats
 }
 
@@ -128,6 +128,8 @@ pub struct Trainer {
     pub faults: FaultPlan,
     /// Next RL step to run.
     pub step: u64,
+    /// Whether bucket reduces overlap backward (`Config::overlap`, resolved for this node).
+    pub overlap: bool,
     acts: model::Activations,
     metrics: Option<std::fs::File>,
 }
@@ -175,6 +177,7 @@ impl Trainer {
             last: [f64::NAN; 3],
             faults,
             step: 0,
+            overlap: cfg.overlap.resolve(info.world, info.local_size),
             acts,
             metrics: None,
             gpt,
@@ -197,6 +200,14 @@ impl Trainer {
             t.resume()?;
         }
         if t.info.rank == 0 {
+            let l = t.layout();
+            eprintln!(
+                "{} parameters in {} buckets, reduced {} ({} ranks)",
+                l.slots.iter().map(|s| s.numel).sum::<usize>(),
+                l.buckets.len(),
+                if t.overlap { "while backward goes on" } else { "after backward" },
+                t.info.world
+            );
             t.metrics = Some(open_metrics(&t.run_dir, t.step)?);
         }
         Ok(t)
@@ -310,14 +321,7 @@ impl Trainer {
         loop {
             let start = Instant::now();
             let pre_checksum = checksum(&self.params);
-            let stats = self.forward_backward(mb, at);
-            let nb = self.layout().buckets.len();
-            for b in 0..nb {
-                self.bus.allreduce_bucket(at, b)?;
-                if b == 0 {
-                    self.faults.at_phase(FaultPhase::BetweenBuckets, at);
-                }
-            }
+            let stats = self.forward_backward(mb, at)?;
             let mut values = [0.0; 7];
             values[slot::REWARD] = mean(&mb.reward) as f64;
             values[slot::KL] = stats.kl as f64;
@@ -372,15 +376,30 @@ impl Trainer {
         }
     }
 
-    /// Forward, loss and backward onto the bus, with the planned faults of this update.
-    fn forward_backward(&mut self, mb: &Batch, at: StepId) -> LossStats {
-        self.faults.at_phase(FaultPhase::Forward, at);
-        let stats =
-            compute_gradients(&self.gpt, &self.cfg, &self.params, &mut self.acts, mb, self.bus.grads(), &mut NoProbe);
-        self.faults.at_phase(FaultPhase::Backward, at);
-        let layout = self.bus.layout().clone();
-        self.faults.poison(at, &layout, self.bus.grads());
-        stats
+    /// Forward, loss and backward onto the bus and the bucket all-reduces (overlapped with backward
+    /// when `overlap` says so), with the planned faults of this update.
+    fn forward_backward(&mut self, mb: &Batch, at: StepId) -> Result<LossStats, WorkerError> {
+        let Trainer { gpt, cfg, params, acts, faults, bus, overlap, .. } = self;
+        let layout = bus.layout().clone();
+        let faults = &*faults;
+        let stats = backward_and_reduce(
+            &mut **bus,
+            at,
+            *overlap,
+            &mut |p, grad| faults.poison(at, &layout, p, grad),
+            |grads| {
+                faults.at_phase(FaultPhase::Forward, at);
+                let stats = compute_gradients(gpt, cfg, params, acts, mb, grads, &mut NoProbe);
+                faults.at_phase(FaultPhase::Backward, at);
+                stats
+            },
+            &mut |b| {
+                if b == 0 {
+                    faults.at_phase(FaultPhase::BetweenBuckets, at);
+                }
+            },
+        )?;
+        Ok(stats)
     }
 
     /// Warn when a log-ratio fed to an exp of the loss comes within `warn.headroom` nats of
@@ -587,7 +606,8 @@ impl Trainer {
         let mut trace =
             crate::forensics::Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
         let mut scratch = vec![0.0; layout.len];
-        compute_gradients(&self.gpt, &self.cfg, &self.params, &mut self.acts, mb, &mut scratch, &mut trace);
+        let grads = &mut ParamGrads::new(&mut scratch, &layout);
+        compute_gradients(&self.gpt, &self.cfg, &self.params, &mut self.acts, mb, grads, &mut trace);
         let line = trace
             .first
             .as_ref()

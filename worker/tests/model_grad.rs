@@ -2,7 +2,7 @@
 //! loss), the backward's readiness contract, bitwise repeatability, and (ignored: a benchmark, not a
 //! test) the forward+backward time of the calibration model.
 
-use gradbus_collectives::Layout;
+use gradbus_collectives::{Layout, ParamGrads};
 use gradbus_kernels::rng::Rng;
 use gradbus_worker::loss::{rl_loss, target_logp, LossConfig, LossInputs, LossStyle};
 use gradbus_worker::model::{param_specs, Activations, Gpt, GptConfig, NoProbe};
@@ -184,7 +184,7 @@ fn every_parameter_gradient_matches_f64_central_differences() {
     let logits = gpt.forward(&params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
     let (stats, dlogits) = rl_loss(&lc, &logits, &d.inputs(), cfg.vocab, &mut NoProbe);
     let mut grads = vec![0.0f32; layout.len];
-    gpt.backward(&params, &mut acts, &dlogits, &mut grads, &mut NoProbe, &mut |_| {});
+    gpt.backward(&params, &mut acts, &dlogits, &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
 
     let p64: Vec<f64> = params.iter().map(|&x| x as f64).collect();
     let l64 = loss_f64(&cfg, &gpt, &p64, &d, &lc);
@@ -249,9 +249,10 @@ fn backward_reports_each_parameter_once_descending_and_final() {
         }
     }
     let mut grads = vec![0.0f32; layout.len];
-    let mut order = Vec::new();
     let mut snap = Snap { gpt: &gpt, snaps: Vec::new() };
-    gpt.backward(&params, &mut acts, &dlogits, &mut grads, &mut snap, &mut |p| order.push(p));
+    let mut g = ParamGrads::new(&mut grads, &layout);
+    gpt.backward(&params, &mut acts, &dlogits, &mut g, &mut snap);
+    let order = g.released().to_vec();
     let n = gpt.num_params();
     assert_eq!(order, (0..n).rev().collect::<Vec<_>>());
     for (p, s) in &snap.snaps {
@@ -273,7 +274,7 @@ fn forward_backward_is_bitwise_repeatable_and_accumulates() {
     let mut run = |grads: &mut Vec<f32>| {
         let logits = gpt.forward(&params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
         let (st, dl) = rl_loss(&LossConfig::default(), &logits, &d.inputs(), cfg.vocab, &mut NoProbe);
-        gpt.backward(&params, &mut acts, &dl, grads, &mut NoProbe, &mut |_| {});
+        gpt.backward(&params, &mut acts, &dl, &mut ParamGrads::new(grads, &layout), &mut NoProbe);
         st.loss
     };
     let (mut g1, mut g2) = (vec![0.0; layout.len], vec![0.0; layout.len]);
@@ -308,7 +309,7 @@ fn bench_forward_backward_calibration_model_b64_t10() {
         let t1 = t0.elapsed().as_secs_f64();
         let (_, dl) = rl_loss(&LossConfig::default(), &logits, &d.inputs(), cfg.vocab, &mut NoProbe);
         grads.fill(0.0);
-        gpt.backward(&params, &mut acts, &dl, &mut grads, &mut NoProbe, &mut |_| {});
+        gpt.backward(&params, &mut acts, &dl, &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
         fwd = fwd.min(t1);
         total = total.min(t0.elapsed().as_secs_f64());
     }
