@@ -22,7 +22,7 @@ pub mod verdict;
 mod wire;
 
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
-pub use overlap::{backward_and_reduce, ParamGrads};
+pub use overlap::{backward_and_reduce, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
 pub use spikes::{Spike, SpikeDetector};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};

@@ -85,10 +85,17 @@ pub fn universe() -> Result<Arc<Universe>, Error> {
     }
     // FUNNELED: backward may run on a second thread (`overlap`), but every MPI call is made by the
     // thread that initialised MPI.
-    let (u, _level) = ::mpi::initialize_with_threading(::mpi::Threading::Funneled).ok_or_else(|| Error::Mpi {
+    let (u, level) = ::mpi::initialize_with_threading(::mpi::Threading::Funneled).ok_or_else(|| Error::Mpi {
         what: "MPI_Init_thread failed".into(),
         hint: "run under the mpirun of the MPI this binary was built with".into(),
     })?;
+    if level < ::mpi::Threading::Funneled {
+        return Err(Error::Mpi {
+            what: format!("the MPI library grants thread level {level:?}; gradbus needs Funneled"),
+            hint: "backward may run on a second thread that makes no MPI call; use an MPI built with thread support"
+                .into(),
+        });
+    }
     let u = Arc::new(u);
     *slot = Arc::downgrade(&u);
     Ok(u)
@@ -400,7 +407,9 @@ impl MpiTransport {
     }
 }
 
-impl Transport for MpiTransport {
+// SAFETY: `AlignedBuf` never moves its elements; `allreduce_bucket` borrows only its bucket
+// (`range_mut`).
+unsafe impl Transport for MpiTransport {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -511,7 +520,9 @@ impl HierTransport {
     }
 }
 
-impl Transport for HierTransport {
+// SAFETY: the buffer is the shm bus's slot (its promises); the leader's exchange slices only the
+// bucket's range (`step`).
+unsafe impl Transport for HierTransport {
     fn rank(&self) -> usize {
         self.rank
     }

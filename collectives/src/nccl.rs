@@ -232,7 +232,8 @@ impl NcclTransport {
     }
 }
 
-impl Transport for NcclTransport {
+// SAFETY: the host staging buffer never moves; `allreduce_bucket` copies only its bucket's range.
+unsafe impl Transport for NcclTransport {
     fn rank(&self) -> usize {
         self.cfg.rank
     }

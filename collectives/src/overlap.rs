@@ -8,18 +8,22 @@
 //! ```
 //!
 //! Invariants:
-//! - Backward sees this rank's gradients only as [`ParamGrads`]: one `&mut [f32]` per parameter,
-//!   taken with [`ParamGrads::take`] and given back with [`ParamGrads::release`] once final. A
-//!   bucket is handed to the reducer only after every view into it has come back (`release`
-//!   checks that the view IS that parameter's slot), so no live Rust borrow covers memory that a
-//!   reduce reads or that a peer writes. That is what makes the overlap sound, not only correct.
+//! - Backward sees this rank's gradients only as [`ParamGrads`]: one [`GradMut`] per parameter,
+//!   taken with [`ParamGrads::take`] and given back BY VALUE with [`ParamGrads::release`] once
+//!   final. A `GradMut` is a raw pointer that derefs to a slice only for the length of a borrow of
+//!   it, so once it is given back no Rust reference covers that slot, not even a function argument
+//!   of the release itself. A bucket is handed to the reducer only after every view into it has
+//!   come back, so no live borrow covers memory that a reduce reads or that a peer writes. That is
+//!   what makes the overlap sound, not only correct.
 //! - Buckets are released in order #0, #1, ... (backward finishes parameters last-first and #0
 //!   holds the last ones), and every rank reduces the same sequence, so the sums are the bitwise
 //!   sums of the sequential path: overlap changes when a reduce runs, never what it computes.
 //! - The collective calls stay on the calling thread (MPI only ever sees one thread); backward
 //!   runs on a scoped thread that touches no transport.
 
-use std::ops::Range;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut, Range};
+use std::ptr::NonNull;
 use std::sync::mpsc;
 
 use crate::layout::Layout;
@@ -27,10 +31,37 @@ use crate::transport::Transport;
 use crate::verdict::StepId;
 use crate::Error;
 
+/// One parameter's gradient, mutable, until it is given back with [`ParamGrads::release`]; derefs
+/// to `[f32]`.
+pub struct GradMut<'a> {
+    ptr: NonNull<f32>,
+    len: usize,
+    _slot: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: a `GradMut` is the unique handle to its elements, like the `&'a mut [f32]` it stands for.
+unsafe impl Send for GradMut<'_> {}
+
+impl Deref for GradMut<'_> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        // SAFETY: `ptr..ptr + len` is this parameter's slot, valid for `'a` and reachable only
+        // through this handle (`ParamGrads` hands each slot out once).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for GradMut<'_> {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as in `deref`; `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
 /// Per-parameter views of one rank's gradient buffer for backward, which gives each back when its
 /// gradient is final; see the module doc.
 pub struct ParamGrads<'a> {
-    views: Vec<Option<&'a mut [f32]>>,
+    views: Vec<Option<GradMut<'a>>>,
     /// Each parameter's slot in the flat buffer and the bucket holding it.
     slots: Vec<(Range<usize>, usize)>,
     /// Address of element 0 of the flat buffer (only compared, never dereferenced).
@@ -50,24 +81,32 @@ impl<'a> ParamGrads<'a> {
     /// accumulates into them.
     pub fn new(grads: &'a mut [f32], layout: &Layout) -> ParamGrads<'a> {
         assert_eq!(grads.len(), layout.len, "gradient buffer and layout disagree");
-        let base = grads.as_ptr() as usize;
-        // Slots are disjoint and lie in reverse parameter order (layout.rs): cut the buffer from the
-        // end, the first parameter's slot last.
-        let mut views: Vec<Option<&'a mut [f32]>> = (0..layout.slots.len()).map(|_| None).collect();
-        let mut rest = grads;
-        let mut order: Vec<_> = layout.slots.iter().collect();
-        order.sort_by_key(|s| std::cmp::Reverse(s.offset));
-        for s in order {
-            let (head, tail) = rest.split_at_mut(s.offset);
-            views[s.param] = Some(&mut tail[..s.numel]);
-            rest = head;
-        }
+        // SAFETY: `grads` is `layout.len` valid f32s, borrowed mutably for `'a`.
+        unsafe { ParamGrads::from_raw(grads.as_mut_ptr(), layout) }
+    }
+
+    /// Views of the `layout.len` f32s at `base`.
+    ///
+    /// # Safety
+    /// `base` must point to `layout.len` valid, aligned f32s that nothing else accesses through a
+    /// reference during `'a`, except a bucket's range after it has been handed to the reducer.
+    unsafe fn from_raw(base: *mut f32, layout: &Layout) -> ParamGrads<'a> {
+        let views = layout
+            .slots
+            .iter()
+            .map(|s| {
+                assert!(s.offset + s.numel <= layout.len, "slot {} outside the buffer", s.name);
+                // SAFETY: inside the buffer (checked above); slots are disjoint (layout.rs).
+                let ptr = unsafe { NonNull::new_unchecked(base.add(s.offset)) };
+                Some(GradMut { ptr, len: s.numel, _slot: PhantomData })
+            })
+            .collect();
         let mut left = vec![0; layout.buckets.len()];
         layout.slots.iter().for_each(|s| left[s.bucket] += 1);
         ParamGrads {
             views,
             slots: layout.slots.iter().map(|s| (s.range(), s.bucket)).collect(),
-            base,
+            base: base as usize,
             left,
             next: 0,
             released: Vec::with_capacity(layout.slots.len()),
@@ -78,21 +117,22 @@ impl<'a> ParamGrads<'a> {
 
     /// Parameter `p`'s gradient, to accumulate into. Panics when taken twice: backward finishes a
     /// parameter once.
-    pub fn take(&mut self, p: usize) -> &'a mut [f32] {
+    pub fn take(&mut self, p: usize) -> GradMut<'a> {
         self.views[p].take().unwrap_or_else(|| panic!("gradient of parameter {p} taken twice"))
     }
 
     /// Give back parameter `p`'s view: its gradient is final. When that completes the next
     /// buckets, they go to the reducer. Panics when `view` is not `p`'s slot.
-    pub fn release(&mut self, p: usize, view: &'a mut [f32]) {
+    pub fn release(&mut self, p: usize, mut view: GradMut<'a>) {
         let (range, bucket) = self.slots[p].clone();
         assert!(
-            view.as_ptr() as usize == self.base + 4 * range.start && view.len() == range.len(),
+            view.ptr.as_ptr() as usize == self.base + 4 * range.start && view.len == range.len(),
             "release of parameter {p}: not its gradient slot"
         );
         if let Some(f) = self.finalize.as_mut() {
-            f(p, view);
+            f(p, &mut view);
         }
+        drop(view);
         self.released.push(p);
         self.left[bucket] -= 1;
         while self.next < self.left.len() && self.left[self.next] == 0 {
@@ -160,24 +200,27 @@ where
     }
     let (len, base) = (layout.len, bus.grads_ptr());
     // SAFETY: `grads_ptr` is this rank's slot of `layout.len` f32s, valid while `bus` lives, which
-    // outlives the scope below. No other borrow of the slot exists: `bus` is borrowed mutably for
-    // this call, and its `allreduce_bucket(b)` touches only bucket `b`'s range, which it is given
-    // only after every view into that range has been released (module doc). Peers write into a
-    // bucket only inside its reduce, which needs this rank too.
-    let grads = unsafe {
+    // outlives the scope below (the `Transport` contract). No other borrow of the slot exists:
+    // `bus` is borrowed mutably for this call, and its `allreduce_bucket(b)` touches only bucket
+    // `b`'s range (the contract again), which it is given only after every view into that range
+    // has been released (module doc). Peers write into a bucket only inside its reduce, which
+    // needs this rank too.
+    let g = unsafe {
         std::ptr::write_bytes(base, 0, len);
-        std::slice::from_raw_parts_mut(base, len)
+        ParamGrads::from_raw(base, &layout)
     };
     let (tx, rx) = mpsc::channel();
     std::thread::scope(|s| {
-        let worker = s.spawn(|| {
-            let mut g = ParamGrads::new(grads, &layout);
+        let spawned = std::thread::Builder::new().name("backward".into()).spawn_scoped(s, || {
+            // Owned by this thread, so a panic drops the sender and ends the reducer's loop.
+            let mut g = g;
             g.finalize = Some(finalize);
             g.ready = Some(tx);
             let r = backward(&mut g);
             g.finish();
             r
         });
+        let worker = spawned.map_err(|e| Error::Io { what: "starting the backward thread".into(), source: e })?;
         let mut failed = None;
         for b in rx {
             if failed.is_none() {
@@ -216,7 +259,7 @@ mod tests {
             let mut g = ParamGrads::new(&mut flat, &layout);
             g.ready = Some(tx);
             for p in (0..layout.slots.len()).rev() {
-                let v = g.take(p);
+                let mut v = g.take(p);
                 v.iter_mut().for_each(|x| *x = p as f32 + 1.0);
                 g.release(p, v);
                 sent.push(rx.try_iter().collect::<Vec<_>>());
@@ -242,7 +285,8 @@ mod tests {
         fail_at: Option<usize>,
     }
 
-    impl Transport for Recorder {
+    // SAFETY: delegates to `Solo`.
+    unsafe impl Transport for Recorder {
         fn rank(&self) -> usize {
             0
         }
@@ -274,7 +318,7 @@ mod tests {
     /// A backward that writes `p + 1` into every parameter, last first.
     fn fill(g: &mut ParamGrads<'_>, n: usize, mut between: impl FnMut(usize)) {
         for p in (0..n).rev() {
-            let v = g.take(p);
+            let mut v = g.take(p);
             v.iter_mut().for_each(|x| *x += p as f32 + 1.0);
             g.release(p, v);
             between(p);

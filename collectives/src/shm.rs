@@ -15,8 +15,10 @@
 //!
 //! Invariants:
 //! - Between the two barriers of a bucket reduce, chunk `r` of every slot is touched by rank `r`
-//!   only, and no `&mut` borrow handed out by `grads()` is alive on any rank (every rank is inside
-//!   `allreduce_bucket`, which borrows the bus mutably). That is what makes the raw slices sound.
+//!   only, and no borrow of that bucket's range is alive on any rank: every rank is inside
+//!   `allreduce_bucket` (which borrows the bus mutably, so no `grads()` borrow is alive), and a
+//!   backward that overlaps the reduce holds views of other buckets only (`overlap.rs`). That is
+//!   what makes the raw slices sound.
 //! - A barrier is a per-rank arrival counter: a rank's k-th barrier stores `k`, then waits until
 //!   every counter is `>= k`. Each arrival also records what the rank was doing (phase, step,
 //!   bucket); after the barrier every rank compares those tags and, on a mismatch, every rank fails
@@ -812,7 +814,7 @@ impl ShmBus {
         self.barrier_tagged("bcast", at, Some(bucket))?;
         let lo = range.start + chunk.start;
         // SAFETY: as in `reduce_bucket`: between these two barriers every rank is inside this call
-        // (no `grads()` borrow is alive), and elements `lo..lo + chunk.len()` of every slot are
+        // (no borrow of this bucket's range is alive), and elements `lo..lo + chunk.len()` of every slot are
         // touched by this rank only (the chunks of `chunk_range` are disjoint). The source (root's
         // slot) and the destinations are distinct slots, which do not overlap.
         unsafe {
@@ -837,7 +839,8 @@ impl ShmBus {
         }
         let lo = range.start + chunk.start;
         // SAFETY: every rank has entered this reduce (barrier above) and none leaves it before the
-        // barrier below, so no rank holds a `grads()` borrow. Between the two barriers, elements
+        // barrier below, so no rank holds a borrow of this bucket's range (module invariants).
+        // Between the two barriers, elements
         // `lo..lo + chunk.len()` of every slot are read and written by this rank only: the other
         // reducers own the other chunks of `chunk_range`, which are disjoint. Slots are disjoint
         // (`slot_stride >= len * 4`) and `range.end <= layout.len`, so the n slices do not overlap
@@ -1064,7 +1067,9 @@ fn check_header(h: &Header, cfg: &BusConfig, geo: &Geometry, len: usize) -> Resu
     Ok(())
 }
 
-impl Transport for ShmBus {
+// SAFETY: the slot lies in the mapping for the bus's lifetime; reduces and broadcasts slice only
+// their bucket's chunk (`reduce_bucket`, `broadcast_bucket`).
+unsafe impl Transport for ShmBus {
     fn rank(&self) -> usize {
         self.cfg.local_rank
     }

@@ -30,7 +30,16 @@ pub struct Progress {
 }
 
 /// A data-parallel gradient transport.
-pub trait Transport {
+///
+/// # Safety
+/// `backward_and_reduce` (overlap.rs) lets backward write into parameter slots of the buffer at
+/// `grads_ptr` on another thread while `allreduce_bucket` runs, trusting two promises:
+/// - `grads_ptr` returns the same pointer for the transport's lifetime, to `layout().len` valid,
+///   64-byte aligned f32s, which the transport accesses only inside `grads`, `allreduce_bucket`
+///   and `agree`;
+/// - `allreduce_bucket(at, b)` reads and writes only bucket `b`'s range of that buffer and makes no
+///   reference to the rest of it (no `grads()` there: slice only the bucket's range).
+pub unsafe trait Transport {
     /// This process's rank.
     fn rank(&self) -> usize;
     /// Number of ranks.
@@ -137,7 +146,9 @@ impl Solo {
     }
 }
 
-impl Transport for Solo {
+// SAFETY: `AlignedBuf` never moves its elements; `allreduce_bucket` borrows only its bucket
+// (`range_mut`).
+unsafe impl Transport for Solo {
     fn rank(&self) -> usize {
         0
     }

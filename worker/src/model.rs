@@ -13,7 +13,7 @@
 
 use std::ops::Range;
 
-use gradbus_collectives::{Layout, ParamGrads, ParamSpec};
+use gradbus_collectives::{GradMut, Layout, ParamGrads, ParamSpec};
 use gradbus_kernels::ops::*;
 use gradbus_kernels::rng::Rng;
 use serde::{Deserialize, Serialize};
@@ -355,8 +355,8 @@ impl Gpt {
         // head: logits = lnf @ head^T
         let d_lnf = &mut a.d1[..n];
         d_lnf.fill(0.0);
-        let dhead = grads.take(head);
-        matmul_backward(d_lnf, dhead, None, dlogits, &a.lnf, self.w(params, head), bt, c, v);
+        let mut dhead = grads.take(head);
+        matmul_backward(d_lnf, &mut dhead, None, dlogits, &a.lnf, self.w(params, head), bt, c, v);
         probe.check("head", None, bwd, d_lnf, &[b, t, c]);
         ready(grads, probe, head, dhead);
 
@@ -364,9 +364,9 @@ impl Gpt {
         let x: &[f32] = if nl == 0 { &a.encoded } else { &a.blocks[nl - 1].res3 };
         let dx = &mut a.dx[..n];
         dx.fill(0.0);
-        let (dw, db) = (grads.take(lnf_w), grads.take(lnf_b));
+        let (mut dw, mut db) = (grads.take(lnf_w), grads.take(lnf_b));
         let wf = self.w(params, lnf_w);
-        layernorm_backward(dx, dw, db, &a.d1, x, wf, &a.lnf_mean, &a.lnf_rstd, bt, c);
+        layernorm_backward(dx, &mut dw, &mut db, &a.d1, x, wf, &a.lnf_mean, &a.lnf_rstd, bt, c);
         probe.check("ln_f", None, bwd, dx, &[b, t, c]);
         ready(grads, probe, lnf_b, db);
         ready(grads, probe, lnf_w, dw);
@@ -386,8 +386,8 @@ impl Gpt {
             // fcproj = gelu @ W^T + b
             let dgelu = &mut a.dh2[..n4];
             dgelu.fill(0.0);
-            let (dw, db) = (grads.take(bp(l, FCPROJ_W)), grads.take(bp(l, FCPROJ_B)));
-            matmul_backward(dgelu, dw, Some(db), &a.d1, &k.fch_gelu, w(FCPROJ_W), bt, 4 * c, c);
+            let (mut dw, mut db) = (grads.take(bp(l, FCPROJ_W)), grads.take(bp(l, FCPROJ_B)));
+            matmul_backward(dgelu, &mut dw, Some(&mut *db), &a.d1, &k.fch_gelu, w(FCPROJ_W), bt, 4 * c, c);
             probe.check("mlp.proj", lo, bwd, dgelu, &[b, t, 4 * c]);
             ready(grads, probe, bp(l, FCPROJ_B), db);
             ready(grads, probe, bp(l, FCPROJ_W), dw);
@@ -399,15 +399,15 @@ impl Gpt {
             // fch = ln2 @ W^T + b
             let dln2 = &mut a.d2[..n];
             dln2.fill(0.0);
-            let (dw, db) = (grads.take(bp(l, FC_W)), grads.take(bp(l, FC_B)));
-            matmul_backward(dln2, dw, Some(db), &a.dh1, &k.ln2, w(FC_W), bt, c, 4 * c);
+            let (mut dw, mut db) = (grads.take(bp(l, FC_W)), grads.take(bp(l, FC_B)));
+            matmul_backward(dln2, &mut dw, Some(&mut *db), &a.dh1, &k.ln2, w(FC_W), bt, c, 4 * c);
             probe.check("mlp.fc", lo, bwd, dln2, &[b, t, c]);
             ready(grads, probe, bp(l, FC_B), db);
             ready(grads, probe, bp(l, FC_W), dw);
             // ln2, accumulating into the mid-block residual gradient
             let dres = &mut a.dres[..n];
-            let (dw, db) = (grads.take(bp(l, LN2_W)), grads.take(bp(l, LN2_B)));
-            layernorm_backward(dres, dw, db, &a.d2, &k.res2, w(LN2_W), &k.ln2_mean, &k.ln2_rstd, bt, c);
+            let (mut dw, mut db) = (grads.take(bp(l, LN2_W)), grads.take(bp(l, LN2_B)));
+            layernorm_backward(dres, &mut dw, &mut db, &a.d2, &k.res2, w(LN2_W), &k.ln2_mean, &k.ln2_rstd, bt, c);
             probe.check("ln2", lo, bwd, dres, &[b, t, c]);
             ready(grads, probe, bp(l, LN2_B), db);
             ready(grads, probe, bp(l, LN2_W), dw);
@@ -421,8 +421,8 @@ impl Gpt {
             // attproj = atty @ W^T + b
             let datty = &mut a.d2[..n];
             datty.fill(0.0);
-            let (dw, db) = (grads.take(bp(l, PROJ_W)), grads.take(bp(l, PROJ_B)));
-            matmul_backward(datty, dw, Some(db), &a.d1, &k.atty, w(PROJ_W), bt, c, c);
+            let (mut dw, mut db) = (grads.take(bp(l, PROJ_W)), grads.take(bp(l, PROJ_B)));
+            matmul_backward(datty, &mut dw, Some(&mut *db), &a.d1, &k.atty, w(PROJ_W), bt, c, c);
             probe.check("attn.proj", lo, bwd, datty, &[b, t, c]);
             ready(grads, probe, bp(l, PROJ_B), db);
             ready(grads, probe, bp(l, PROJ_W), dw);
@@ -434,30 +434,30 @@ impl Gpt {
             // qkv = ln1 @ W^T + b
             let dln1 = &mut a.d1[..n];
             dln1.fill(0.0);
-            let (dw, db) = (grads.take(bp(l, QKV_W)), grads.take(bp(l, QKV_B)));
-            matmul_backward(dln1, dw, Some(db), &a.dqkv, &k.ln1, w(QKV_W), bt, c, 3 * c);
+            let (mut dw, mut db) = (grads.take(bp(l, QKV_W)), grads.take(bp(l, QKV_B)));
+            matmul_backward(dln1, &mut dw, Some(&mut *db), &a.dqkv, &k.ln1, w(QKV_W), bt, c, 3 * c);
             probe.check("attn.qkv", lo, bwd, dln1, &[b, t, c]);
             ready(grads, probe, bp(l, QKV_B), db);
             ready(grads, probe, bp(l, QKV_W), dw);
             // ln1, accumulating into the block input's gradient
             let dx = &mut a.dx[..n];
-            let (dw, db) = (grads.take(bp(l, LN1_W)), grads.take(bp(l, LN1_B)));
-            layernorm_backward(dx, dw, db, &a.d1, x, w(LN1_W), &k.ln1_mean, &k.ln1_rstd, bt, c);
+            let (mut dw, mut db) = (grads.take(bp(l, LN1_W)), grads.take(bp(l, LN1_B)));
+            layernorm_backward(dx, &mut dw, &mut db, &a.d1, x, w(LN1_W), &k.ln1_mean, &k.ln1_rstd, bt, c);
             probe.check("ln1", lo, bwd, dx, &[b, t, c]);
             ready(grads, probe, bp(l, LN1_B), db);
             ready(grads, probe, bp(l, LN1_W), dw);
         }
 
-        let (dwte, dwpe) = (grads.take(WTE), grads.take(WPE));
-        encoder_backward(dwte, dwpe, &a.dx[..n], &a.tokens[..bt], b, t, c);
+        let (mut dwte, mut dwpe) = (grads.take(WTE), grads.take(WPE));
+        encoder_backward(&mut dwte, &mut dwpe, &a.dx[..n], &a.tokens[..bt], b, t, c);
         ready(grads, probe, WPE, dwpe);
         ready(grads, probe, WTE, dwte);
     }
 }
 
 /// Hand parameter `p`'s final gradient to the probe, then release it to the bus.
-fn ready<'a, P: Probe + ?Sized>(g: &mut ParamGrads<'a>, probe: &mut P, p: usize, grad: &'a mut [f32]) {
-    probe.grad(p, grad);
+fn ready<'a, P: Probe + ?Sized>(g: &mut ParamGrads<'a>, probe: &mut P, p: usize, grad: GradMut<'a>) {
+    probe.grad(p, &grad);
     g.release(p, grad);
 }
 

@@ -53,8 +53,9 @@ mod slot {
     pub const CHECKSUM_LO: usize = 6;
 }
 
-/// The gradients of one mini-batch: forward, RL loss, backward into `grads` (zeroed by the caller).
-/// The one code path of both the step loop and the replay, so a replay is bit for bit the original.
+/// The gradients of one mini-batch: `forward_loss`, then backward into `grads` (zeroed by the
+/// caller). The step loop runs the same two halves (backward on its own thread when overlapping),
+/// and the replay this, so a replay is bit for bit the original.
 pub fn compute_gradients<P: Probe + ?Sized>(
     gpt: &Gpt,
     cfg: &Config,
@@ -64,6 +65,21 @@ pub fn compute_gradients<P: Probe + ?Sized>(
     grads: &mut ParamGrads<'_>,
     probe: &mut P,
 ) -> LossStats {
+    let (stats, dlogits) = forward_loss(gpt, cfg, params, acts, mb, probe);
+    gpt.backward(params, acts, &dlogits, grads, probe);
+    stats
+}
+
+/// Forward and RL loss of one mini-batch: the loss statistics and the gradient of the loss with
+/// respect to the logits, (B, T, V).
+pub fn forward_loss<P: Probe + ?Sized>(
+    gpt: &Gpt,
+    cfg: &Config,
+    params: &[f32],
+    acts: &mut model::Activations,
+    mb: &Batch,
+    probe: &mut P,
+) -> (LossStats, Vec<f32>) {
     let logits = gpt.forward(params, &mb.inputs, mb.b, mb.t, acts, probe).to_vec();
     let inputs = crate::loss::LossInputs {
         b: mb.b,
@@ -74,9 +90,7 @@ pub fn compute_gradients<P: Probe + ?Sized>(
         old_logp: &mb.old_logp,
         ref_logp: &mb.ref_logp,
     };
-    let (stats, dlogits) = crate::loss::rl_loss(&cfg.loss, &logits, &inputs, cfg.model.vocab, probe);
-    gpt.backward(params, acts, &dlogits, grads, probe);
-    stats
+    crate::loss::rl_loss(&cfg.loss, &logits, &inputs, cfg.model.vocab, probe)
 }
 
 /// A stable checksum of f32 bits (FNV-1a over 32-bit words).
@@ -377,22 +391,21 @@ impl Trainer {
     }
 
     /// Forward, loss and backward onto the bus and the bucket all-reduces (overlapped with backward
-    /// when `overlap` says so), with the planned faults of this update.
+    /// when `overlap` says so), with the planned faults of this update. Every fault but the NaN/Inf
+    /// plants fires on this thread, never on the backward thread.
     fn forward_backward(&mut self, mb: &Batch, at: StepId) -> Result<LossStats, WorkerError> {
         let Trainer { gpt, cfg, params, acts, faults, bus, overlap, .. } = self;
+        faults.at_phase(FaultPhase::Forward, at);
+        let (stats, dlogits) = forward_loss(gpt, cfg, params, acts, mb, &mut NoProbe);
+        faults.at_phase(FaultPhase::Backward, at);
         let layout = bus.layout().clone();
         let faults = &*faults;
-        let stats = backward_and_reduce(
+        backward_and_reduce(
             &mut **bus,
             at,
             *overlap,
             &mut |p, grad| faults.poison(at, &layout, p, grad),
-            |grads| {
-                faults.at_phase(FaultPhase::Forward, at);
-                let stats = compute_gradients(gpt, cfg, params, acts, mb, grads, &mut NoProbe);
-                faults.at_phase(FaultPhase::Backward, at);
-                stats
-            },
+            |grads| gpt.backward(params, acts, &dlogits, grads, &mut NoProbe),
             &mut |b| {
                 if b == 0 {
                     faults.at_phase(FaultPhase::BetweenBuckets, at);
