@@ -52,7 +52,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use gradbus_kernels::{reduce_in_place, reduce_to_one, Health};
+use gradbus_kernels::{reduce_in_place, reduce_plain, reduce_to_one, Health};
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::layout::{Layout, ALIGN_FLOATS};
@@ -882,29 +882,6 @@ fn load_health(cell: &HealthCell) -> Health {
         inf: cell[1].load(Ordering::Relaxed),
         sumsq: f64::from_bits(cell[2].load(Ordering::Relaxed)),
         first_bad: (first != NONE).then_some(first),
-    }
-}
-
-/// `reduce_in_place` without the tallies: the same rank-ordered sum, block by block.
-fn reduce_plain(slots: &mut [&mut [f32]]) {
-    let Some(len) = slots.first().map(|s| s.len()) else {
-        return;
-    };
-    let mut acc = [0f32; gradbus_kernels::health::BLOCK];
-    let mut lo = 0;
-    while lo < len {
-        let hi = (lo + acc.len()).min(len);
-        let acc = &mut acc[..hi - lo];
-        acc.copy_from_slice(&slots[0][lo..hi]);
-        for slot in slots[1..].iter() {
-            for (a, &s) in acc.iter_mut().zip(&slot[lo..hi]) {
-                *a += s;
-            }
-        }
-        for slot in slots.iter_mut() {
-            slot[lo..hi].copy_from_slice(acc);
-        }
-        lo = hi;
     }
 }
 

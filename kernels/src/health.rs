@@ -7,11 +7,15 @@
 //! blocks of `BLOCK` elements with `LANES` independent accumulators so that it vectorizes (a single
 //! scalar accumulator stays scalar in Rust, which has no fast-math); the order of additions is fixed,
 //! so the same slice always gives the same bits.
+//!
+//! The reduce does not call the scan on the blocks it validates when they are finite: it accumulates
+//! the same lanes inside its add (`crate::reduce`, which says why the bits are the same), and scans
+//! only the rare blocks with a NaN/Inf.
 
 /// Elements per block: small enough to stay in L1 while the reduce kernel re-reads it.
 pub const BLOCK: usize = 1024;
 /// Independent accumulators per block.
-const LANES: usize = 16;
+pub(crate) const LANES: usize = 16;
 
 /// Health of a slice of gradients.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -56,6 +60,10 @@ impl Health {
 /// at ~4 GB/s, the SIMD path runs at ~12 (SSE2) / ~25 (AVX2) GB/s from L1. It keeps the same lanes
 /// and the same order of additions (and never fuses the multiply-add), so it returns the same bits;
 /// a block with a non-finite element falls back to the portable loop.
+///
+/// The reduce (`crate::reduce`) accumulates these same lanes inside its add instead of calling this
+/// on finite blocks: a change to the lanes or their fold here must be made there too (its tests
+/// compare the two bitwise).
 #[inline]
 pub fn scan_block(x: &[f32]) -> Health {
     debug_assert!(x.len() <= BLOCK);
@@ -96,7 +104,7 @@ pub fn scan_block_portable(x: &[f32]) -> Health {
 
 /// Pairwise fold of the lanes: fixed order, fewer rounding steps than a chain.
 #[inline]
-fn fold_lanes(mut ss: [f64; LANES]) -> f64 {
+pub(crate) fn fold_lanes(mut ss: [f64; LANES]) -> f64 {
     let mut w = LANES;
     while w > 1 {
         w /= 2;

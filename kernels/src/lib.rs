@@ -22,4 +22,4 @@ pub mod rng;
 
 pub use error::Error;
 pub use health::{health_scan, Health};
-pub use reduce::{reduce_in_place, reduce_to_one};
+pub use reduce::{reduce_in_place, reduce_plain, reduce_to_one};

@@ -3,8 +3,32 @@
 //!
 //! Invariants: the sum is `((s0 + s1) + s2) + ...` element by element, always in that order, so every
 //! rank gets bitwise-identical results and every run repeats them. Each source is read once from
-//! memory (the block it is scanned from stays in L1 for the add) and each destination written once:
-//! the memcpy floor. The tallies describe the sources BEFORE they are overwritten.
+//! memory and each destination written once: the memcpy floor. The tallies describe the sources
+//! BEFORE they are overwritten, and every `Health` (each tally and the sum's) is bitwise what
+//! `scan_block` gives for each block of its input, merged in block order.
+//!
+//! Validation is fused into the add (x86_64 with AVX2), which makes it nearly free: one pass per
+//! source and block loads the source, adds it into the block's sum and accumulates the f64 squares
+//! of the source in `scan_block`'s 16 lanes (lane `l` takes elements `l, l + 16, ...` in order; the
+//! last `< 16` elements go to lanes `0..`; folded by `fold_lanes`). The square of an f32 is exact in
+//! f64, and each lane adds the same squares in the same order, so the lanes hold `scan_block`'s bits.
+//! The last source's pass also squares the finished sum into a second set of lanes. The squares cost
+//! a convert, a multiply and an add per element from registers, no extra pass over memory; and the
+//! loop never tests an element for NaN/Inf, because:
+//!
+//! - the square of a finite f32 is below 2^256 and a block adds at most 1024 of them, so a lane, and
+//!   the folded sum of squares, is finite iff all its elements are;
+//! - a NaN/Inf source element makes the rank-ordered sum NaN/Inf at that index (NaN + x = NaN,
+//!   Inf + finite = Inf, Inf + -Inf = NaN, and a non-finite partial sum stays non-finite).
+//!
+//! So a finite sum of squares of the sum block proves every source block finite, and then each
+//! block's `Health` is `{ nan: 0, inf: 0, sumsq: fold_lanes(lanes), first_bad: None }`: what
+//! `scan_block` returns for a finite block. Otherwise (a NaN/Inf in some source, or finite sources
+//! whose sum overflowed: rare) `scan_block` scans the block again, per source (still intact: the sum
+//! is written back after) and for the sum, and gives the counts and the first bad index. Without
+//! AVX2 the reduce adds, then scans every block. The fused passes prefetch each slot's next block
+//! (a block is a 4 KiB page, where the hardware prefetcher stops), and `reduce_plain`, the bus's
+//! unvalidated reduce, is the same loop less the squares: what validation costs is the squares.
 
 use crate::health::{scan_block, Health, BLOCK};
 
@@ -14,7 +38,7 @@ use crate::health::{scan_block, Health, BLOCK};
 /// Panics if the slots differ in length or `tally.len() != slots.len()`: callers build both from one
 /// layout, so a mismatch is a bug, not an input error.
 pub fn reduce_in_place(slots: &mut [&mut [f32]], tally: &mut [Health]) -> Health {
-    reduce(slots, tally, None)
+    reduce::<true>(slots, tally, None, fused::available())
 }
 
 /// `reduce_in_place` that writes the sum into `slots[root]` only (the other slots keep their
@@ -22,34 +46,64 @@ pub fn reduce_in_place(slots: &mut [&mut [f32]], tally: &mut [Health]) -> Health
 /// leave a node's sum in its leader's slot.
 pub fn reduce_to_one(slots: &mut [&mut [f32]], tally: &mut [Health], root: usize) -> Health {
     assert!(root < slots.len(), "root {root} of {} slots", slots.len());
-    reduce(slots, tally, Some(root))
+    reduce::<true>(slots, tally, Some(root), fused::available())
+}
+
+/// `reduce_in_place` without the tallies: the same sum, bit for bit, by the same loop less the
+/// squares. The bus's unvalidated reduce, so that what validation costs is measured against the
+/// same adds, loads and prefetches.
+pub fn reduce_plain(slots: &mut [&mut [f32]]) {
+    reduce::<false>(slots, &mut [], None, fused::available());
 }
 
 /// The one reduce loop: every slot (`to = None`) or one slot (`Some(root)`) receives the sum.
-fn reduce(slots: &mut [&mut [f32]], tally: &mut [Health], to: Option<usize>) -> Health {
-    assert_eq!(slots.len(), tally.len(), "one tally per slot");
+/// `fused` (only where `fused::available()`) takes the fused add-and-square passes; `VALIDATE` =
+/// false leaves out the squares and the tallies (`reduce_plain`: `tally` is empty, the result
+/// `Health::default()`).
+fn reduce<const VALIDATE: bool>(
+    slots: &mut [&mut [f32]],
+    tally: &mut [Health],
+    to: Option<usize>,
+    fused: bool,
+) -> Health {
+    assert_eq!(if VALIDATE { slots.len() } else { 0 }, tally.len(), "one tally per slot");
     let Some(len) = slots.first().map(|s| s.len()) else {
         return Health::default();
     };
     assert!(slots.iter().all(|s| s.len() == len), "slots of one bucket chunk must have one length");
     let mut sum = Health::default();
     let mut acc = [0f32; BLOCK];
+    // The fused pass's per-source sums of squares of the current block.
+    let mut sumsq = vec![0f64; if fused && VALIDATE { slots.len() } else { 0 }];
     let mut lo = 0;
     while lo < len {
         let hi = (lo + BLOCK).min(len);
         let acc = &mut acc[..hi - lo];
-        for (k, slot) in slots.iter().enumerate() {
-            let src = &slot[lo..hi];
-            tally[k].merge(&scan_block(src), lo as u64);
-            if k == 0 {
-                acc.copy_from_slice(src);
-            } else {
-                for (a, &s) in acc.iter_mut().zip(src) {
-                    *a += s;
+        let finite = if fused {
+            // SAFETY: `fused` is only set where `fused::available()` (the CPU has AVX2).
+            unsafe { fused::sum_block::<VALIDATE>(slots, lo, acc, &mut sumsq) }
+        } else {
+            for (k, slot) in slots.iter().enumerate() {
+                add_block(acc, &slot[lo..hi], k == 0);
+            }
+            None
+        };
+        match finite {
+            _ if !VALIDATE => {}
+            Some(s) => {
+                // Every block finite (module doc): the Health `scan_block` gives, from the lanes.
+                for (t, &ss) in tally.iter_mut().zip(&sumsq) {
+                    t.merge(&Health { sumsq: ss, ..Health::default() }, lo as u64);
                 }
+                sum.merge(&Health { sumsq: s, ..Health::default() }, lo as u64);
+            }
+            None => {
+                for (t, slot) in tally.iter_mut().zip(slots.iter()) {
+                    t.merge(&scan_block(&slot[lo..hi]), lo as u64);
+                }
+                sum.merge(&scan_block(acc), lo as u64);
             }
         }
-        sum.merge(&scan_block(acc), lo as u64);
         match to {
             None => slots.iter_mut().for_each(|slot| slot[lo..hi].copy_from_slice(acc)),
             Some(root) => slots[root][lo..hi].copy_from_slice(acc),
@@ -57,4 +111,423 @@ fn reduce(slots: &mut [&mut [f32]], tally: &mut [Health], to: Option<usize>) -> 
         lo = hi;
     }
     sum
+}
+
+/// `acc = src` (`first`) or `acc += src`, element by element.
+#[inline(always)]
+fn add_block(acc: &mut [f32], src: &[f32], first: bool) {
+    if first {
+        acc.copy_from_slice(src);
+    } else {
+        for (a, &s) in acc.iter_mut().zip(src) {
+            *a += s;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod fused {
+    use std::arch::x86_64::*;
+
+    use crate::health::{fold_lanes, LANES};
+
+    /// Whether the CPU has AVX2 (detected once, then a cached load).
+    #[inline]
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2")
+    }
+
+    /// One block of the reduce: `acc` (`acc.len()` elements) = the rank-ordered sum of
+    /// `slots[k][lo..lo + acc.len()]`; with `SQ`, `sumsq[k]` = the fold of that source block's f64
+    /// lanes, and `Some(fold of the sum's lanes)` when that is finite, i.e. when the sum block is
+    /// finite. Without `SQ`, only the sum (and `None`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn sum_block<const SQ: bool>(
+        slots: &[&mut [f32]],
+        lo: usize,
+        acc: &mut [f32],
+        sumsq: &mut [f64],
+    ) -> Option<f64> {
+        let (n, hi) = (slots.len(), lo + acc.len());
+        // Each pass prefetches the slot's next block (the current one at the end).
+        let next = |k: usize| slots[k][if hi < slots[k].len() { hi } else { lo }..].as_ptr();
+        // SAFETY (every `pass` call below): AVX2 is enabled (caller).
+        if !SQ {
+            for (k, slot) in slots.iter().enumerate() {
+                let (src, next) = (&slot[lo..hi], next(k));
+                unsafe {
+                    match k {
+                        0 => pass::<true, false, false>(acc, src, next),
+                        _ => pass::<false, false, false>(acc, src, next),
+                    }
+                };
+            }
+            return None;
+        }
+        let s = if n == 1 {
+            sumsq[0] = unsafe { pass::<true, true, true>(acc, &slots[0][lo..hi], next(0)) }.0;
+            sumsq[0] // the sum is the one source, bit for bit
+        } else {
+            sumsq[0] = unsafe { pass::<true, false, true>(acc, &slots[0][lo..hi], next(0)) }.0;
+            for k in 1..n - 1 {
+                sumsq[k] = unsafe { pass::<false, false, true>(acc, &slots[k][lo..hi], next(k)) }.0;
+            }
+            let (src, sum) = unsafe { pass::<false, true, true>(acc, &slots[n - 1][lo..hi], next(n - 1)) };
+            sumsq[n - 1] = src;
+            sum
+        };
+        s.is_finite().then_some(s)
+    }
+
+    /// `acc = src` (`FIRST`) or `acc = acc + src`, returning (with `SQ`) the folded f64 lanes of the
+    /// squares of `src` and, when `LAST && !FIRST`, of the new `acc` (else 0): `scan_block`'s sums of
+    /// squares, bit for bit.
+    ///
+    /// The adds are `acc + src` for elements `..m - m % 8` and `src + acc` for the last `m % 8`, as
+    /// the portable loop compiles (`add_block`: SSE `addps` with `acc` first, then scalar `addss`
+    /// with `src` first); the order only decides which NaN a NaN + NaN returns (x86 returns the
+    /// first operand's), and `asm!` pins it, which LLVM would not (it commutes `fadd` at will).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn pass<const FIRST: bool, const LAST: bool, const SQ: bool>(
+        acc: &mut [f32],
+        src: &[f32],
+        next: *const f32,
+    ) -> (f64, f64) {
+        assert_eq!(acc.len(), src.len());
+        let m = acc.len();
+        let (full, body) = (m - m % LANES, m - m % 8);
+        let (a, s) = (acc.as_mut_ptr(), src.as_ptr());
+        // Four accumulators per set hold lanes 0-3, 4-7, 8-11, 12-15, as in `health::simd::avx2`.
+        let mut ls = [_mm256_setzero_pd(); 4];
+        let mut lu = [_mm256_setzero_pd(); 4];
+        let mut i = 0;
+        while i < full {
+            // A hint only: never faults, whatever the address.
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(i) as *const i8);
+            // SAFETY: elements i..i + 16 <= full <= m of both slices; AVX2 is enabled (caller).
+            unsafe {
+                step::<FIRST, LAST, SQ>(a.add(i), s.add(i), &mut ls[..2], &mut lu[..2]);
+                step::<FIRST, LAST, SQ>(a.add(i + 8), s.add(i + 8), &mut ls[2..], &mut lu[2..]);
+            }
+            i += LANES;
+        }
+        if body > full {
+            // Elements full..full + 8 go to lanes 0..8, one square each: the order of `tail`.
+            // SAFETY: full + 8 == body <= m.
+            unsafe { step::<FIRST, LAST, SQ>(a.add(full), s.add(full), &mut ls[..2], &mut lu[..2]) };
+        }
+        if body == m {
+            return (fold(&ls), fold(&lu));
+        }
+        let (mut src_ss, mut sum_ss) = (lanes(&ls), lanes(&lu));
+        // The last m % 8 elements (only a chunk's last block can have them) go to lanes
+        // body - full.. in order, like `health::simd::tail`.
+        for j in body..m {
+            let v = src[j];
+            let r = if FIRST {
+                v
+            } else {
+                let r: f32;
+                // SAFETY: one register-only AVX instruction: r = v + acc[j].
+                unsafe {
+                    std::arch::asm!(
+                        "vaddss {r}, {v}, {a}",
+                        r = lateout(xmm_reg) r,
+                        v = in(xmm_reg) v,
+                        a = in(xmm_reg) acc[j],
+                        options(pure, nomem, nostack, preserves_flags),
+                    )
+                };
+                r
+            };
+            acc[j] = r;
+            if !SQ {
+                continue;
+            }
+            let f = v as f64;
+            src_ss[j - full] += f * f;
+            if LAST && !FIRST {
+                let f = r as f64;
+                sum_ss[j - full] += f * f;
+            }
+        }
+        (fold_lanes(src_ss), fold_lanes(sum_ss))
+    }
+
+    /// The 16 lanes held in four accumulators, in order.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn lanes(v: &[__m256d; 4]) -> [f64; LANES] {
+        let mut ss = [0f64; LANES];
+        for (j, a) in v.iter().enumerate() {
+            // SAFETY: writes 4 doubles at 4j..4j+4 < 16.
+            unsafe { _mm256_storeu_pd(ss.as_mut_ptr().add(4 * j), *a) };
+        }
+        ss
+    }
+
+    /// `fold_lanes(lanes(v))` in registers: the same pairwise additions (lane l += lane l + w for
+    /// w = 8, 4, 2, 1), hence the same bits.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn fold(v: &[__m256d; 4]) -> f64 {
+        let w4 = _mm256_add_pd(_mm256_add_pd(v[0], v[2]), _mm256_add_pd(v[1], v[3]));
+        let w2 = _mm_add_pd(_mm256_castpd256_pd128(w4), _mm256_extractf128_pd::<1>(w4));
+        _mm_cvtsd_f64(_mm_add_sd(w2, _mm_unpackhi_pd(w2, w2)))
+    }
+
+    /// Eight elements of `pass`: `a[..8] = s[..8]` or `a[..8] + s[..8]`; with `SQ`, the squares of
+    /// `s` into `ls[0]` (elements 0-3) and `ls[1]` (4-7), of the new `a` into `lu` when `LAST && !FIRST`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `a` and `s` must be valid for 8 floats.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn step<const FIRST: bool, const LAST: bool, const SQ: bool>(
+        a: *mut f32,
+        s: *const f32,
+        ls: &mut [__m256d],
+        lu: &mut [__m256d],
+    ) {
+        // SAFETY: 8 floats at `a` and `s` (caller).
+        let v = unsafe { _mm256_loadu_ps(s) };
+        let r = if FIRST {
+            v
+        } else {
+            let acc = unsafe { _mm256_loadu_ps(a) };
+            let r: __m256;
+            // SAFETY: one register-only AVX instruction: r = acc + v.
+            unsafe {
+                std::arch::asm!(
+                    "vaddps {r}, {acc}, {v}",
+                    r = lateout(ymm_reg) r,
+                    acc = in(ymm_reg) acc,
+                    v = in(ymm_reg) v,
+                    options(pure, nomem, nostack, preserves_flags),
+                )
+            };
+            r
+        };
+        // SAFETY: 8 floats at `a` (caller).
+        unsafe { _mm256_storeu_ps(a, r) };
+        if !SQ {
+            return;
+        }
+        let (vl, vh) = (_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v)));
+        ls[0] = _mm256_add_pd(ls[0], _mm256_mul_pd(vl, vl));
+        ls[1] = _mm256_add_pd(ls[1], _mm256_mul_pd(vh, vh));
+        if LAST && !FIRST {
+            let (rl, rh) = (_mm256_cvtps_pd(_mm256_castps256_ps128(r)), _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(r)));
+            lu[0] = _mm256_add_pd(lu[0], _mm256_mul_pd(rl, rl));
+            lu[1] = _mm256_add_pd(lu[1], _mm256_mul_pd(rh, rh));
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod fused {
+    /// No fused pass off x86_64: the reduce adds, then scans.
+    #[inline]
+    pub fn available() -> bool {
+        false
+    }
+
+    /// Never called (`available()` is false).
+    pub unsafe fn sum_block<const SQ: bool>(_: &[&mut [f32]], _: usize, _: &mut [f32], _: &mut [f64]) -> Option<f64> {
+        unreachable!("no fused reduce on this architecture")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::health_scan;
+    use crate::reference;
+    use crate::rng::Rng;
+
+    /// NaNs of both signs and several payloads (one signalling), infinities, the largest finite
+    /// values, denormals and signed zeros.
+    const SPECIALS: [f32; 16] = [
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7fc0_1234),
+        f32::from_bits(0xff80_0001),
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MAX,
+        -f32::MAX,
+        1e-45,
+        -1e-45,
+        1e-41,
+        -0.0,
+        0.0,
+        1e21,
+        -1e21,
+        f32::MIN_POSITIVE,
+    ];
+
+    /// `n` sources of `len` elements at a random scale in 1e-22..1e21, with specials planted in
+    /// some cases and, in others, large same-sign values at shared indices (finite sources whose
+    /// rank-ordered sum overflows to +-Inf).
+    fn sources(rng: &mut Rng, n: usize, len: usize) -> Vec<Vec<f32>> {
+        let scale = 10f32.powi(rng.below(44) as i32 - 22);
+        let mut srcs: Vec<Vec<f32>> = (0..n).map(|_| (0..len).map(|_| rng.normal() * scale).collect()).collect();
+        if len == 0 {
+            return srcs;
+        }
+        match rng.below(4) {
+            0 => {}
+            1 => {
+                for _ in 0..1 + rng.below(4) {
+                    let (k, i) = (rng.below(n), rng.below(len));
+                    srcs[k][i] = SPECIALS[rng.below(SPECIALS.len())];
+                }
+            }
+            2 => {
+                // Many specials, NaN meeting NaN of another payload at one index.
+                for _ in 0..1 + rng.below(len / 8 + 1) {
+                    let i = rng.below(len);
+                    for src in srcs.iter_mut() {
+                        if rng.below(2) == 0 {
+                            src[i] = SPECIALS[rng.below(SPECIALS.len())];
+                        }
+                    }
+                }
+            }
+            _ => {
+                for _ in 0..1 + rng.below(3) {
+                    let (i, sign) = (rng.below(len), if rng.below(2) == 0 { 1.0 } else { -1.0 });
+                    for src in srcs.iter_mut() {
+                        src[i] = sign * f32::MAX * (0.5 + 0.5 * rng.uniform());
+                    }
+                }
+            }
+        }
+        srcs
+    }
+
+    /// Slots after, tallies and sum health of one reduce.
+    fn run(srcs: &[Vec<f32>], to: Option<usize>, fused: bool) -> (Vec<Vec<f32>>, Vec<Health>, Health) {
+        let mut slots = srcs.to_vec();
+        let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(|v| v.as_mut_slice()).collect();
+        let mut tally = vec![Health::default(); srcs.len()];
+        let sum = reduce::<true>(&mut refs, &mut tally, to, fused);
+        (slots, tally, sum)
+    }
+
+    /// Slots after one unvalidated reduce (`reduce_plain`).
+    fn run_plain(srcs: &[Vec<f32>], fused: bool) -> Vec<Vec<f32>> {
+        let mut slots = srcs.to_vec();
+        let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(|v| v.as_mut_slice()).collect();
+        reduce::<false>(&mut refs, &mut [], None, fused);
+        slots
+    }
+
+    fn bits(h: &Health) -> (u64, u64, u64, Option<u64>) {
+        (h.nan, h.inf, h.sumsq.to_bits(), h.first_bad)
+    }
+
+    fn value_bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+        v.iter().map(|s| s.iter().map(|x| x.to_bits()).collect()).collect()
+    }
+
+    /// One case: the fused reduce (where the CPU has it) is bitwise the unfused one, and both are
+    /// bitwise the twins: values the rank-ordered sum, every `Health` the block scan of its input.
+    /// `reduce_plain`, fused or not, leaves the same values as `reduce_in_place`.
+    fn check(srcs: &[Vec<f32>], to: Option<usize>, what: &str) {
+        let views: Vec<&[f32]> = srcs.iter().map(|v| v.as_slice()).collect();
+        let want = reference::rank_ordered_sum(&views);
+        let (slots, tally, sum) = run(srcs, to, false);
+        for (k, slot) in slots.iter().enumerate() {
+            let expect = if to.is_none() || to == Some(k) { &want } else { &srcs[k] };
+            let same = slot.iter().zip(expect).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{what}: slot {k} differs from the rank-ordered sum");
+            assert_eq!(bits(&tally[k]), bits(&health_scan(&srcs[k])), "{what}: tally {k}");
+            let r = reference::health_scan(&srcs[k]);
+            assert_eq!((tally[k].nan, tally[k].inf, tally[k].first_bad), (r.nan, r.inf, r.first_bad), "{what}: {k}");
+        }
+        assert_eq!(bits(&sum), bits(&health_scan(&want)), "{what}: sum");
+        if to.is_none() {
+            assert_eq!(value_bits(&run_plain(srcs, false)), value_bits(&slots), "{what}: plain values");
+        }
+        if fused::available() {
+            if to.is_none() {
+                assert_eq!(value_bits(&run_plain(srcs, true)), value_bits(&slots), "{what}: fused plain values");
+            }
+            let (fslots, ftally, fsum) = run(srcs, to, true);
+            assert_eq!(value_bits(&fslots), value_bits(&slots), "{what}: fused values");
+            for (k, (f, u)) in ftally.iter().zip(&tally).enumerate() {
+                assert_eq!(bits(f), bits(u), "{what}: fused tally {k}: {f:?} vs {u:?}");
+            }
+            assert_eq!(bits(&fsum), bits(&sum), "{what}: fused sum: {fsum:?} vs {sum:?}");
+        }
+    }
+
+    #[test]
+    fn fused_reduce_is_bitwise_the_unfused_reduce_and_the_twins() {
+        if !fused::available() {
+            eprintln!("no AVX2 here: only the unfused reduce is checked");
+        }
+        let mut rng = Rng::new(&[77]);
+        for case in 0..3000 {
+            let n = 1 + rng.below(5);
+            let len = rng.below(5000);
+            let srcs = sources(&mut rng, n, len);
+            let to = (case % 3 == 2).then(|| rng.below(n));
+            check(&srcs, to, &format!("case {case}: {n} sources of {len}, to {to:?}"));
+        }
+    }
+
+    /// Every tail shape (lengths around 16, 8 and BLOCK multiples), 1 to 3 sources.
+    #[test]
+    fn fused_reduce_is_bitwise_at_every_tail_length() {
+        let mut rng = Rng::new(&[78]);
+        for len in (0..=48).chain(BLOCK - 17..=BLOCK + 33).chain(2 * BLOCK - 9..=2 * BLOCK + 9) {
+            for n in 1..=3 {
+                for _ in 0..3 {
+                    let srcs = sources(&mut rng, n, len);
+                    check(&srcs, None, &format!("{n} sources of {len}"));
+                }
+            }
+        }
+    }
+
+    /// NaN + NaN returns the first operand's NaN on x86: the fused adds keep the operand order of
+    /// the portable loop, so the sum's NaN payloads are the same too.
+    #[test]
+    fn nan_payloads_of_the_sum_are_those_of_the_portable_loop() {
+        let (p, q) = (f32::from_bits(0x7fc0_0001), f32::from_bits(0xffc0_0002));
+        for len in [5, 8, 13, 16, 29, 1024, 1031, 2050] {
+            let mut srcs = vec![vec![1.0f32; len]; 3];
+            for i in 0..len {
+                srcs[i % 2][i] = p;
+                srcs[2][i] = q;
+            }
+            check(&srcs, None, &format!("NaN payloads, len {len}"));
+        }
+    }
+
+    /// Finite sources whose sum overflows: the sum is Inf there and counted, no source is blamed,
+    /// and every source's sum of squares is still exact (the rescan of that block).
+    #[test]
+    fn finite_sources_overflowing_to_inf_are_not_blamed() {
+        let mut srcs = vec![vec![0.25f32; 3000]; 2];
+        srcs[0][1500] = f32::MAX;
+        srcs[1][1500] = f32::MAX;
+        let (slots, tally, sum) = run(&srcs, None, fused::available());
+        assert_eq!(slots[0][1500], f32::INFINITY);
+        assert_eq!((sum.nan, sum.inf, sum.first_bad), (0, 1, Some(1500)));
+        for (k, t) in tally.iter().enumerate() {
+            assert!(t.is_finite() && t.norm_overflows_f32(), "{k}: {t:?}");
+            assert_eq!(bits(t), bits(&health_scan(&srcs[k])));
+        }
+        check(&srcs, None, "overflow");
+    }
 }

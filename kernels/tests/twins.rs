@@ -35,6 +35,15 @@ fn assert_health_close(fast: &Health, slow: &Health, what: &str) {
     assert!((fast.sumsq - slow.sumsq).abs() <= tol, "{what}: sumsq {} vs {}", fast.sumsq, slow.sumsq);
 }
 
+/// Counts, first bad index and the bits of the sum of squares, all equal.
+fn assert_health_bitwise(fast: &Health, scan: &Health, what: &str) {
+    assert_eq!(
+        (fast.nan, fast.inf, fast.first_bad, fast.sumsq.to_bits()),
+        (scan.nan, scan.inf, scan.first_bad, scan.sumsq.to_bits()),
+        "{what}: {fast:?} vs {scan:?}"
+    );
+}
+
 #[test]
 fn health_scan_matches_reference() {
     let mut rng = Rng::new(&[1]);
@@ -78,8 +87,11 @@ fn reduce_matches_rank_ordered_sum_bitwise() {
                 let same = slot.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "rank {k} of {n_ranks}, n={n}: reduced values differ from the serial sum");
                 assert_health_close(&tally[k], &reference::health_scan(&srcs[k]), "tally");
+                // Bitwise what a scan of rank k's input alone gives (replays compare these bits).
+                assert_health_bitwise(&tally[k], &health_scan(&srcs[k]), "tally");
             }
             assert_health_close(&sum_health, &reference::health_scan(&want), "sum");
+            assert_health_bitwise(&sum_health, &health_scan(&want), "sum");
         }
     }
 }
