@@ -76,8 +76,8 @@ pub struct Config {
     /// Seconds a rank waits in a collective for its peers before failing with a timeout.
     #[serde(default = "default_timeout")]
     pub collective_timeout_s: f64,
-    /// Reduce each bucket while backward goes on ("on"), after backward ("off"), or "auto": on
-    /// in a multi-rank job on a node with two cores per local rank. The same bits either way.
+    /// Reduce each bucket while backward goes on ("on"), after backward ("off"), or "auto": on in
+    /// a multi-node job on nodes with two cores per local rank. The same bits either way.
     #[serde(default)]
     pub overlap: Overlap,
     /// The policy model.
@@ -126,8 +126,11 @@ pub enum PolicyName {
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Overlap {
-    /// On when there are peers to reduce with and the node has a core for each rank's backward
-    /// and one for its reducer (`available_parallelism() >= 2 x` local ranks).
+    /// On when the job spans several nodes (the reduce waits on the network, which overlap hides)
+    /// and this node has a core for each rank's backward and one for its reducer
+    /// (`available_parallelism() >= 2 x` local ranks). Inside one node the shared-memory reduce
+    /// is memory-bound and short, and the hand-over between threads costs more than it hides
+    /// (measured: `scripts/bench-overlap.sh`, docs/benchmarks.md).
     #[default]
     Auto,
     /// Backward on its own thread, each bucket reduced as soon as it is final.
@@ -137,13 +140,13 @@ pub enum Overlap {
 }
 
 impl Overlap {
-    /// Whether to overlap in a job of `world` ranks, `local_ranks` of them on this node.
-    pub fn resolve(self, world: usize, local_ranks: usize) -> bool {
+    /// Whether to overlap in a job on `nodes` nodes, `local_ranks` of its ranks on this node.
+    pub fn resolve(self, nodes: usize, local_ranks: usize) -> bool {
         match self {
             Overlap::On => true,
             Overlap::Off => false,
             Overlap::Auto => {
-                world > 1 && std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 * local_ranks
+                nodes > 1 && std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 * local_ranks
             }
         }
     }
@@ -376,11 +379,11 @@ mod tests {
     use super::Overlap;
 
     #[test]
-    fn overlap_auto_needs_peers_and_a_free_core_per_rank() {
+    fn overlap_auto_needs_other_nodes_and_a_free_core_per_rank() {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         assert!(Overlap::On.resolve(1, 1000));
         assert!(!Overlap::Off.resolve(8, 1));
-        assert!(!Overlap::Auto.resolve(1, 1), "nothing to overlap with one rank");
+        assert!(!Overlap::Auto.resolve(1, 1), "one node: the shared-memory reduce is short");
         assert!(!Overlap::Auto.resolve(4, cores), "every core already runs a rank");
         assert_eq!(Overlap::Auto.resolve(4, (cores / 2).max(1)), cores >= 2);
     }

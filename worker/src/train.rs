@@ -191,7 +191,7 @@ impl Trainer {
             last: [f64::NAN; 3],
             faults,
             step: 0,
-            overlap: cfg.overlap.resolve(info.world, info.local_size),
+            overlap: cfg.overlap.resolve(info.nodes, info.local_size),
             acts,
             metrics: None,
             gpt,
