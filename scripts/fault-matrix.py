@@ -4,13 +4,15 @@ end, leftovers. Every case launches the real `gradbus run` on examples/tiny.toml
 GRADBUS_FAULTS (see worker/src/faults.rs) or a bad input, then checks the exit code, that no process of
 the job survives and that no /dev/shm segment of the job is left.
 
-    scripts/fault-matrix.py            # builds release first; ~1-2 minutes on 2 cores
+    scripts/fault-matrix.py                           # builds release first; ~1-2 minutes on 2 cores
+    scripts/fault-matrix.py --set 'overlap="on"'      # extra --set overrides for every case
 """
 import json, os, signal, subprocess, sys, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = os.path.join(ROOT, "target/release/gradbus")
 SHORT = ["--set", "steps=3", "--set", "rl.epochs=2", "--set", "rl.minibatches=2", "--set", "checkpoint.every=1"]
+SHORT += sys.argv[1:]
 
 
 def fault(kind, rank=1, step=1, minibatch=1, **kw):
@@ -96,6 +98,8 @@ def run_case(tmp, case):
 
 def main():
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    if sys.argv[1:]:
+        print(f"every case with: {' '.join(sys.argv[1:])}\n")
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_case(tmp, c) for c in CASES]
     print(f"| fault | phase | ranks | expected | observed | seconds to end | leftovers | ok | last line |")
