@@ -4,11 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages: Open MPI and libclang for the `mpi` feature (bindgen); installed only when
+# System packages: Open MPI and libclang for the `mpi` feature (bindgen), iproute2; installed only when
 # missing, so a second run costs nothing.
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
 dpkg -s libclang1-14 libclang-common-14-dev >/dev/null 2>&1 || need+=(libclang1-14 libclang-common-14-dev)
+# `ip` for the two-node test in network namespaces (tests/mpi.rs; it skips, saying why, without root).
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ] && ! command -v sudo >/dev/null; then
     echo "missing system packages: ${need[*]} (install them, or run as root)" >&2

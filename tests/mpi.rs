@@ -132,3 +132,138 @@ fn bench_allreduce_compares_the_bus_with_mpi_allreduce() {
         assert!(row["mpi_time_us"].as_f64().is_some_and(|t| t > 0.0), "{row}");
     }
 }
+
+/// Two "machines" on this one: two network namespaces on a bridge, each with its own `/dev/shm`
+/// and `TMPDIR` (a private mount namespace), reached by Open MPI through an rsh agent that enters
+/// them - so the job's two nodes talk MPI over TCP and share nothing but the file system. Needs
+/// root (CAP_NET_ADMIN, CAP_SYS_ADMIN); elsewhere it is `None`, with the reason.
+struct TwoNodes {
+    tag: String,
+    dir: tempfile::TempDir,
+    hosts: [String; 2],
+}
+
+impl TwoNodes {
+    fn up() -> Result<TwoNodes, String> {
+        let pid = std::process::id();
+        let tag = format!("gb{}", pid % 100_000);
+        let net = format!("10.213.{}", pid % 250 + 1);
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let nodes = TwoNodes { tag: tag.clone(), dir, hosts: [format!("{net}.2"), format!("{net}.3")] };
+        let ip = |args: &str| -> Result<(), String> {
+            let out = Command::new("ip").args(args.split(' ')).output().map_err(|e| format!("ip: {e}"))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!("ip {args}: {}", String::from_utf8_lossy(&out.stderr).trim()))
+            }
+        };
+        ip(&format!("link add {tag}br type bridge"))?;
+        ip(&format!("addr add {net}.1/24 dev {tag}br"))?;
+        ip(&format!("link set {tag}br up"))?;
+        for (i, host) in nodes.hosts.iter().enumerate() {
+            let ns = format!("{tag}n{i}");
+            ip(&format!("netns add {ns}"))?;
+            ip(&format!("link add {tag}v{i} type veth peer name eth0 netns {ns}"))?;
+            ip(&format!("link set {tag}v{i} master {tag}br up"))?;
+            ip(&format!("-n {ns} addr add {host}/24 dev eth0"))?;
+            ip(&format!("-n {ns} link set eth0 up"))?;
+            ip(&format!("-n {ns} link set lo up"))?;
+        }
+        let cases: String = nodes.hosts.iter().enumerate().map(|(i, h)| format!("  {h}) ns={tag}n{i} ;;\n")).collect();
+        let agent = format!(
+            "#!/bin/sh\nhost=$1; shift\ncase \"$host\" in\n{cases}  *) echo \"rsh: unknown host $host\" >&2; exit 1 ;;\nesac\n\
+             mkdir -p \"{d}/$ns\"\n\
+             exec ip netns exec \"$ns\" unshare --mount --propagation private /bin/sh -c \
+             'mount -t tmpfs -o size=1g tmpfs /dev/shm && TMPDIR=\"$0\" exec /bin/sh -c \"$1\"' \"{d}/$ns\" \"$*\"\n",
+            d = nodes.dir.path().display()
+        );
+        let path = nodes.agent();
+        std::fs::write(&path, agent).map_err(|e| e.to_string())?;
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
+        std::fs::write(nodes.hostfile(), format!("{} slots=2\n{} slots=2\n", nodes.hosts[0], nodes.hosts[1]))
+            .map_err(|e| e.to_string())?;
+        Ok(nodes)
+    }
+
+    fn agent(&self) -> std::path::PathBuf {
+        self.dir.path().join("rsh")
+    }
+
+    fn hostfile(&self) -> std::path::PathBuf {
+        self.dir.path().join("hosts")
+    }
+
+    /// The Open MPI settings that send the launch through the agent and the traffic over the bridge.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        let net = self.hosts[0].rsplit_once('.').unwrap().0.to_string() + ".0/24";
+        vec![
+            ("OMPI_MCA_plm_rsh_agent", self.agent().display().to_string()),
+            ("OMPI_MCA_oob_tcp_if_include", net.clone()),
+            ("OMPI_MCA_btl_tcp_if_include", net),
+        ]
+    }
+
+    /// No process left in either namespace.
+    fn processes_left(&self) -> Vec<String> {
+        (0..2)
+            .flat_map(|i| {
+                let out = Command::new("ip").args(["netns", "pids", &format!("{}n{i}", self.tag)]).output();
+                out.map(|o| String::from_utf8_lossy(&o.stdout).split_whitespace().map(String::from).collect::<Vec<_>>())
+                    .unwrap_or_default()
+            })
+            .collect()
+    }
+}
+
+impl Drop for TwoNodes {
+    fn drop(&mut self) {
+        for i in 0..2 {
+            let _ = Command::new("ip").args(["netns", "del", &format!("{}n{i}", self.tag)]).output();
+        }
+        let _ = Command::new("ip").args(["link", "del", &format!("{}br", self.tag)]).output();
+    }
+}
+
+#[test]
+fn two_nodes_in_network_namespaces_train_over_tcp_like_two_fake_nodes_and_tear_down_together() {
+    let nodes = match TwoNodes::up() {
+        Ok(n) => n,
+        Err(why) => {
+            println!("SKIPPED: cannot build two network namespaces here ({why}); needs root and iproute2");
+            return;
+        }
+    };
+    let d = tempfile::tempdir().unwrap();
+    let env = nodes.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let hosts = nodes.hostfile();
+    let run = |name: &str, extra: &[&str], faults: &str| {
+        let dir = d.path().join(name);
+        let (h, r) = (hosts.to_str().unwrap(), dir.to_str().unwrap());
+        let mut args = vec!["run", "--launcher", "mpirun", "--hostfile", h, "--np", "4", "--run-dir", r];
+        args.extend(["examples/tiny.toml", "--set", "steps=2"]);
+        args.extend(extra);
+        let mut env = env.clone();
+        env.push(("GRADBUS_FAULTS", faults));
+        (gradbus(&args, &env), dir)
+    };
+    let (r, two) = run("two", &[], "");
+    r.expect_code(0);
+    let launch: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(two.join("launch.json")).unwrap()).unwrap();
+    assert_eq!(launch["plan"]["nodes"].as_array().map(Vec::len), Some(2), "{launch}");
+    // The same hierarchy on one machine (2 fake nodes x 2): shm inside a node, MPI between the
+    // leaders - the same sums in the same order, so the same bits.
+    let fake = d.path().join("fake");
+    worker_under_mpirun(&fake, &[("GRADBUS_FAKE_NODES", "2")]);
+    assert_eq!(metrics(&two), metrics(&fake));
+    assert!(nodes.processes_left().is_empty());
+
+    // A rank of the second node killed: the job ends on both nodes, with the rank's exit.
+    let kill = "[[faults]]\nkind = \"kill\"\nrank = 3\nstep = 1\nminibatch = 0\nphase = \"forward\"\n";
+    let (r, _) = run("kill", &[], kill);
+    r.expect_code(4);
+    assert!(nodes.processes_left().is_empty(), "left: {:?}", nodes.processes_left());
+}

@@ -302,13 +302,19 @@ struct MpiCore {
 
 impl MpiCore {
     /// Initialise (or share) MPI, check the world size, duplicate the world and exchange identities.
-    fn open(expect: &Expect, ident: [u64; ID_WORDS]) -> Result<(MpiCore, Vec<[u64; ID_WORDS]>), Error> {
+    /// Initialise MPI, check the world against `expect`, then exchange every rank's identity row,
+    /// which `ident` computes (it may run collectives over the world first).
+    fn open(
+        expect: &Expect,
+        ident: impl FnOnce(&mut MpiCore) -> Result<[u64; ID_WORDS], Error>,
+    ) -> Result<(MpiCore, Vec<[u64; ID_WORDS]>), Error> {
         let universe = universe()?;
         let world = universe.world();
         let mut core = MpiCore { comms: None, universe: Some(universe), failed: false, exit_timeout: expect.timeout };
         // A failure from here on leaks MPI instead of finalising it (see `Drop`).
         core.guard(|_| check_world(&world, expect))?;
         core.comms = Some(Comms { world: world.duplicate(), exit: world.duplicate(), leaders: None });
+        let ident = core.guard(ident)?;
         let rows = core.guard(|c| exchange_identity(&c.comms().world, ident))?;
         Ok((core, rows))
     }
@@ -390,7 +396,7 @@ impl MpiTransport {
     /// every rank's `config_hash` and layout (one allgather). Collective over `MPI_COMM_WORLD`.
     pub fn open(expect: Expect, layout: Layout, config_hash: u64) -> Result<MpiTransport, Error> {
         let ident = [expect.rank as u64, expect.rank as u64, 0, 1, config_hash, layout.hash()];
-        let (core, _) = MpiCore::open(&expect, ident)?;
+        let (core, _) = MpiCore::open(&expect, |_| Ok(ident))?;
         let nb = layout.buckets.len();
         let biggest = layout.buckets.iter().map(|b| b.range.len()).max().unwrap_or(0);
         Ok(MpiTransport {
@@ -463,32 +469,38 @@ pub struct HierTransport {
 
 impl HierTransport {
     /// Initialise MPI, check the environment against it and every rank's identity and config (one
-    /// allgather), open this node's shared-memory bus (`bus.node_id`, `local_rank`, `local_size`
-    /// describe the node), and split the leaders' communicator. Collective over `MPI_COMM_WORLD`.
-    pub fn open(expect: Expect, bus: BusConfig) -> Result<HierTransport, Error> {
-        let ident = [
-            expect.rank as u64,
-            bus.node_id as u64,
-            bus.local_rank as u64,
-            bus.local_size as u64,
-            bus.config_hash,
-            bus.layout.hash(),
-        ];
-        let (mut core, _) = MpiCore::open(&expect, ident)?;
-        let leader = bus.local_rank == 0;
-        let node = bus.node_id;
-        // Split before opening the bus: MPI_Comm_split is collective over the world, and a rank
-        // that fails to open its bus must not leave the other nodes waiting in it.
-        core.guard(|c| {
-            let color = if leader { Color::with_value(0) } else { Color::undefined() };
-            let key = i32::try_from(node).map_err(|_| Error::Mpi {
-                what: format!("node id {node} does not fit a C int"),
-                hint: "use node ids below 2^31".into(),
-            })?;
-            let leaders = c.comms().world.split_by_color_with_key(color, key);
-            c.comms.as_mut().expect("live").leaders = leaders;
-            Ok(())
+    /// allgather), find this rank's node and the leaders' communicator, and open the node's
+    /// shared-memory bus. Collective over `MPI_COMM_WORLD`.
+    ///
+    /// The node is what MPI calls one shared-memory domain (`MPI_Comm_split_type(SHARED)`), cut
+    /// further by `bus.node_id` (which tells `GRADBUS_FAKE_NODES`' nodes apart); `bus.local_rank`,
+    /// `local_size` and `node_id` are replaced by MPI's view: the node's number is its leader's
+    /// rank among the leaders, so hosts that share one `/dev/shm` (containers, network namespaces)
+    /// never pick the same segment, as they would with a node id from the environment.
+    pub fn open(expect: Expect, mut bus: BusConfig) -> Result<HierTransport, Error> {
+        let fake = i32::try_from(bus.node_id).map_err(|_| Error::Mpi {
+            what: format!("node id {} does not fit a C int", bus.node_id),
+            hint: "use node ids below 2^31".into(),
+        });
+        // Find the node before opening the bus: the splits are collective over the world, and a
+        // rank that fails to open its bus must not leave the other nodes waiting in them.
+        let mut leaders = None;
+        let (core, _) = MpiCore::open(&expect, |c| {
+            let world = &c.comms().world;
+            let me = world.rank();
+            let node = world.split_shared(me).split_by_color_with_key(Color::with_value(fake?), me);
+            let node = node.expect("a defined color gives every rank a communicator");
+            let color = if node.rank() == 0 { Color::with_value(0) } else { Color::undefined() };
+            leaders = world.split_by_color_with_key(color, me);
+            let mut id = leaders.as_ref().map_or(0, |l| l.rank() as u64);
+            node.process_at_rank(0).broadcast_into(&mut id);
+            (bus.node_id, bus.local_rank, bus.local_size) = (id as usize, node.rank() as usize, node.size() as usize);
+            let (n, lr, ls) = (bus.node_id as u64, bus.local_rank as u64, bus.local_size as u64);
+            Ok([expect.rank as u64, n, lr, ls, bus.config_hash, bus.layout.hash()])
         })?;
+        let mut core = core;
+        core.comms.as_mut().expect("live").leaders = leaders;
+        let leader = bus.local_rank == 0;
         let nb = bus.layout.buckets.len();
         let biggest = bus.layout.buckets.iter().map(|b| b.range.len()).max().unwrap_or(0);
         let bus = core.guard(|_| ShmBus::open(bus))?;

@@ -13,7 +13,8 @@ pub const LOCAL_RANK: &str = "GRADBUS_LOCAL_RANK";
 pub const WORLD_SIZE: &str = "GRADBUS_WORLD_SIZE";
 /// Number of workers on this node.
 pub const LOCAL_SIZE: &str = "GRADBUS_LOCAL_SIZE";
-/// Index of this node in the launch plan.
+/// Index of this node in the launch plan (local launches; under `mpirun` the MPI transports find
+/// the nodes themselves and use this only to tell `FAKE_NODES` apart).
 pub const NODE_ID: &str = "GRADBUS_NODE_ID";
 /// Unique id of the job; names the shared-memory segments.
 pub const JOB_ID: &str = "GRADBUS_JOB_ID";
