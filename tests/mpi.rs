@@ -184,6 +184,13 @@ impl TwoNodes {
             .map_err(|e| e.to_string())?;
         std::fs::write(nodes.hostfile(), format!("{} slots=2\n{} slots=2\n", nodes.hosts[0], nodes.hosts[1]))
             .map_err(|e| e.to_string())?;
+        // The agent's whole path (namespace, private mount namespace, tmpfs) must work here.
+        for host in &nodes.hosts {
+            let out = Command::new(nodes.agent()).args([host.as_str(), "true"]).output().map_err(|e| e.to_string())?;
+            if !out.status.success() {
+                return Err(format!("rsh agent: {}", String::from_utf8_lossy(&out.stderr).trim()));
+            }
+        }
         Ok(nodes)
     }
 
