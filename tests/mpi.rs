@@ -145,9 +145,11 @@ struct TwoNodes {
 
 impl TwoNodes {
     fn up() -> Result<TwoNodes, String> {
-        let pid = std::process::id();
-        let tag = format!("gb{}", pid % 100_000);
-        let net = format!("10.213.{}", pid % 250 + 1);
+        // Names and subnet unlikely to be anyone else's: pid and clock.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let salt = std::process::id() ^ nanos;
+        let tag = format!("gb{:06}", salt % 1_000_000);
+        let net = format!("10.213.{}", salt % 250 + 1);
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let nodes = TwoNodes { tag: tag.clone(), dir, hosts: [format!("{net}.2"), format!("{net}.3")] };
         let ip = |args: &str| -> Result<(), String> {
@@ -226,6 +228,10 @@ impl TwoNodes {
 
 impl Drop for TwoNodes {
     fn drop(&mut self) {
+        // Deleting a namespace does not end its processes: kill what a failed case left there.
+        for pid in self.processes_left() {
+            let _ = Command::new("kill").args(["-9", &pid]).output();
+        }
         for i in 0..2 {
             let _ = Command::new("ip").args(["netns", "del", &format!("{}n{i}", self.tag)]).output();
         }

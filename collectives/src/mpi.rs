@@ -468,9 +468,10 @@ pub struct HierTransport {
 }
 
 impl HierTransport {
-    /// Initialise MPI, check the environment against it and every rank's identity and config (one
-    /// allgather), find this rank's node and the leaders' communicator, and open the node's
-    /// shared-memory bus. Collective over `MPI_COMM_WORLD`.
+    /// Initialise MPI, check the environment against it, find this rank's node and the leaders'
+    /// communicator (three splits and a broadcast), check every rank's identity and config (one
+    /// allgather), and open the node's shared-memory bus. Collective over `MPI_COMM_WORLD`; every
+    /// rank runs the same collectives whatever fails, and fails after them.
     ///
     /// The node is what MPI calls one shared-memory domain (`MPI_Comm_split_type(SHARED)`), cut
     /// further by `bus.node_id` (which tells `GRADBUS_FAKE_NODES`' nodes apart); `bus.local_rank`,
@@ -478,17 +479,17 @@ impl HierTransport {
     /// rank among the leaders, so hosts that share one `/dev/shm` (containers, network namespaces)
     /// never pick the same segment, as they would with a node id from the environment.
     pub fn open(expect: Expect, mut bus: BusConfig) -> Result<HierTransport, Error> {
-        let fake = i32::try_from(bus.node_id).map_err(|_| Error::Mpi {
-            what: format!("node id {} does not fit a C int", bus.node_id),
-            hint: "use node ids below 2^31".into(),
-        });
+        // A node id past a C int gets a colour anyway, so that this rank joins every split; it
+        // fails after them (and its peers at their bus's deadline).
+        let env_node = bus.node_id;
+        let fake = i32::try_from(env_node).unwrap_or(i32::MAX);
         // Find the node before opening the bus: the splits are collective over the world, and a
         // rank that fails to open its bus must not leave the other nodes waiting in them.
         let mut leaders = None;
         let (core, _) = MpiCore::open(&expect, |c| {
             let world = &c.comms().world;
             let me = world.rank();
-            let node = world.split_shared(me).split_by_color_with_key(Color::with_value(fake?), me);
+            let node = world.split_shared(me).split_by_color_with_key(Color::with_value(fake), me);
             let node = node.expect("a defined color gives every rank a communicator");
             let color = if node.rank() == 0 { Color::with_value(0) } else { Color::undefined() };
             leaders = world.split_by_color_with_key(color, me);
@@ -500,6 +501,13 @@ impl HierTransport {
         })?;
         let mut core = core;
         core.comms.as_mut().expect("live").leaders = leaders;
+        core.guard(|_| match i32::try_from(env_node) {
+            Ok(_) => Ok(()),
+            Err(_) => Err(Error::Mpi {
+                what: format!("node id {env_node} does not fit a C int"),
+                hint: "use node ids below 2^31".into(),
+            }),
+        })?;
         let leader = bus.local_rank == 0;
         let nb = bus.layout.buckets.len();
         let biggest = bus.layout.buckets.iter().map(|b| b.range.len()).max().unwrap_or(0);

@@ -128,7 +128,8 @@ pub enum PolicyName {
 pub enum Overlap {
     /// On when the job spans several nodes (the reduce waits on the network, which overlap hides)
     /// and this node has a core for each rank's backward and one for its reducer
-    /// (`available_parallelism() >= 2 x` local ranks). Inside one node the shared-memory reduce
+    /// (`available_parallelism() >= 2 x` local ranks; `GRADBUS_FAKE_NODES`' nodes count as nodes
+    /// and their ranks as local ranks). Inside one node the shared-memory reduce
     /// is memory-bound and short, and the hand-over between threads costs more than it hides
     /// (measured: `scripts/bench-overlap.sh`, docs/benchmarks.md).
     #[default]
