@@ -126,20 +126,9 @@ nap() {{
     }
 }
 
-/// Whether `pid` is gone (no /proc entry, or a zombie nobody reaped yet).
-fn is_dead(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => {
-            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
-            matches!(state, Some('Z' | 'X'))
-        }
-    }
-}
-
 fn wait_dead(pid: i32, ran: &Ran) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !is_dead(pid) {
+    while !common::is_dead(pid) {
         assert!(Instant::now() < deadline, "pid {pid} still alive\n{}", ran.explain());
         std::thread::sleep(Duration::from_millis(20));
     }

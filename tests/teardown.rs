@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{metrics, root};
+use common::{is_dead, metrics, root};
 
 const GRADBUS: &str = env!("CARGO_BIN_EXE_gradbus");
 /// Generous bound for anything that should take a few seconds.
@@ -151,17 +151,6 @@ fn children_of(ppid: i32) -> Vec<i32> {
         }
     }
     pids
-}
-
-/// Whether `pid` is gone (no /proc entry, or a zombie nobody reaped yet).
-fn is_dead(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => {
-            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
-            matches!(state, Some('Z' | 'X'))
-        }
-    }
 }
 
 /// The job id the launcher recorded in RUN_DIR/launch.json.

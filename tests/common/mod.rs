@@ -152,3 +152,14 @@ pub fn capture(child: &mut std::process::Child) -> [Captured; 2] {
         Captured { buf, thread: Some(thread) }
     })
 }
+
+/// Whether `pid` is gone (no /proc entry, or a zombie nobody reaped yet).
+pub fn is_dead(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => {
+            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+            matches!(state, Some('Z' | 'X'))
+        }
+    }
+}
