@@ -80,9 +80,9 @@ fn ranks_with_different_configs_refuse_to_share_a_bus() {
     let tmp = tempfile::tempdir().unwrap();
     let job = format!("cfgmismatch{}", std::process::id());
     let spawn = |rank: usize, seed: &str| {
-        Command::new(env!("CARGO_BIN_EXE_gradbus-worker"))
+        Command::new(env!("CARGO_BIN_EXE_gradbus"))
             .current_dir(root())
-            .args(["--run-dir", tmp.path().to_str().unwrap(), "examples/tiny.toml"])
+            .args(["worker", "--run-dir", tmp.path().to_str().unwrap(), "examples/tiny.toml"])
             .args(["--set", seed, "--set", "collective_timeout_s=3", "--set", "steps=1"])
             .env("GRADBUS_RANK", rank.to_string())
             .env("GRADBUS_LOCAL_RANK", rank.to_string())

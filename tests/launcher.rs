@@ -11,7 +11,7 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -420,17 +420,21 @@ fn help_and_bad_usage() {
 }
 
 #[test]
-fn real_worker_is_found_next_to_the_launcher() {
-    // Without the override the launcher starts target/.../gradbus-worker; whatever that worker does
-    // with this config, the launcher must find and start it (not exit 2 for a missing binary).
+fn without_the_override_each_rank_is_the_launchers_own_worker_subcommand() {
+    // No GRADBUS_WORKER_BIN: the launcher starts its own executable as `gradbus worker`, so there is
+    // no second binary to find. The real worker rejects this config at once, naming it.
     let job = Job::new("exit 0");
     // Not TOML: a real worker must reject it at once rather than train on defaults.
     std::fs::write(job.path().join("bad.toml"), "this is [not toml\n").unwrap();
-    let mut cmd = job.gradbus(&["run", "bad.toml"]);
+    let mut cmd = job.gradbus(&["run", "--np", "2", "bad.toml"]);
     cmd.env_remove("GRADBUS_WORKER_BIN");
     let ran = run(cmd);
-    assert!(!ran.stderr.contains("worker binary not found"), "{}", ran.explain());
-    assert!(Path::new(GRADBUS).with_file_name("gradbus-worker").is_file());
+    ran.assert_code(2);
+    for rank in 0..2 {
+        ran.assert_stderr(&format!("[rank {rank}] gradbus worker rank {rank}: error: "));
+    }
+    ran.assert_stderr("bad.toml");
+    assert!(!job.path().join("pid-0").exists(), "the override's script must not have run");
 }
 
 #[test]

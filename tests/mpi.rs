@@ -6,13 +6,15 @@
 #![cfg(feature = "mpi")]
 
 mod common;
+#[path = "common/skip.rs"]
+mod skip;
 
 use std::path::Path;
 use std::process::Command;
 
 use common::{gradbus, metrics, root};
 
-/// `mpirun -np 4 gradbus-worker --run-dir DIR examples/tiny.toml --set steps=2` with `env` exported.
+/// `mpirun -np 4 gradbus worker --run-dir DIR examples/tiny.toml --set steps=2` with `env` exported.
 fn worker_under_mpirun(dir: &Path, env: &[(&str, &str)]) {
     let mut c = Command::new("mpirun");
     c.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4"]).current_dir(root());
@@ -20,7 +22,7 @@ fn worker_under_mpirun(dir: &Path, env: &[(&str, &str)]) {
     for (k, v) in env.iter().chain(&[("GRADBUS_JOB_ID", job.as_str())]) {
         c.env(k, v).args(["-x", k]);
     }
-    c.arg(env!("CARGO_BIN_EXE_gradbus-worker")).arg("--run-dir").arg(dir).args([
+    c.args([env!("CARGO_BIN_EXE_gradbus"), "worker", "--run-dir"]).arg(dir).args([
         "examples/tiny.toml",
         "--set",
         "steps=2",
@@ -28,7 +30,7 @@ fn worker_under_mpirun(dir: &Path, env: &[(&str, &str)]) {
     let out = c.output().expect("spawn mpirun (scripts/test.sh installs Open MPI)");
     assert!(
         out.status.success(),
-        "{env:?} mpirun -np 4 gradbus-worker: {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        "{env:?} mpirun -np 4 gradbus worker: {:?}\n--- stdout\n{}\n--- stderr\n{}",
         out.status,
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
@@ -93,9 +95,9 @@ fn gradbus_run_with_the_mpirun_launcher_and_a_localhost_hostfile() {
 fn worker_whose_world_size_disagrees_with_mpi_exits_2_naming_both() {
     // Started without mpirun, MPI_Init makes a world of one; the environment claims two.
     let d = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_gradbus-worker"))
+    let out = Command::new(env!("CARGO_BIN_EXE_gradbus"))
         .current_dir(root())
-        .arg("--run-dir")
+        .args(["worker", "--run-dir"])
         .arg(d.path())
         .args(["examples/tiny.toml", "--set", "steps=1"])
         .envs([
@@ -244,7 +246,8 @@ fn two_nodes_in_network_namespaces_train_over_tcp_like_two_fake_nodes_and_tear_d
     let nodes = match TwoNodes::up() {
         Ok(n) => n,
         Err(why) => {
-            println!("SKIPPED: cannot build two network namespaces here ({why}); needs root and iproute2");
+            let why = format!("two_nodes_in_network_namespaces_train_over_tcp_like_two_fake_nodes_and_tear_down_together: cannot build two network namespaces here ({why}); needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2");
+            skip::skip("netns", &why);
             return;
         }
     };

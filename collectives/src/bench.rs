@@ -19,8 +19,8 @@
 //! With `BenchTransport::Mpi` (feature `mpi`, every process started by `mpirun`), each size is also
 //! all-reduced with Open MPI's (or MPICH's) `MPI_Allreduce` over the same processes in the same run,
 //! into the `mpi_*` columns, so the bus and MPI are compared side by side:
-//! `mpirun --allow-run-as-root --bind-to none -np 2 target/release/gradbus-worker --bench-allreduce
-//! --transport mpi --sizes 64MiB`. `BenchTransport::Hier` adds the hierarchical transport (shm inside
+//! `mpirun --allow-run-as-root --bind-to none -np 2 gradbus worker --bench-allreduce --transport mpi
+//! --sizes 64MiB`. `BenchTransport::Hier` adds the hierarchical transport (shm inside
 //! each of `nodes` fake nodes, MPI between their leaders, shm broadcast; validated, like the bus) in a
 //! `hier` column: `... --transport hier --nodes 2`.
 

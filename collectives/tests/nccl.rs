@@ -3,16 +3,16 @@
 //! runs the whole protocol: stage, scan, one group of all-reduces + allgather, agree.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
 use std::time::Duration;
 
 use gradbus_collectives::nccl::{NcclConfig, NcclTransport};
 use gradbus_collectives::{Error, Layout, LocalReport, ParamSpec, StepId, Transport};
 use gradbus_kernels::cuda;
 
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
+#[path = "../../tests/common/skip.rs"]
+mod skip;
+
+use skip::skip;
 
 fn config(dir: &std::path::Path, world: usize) -> NcclConfig {
     let params = [ParamSpec::new("a", 1000), ParamSpec::new("b", 70_000), ParamSpec::new("c", 5)];
@@ -32,7 +32,7 @@ fn config(dir: &std::path::Path, world: usize) -> NcclConfig {
 #[test]
 fn without_a_driver_open_returns_no_cuda_driver() {
     if cuda::driver_present() {
-        say("SKIPPED: a CUDA driver is present (the no-driver path is tested on machines without one)");
+        skip("no-cuda", "a CUDA driver is present (the no-driver path is tested on machines without one)");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -52,7 +52,7 @@ fn one_rank_reduces_and_agrees() {
     let mut t = match NcclTransport::open(config(dir.path(), 1)) {
         Ok(t) => t,
         Err(e @ Error::Cuda(gradbus_kernels::Error::NoCudaDriver(_))) => {
-            say(&format!("SKIPPED: no CUDA driver (nccl one_rank_reduces_and_agrees: {e})"));
+            skip("cuda", &format!("no CUDA driver (nccl one_rank_reduces_and_agrees: {e})"));
             return;
         }
         Err(e) => panic!("{e}"),

@@ -17,6 +17,9 @@ use gradbus_collectives::{
 };
 use gradbus_kernels::rng::Rng;
 
+#[path = "../../tests/common/skip.rs"]
+mod skip;
+
 const CHILD_ENV: &str = "GRADBUS_TEST_CHILD";
 const SHM: &str = "/dev/shm";
 
@@ -614,13 +617,21 @@ fn a_too_small_shm_is_a_clear_shm_full_error() {
     let probe = Command::new("unshare")
         .args(["-rm", "sh", "-c", &format!("mount -t tmpfs -o size=1m tmpfs '{}'", shm.display())])
         .output();
-    match probe {
-        Ok(o) if o.status.success() => {}
-        other => {
-            // No way to make a small tmpfs here: say so loudly rather than pass silently.
-            eprintln!("SKIPPED a_too_small_shm_is_a_clear_shm_full_error: cannot mount a tmpfs in a private namespace: {other:?}");
-            return;
-        }
+    let failed = match probe {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(format!("unshare -rm: {}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim())),
+        Err(e) => Some(format!("unshare: {e}")),
+    };
+    if let Some(reason) = failed {
+        // No way to make a small tmpfs here: say so loudly rather than pass silently.
+        skip::skip(
+            "tmpfs",
+            &format!(
+                "a_too_small_shm_is_a_clear_shm_full_error: cannot mount a tmpfs in a private mount namespace \
+                 ({reason}); needs user namespaces or root"
+            ),
+        );
+        return;
     }
     let script = format!("mount -t tmpfs -o size=1m tmpfs '{}' && exec \"$0\" \"$@\"", shm.display());
     let wrap = ["unshare", "-rm", "sh", "-c", &script];

@@ -1,7 +1,8 @@
 //! The CUDA kernels against the CPU ones, on fresh random inputs with NaN, Inf, denormals and huge
 //! values. Without a CUDA driver (or device) every GPU test prints a `SKIPPED: ...` line straight to
-//! stderr (past the test harness's capture, so the skip shows in the output) and returns; the test
-//! of the no-driver path runs instead.
+//! stderr (past the test harness's capture, so the skip shows in the output; `tests/common/skip.rs`)
+//! and returns; the test of the no-driver path runs instead. `GRADBUS_REQUIRE=cuda` turns those
+//! skips into failures on a machine that has a GPU.
 //!
 //! Tolerances: `scale` and `adamw_update` must give the CPU's bits (same f32 operations, no FMA, IEEE
 //! division and square root, no flush-to-zero). The health scan must give the CPU's counts and first
@@ -11,12 +12,16 @@
 
 use std::io::Write;
 
+#[path = "../../tests/common/skip.rs"]
+mod skip;
+
 use gradbus_kernels::cuda::{self, Gpu};
 use gradbus_kernels::ops::{adamw_update, scale};
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::{health_scan, Error, Health};
+use skip::skip;
 
-/// Print past the harness's output capture.
+/// Print past the harness's output capture (numbers of the benchmark).
 fn say(msg: &str) {
     let _ = writeln!(std::io::stderr(), "{msg}");
 }
@@ -26,11 +31,11 @@ fn gpu(test: &str) -> Option<Gpu> {
     match Gpu::new(0) {
         Ok(g) => Some(g),
         Err(e @ Error::NoCudaDriver(_)) => {
-            say(&format!("SKIPPED: no CUDA driver ({test}: {e})"));
+            skip("cuda", &format!("no CUDA driver ({test}: {e})"));
             None
         }
         Err(e @ Error::NoCudaDevice(_)) => {
-            say(&format!("SKIPPED: no CUDA device ({test}: {e})"));
+            skip("cuda", &format!("no CUDA device ({test}: {e})"));
             None
         }
         Err(e) => panic!("{test}: a CUDA driver is present but the backend failed: {e}"),
@@ -209,7 +214,7 @@ fn kernel_sources_compile_with_nvrtc() {
         let ptx = match cuda::compile_sources(arch) {
             Ok(p) => p,
             Err(e @ Error::NoNvrtc(_)) => {
-                say(&format!("SKIPPED: no NVRTC ({e})"));
+                skip("nvrtc", &format!("no NVRTC (kernel_sources_compile_with_nvrtc: {e})"));
                 return;
             }
             Err(e) => panic!("{e}"),
@@ -230,7 +235,7 @@ fn kernel_sources_compile_with_nvrtc() {
 #[test]
 fn without_a_driver_the_api_returns_no_cuda_driver() {
     if cuda::driver_present() {
-        say("SKIPPED: a CUDA driver is present (the no-driver path is tested on machines without one)");
+        skip("no-cuda", "a CUDA driver is present (the no-driver path is tested on machines without one)");
         return;
     }
     assert!(matches!(cuda::probe(), Err(Error::NoCudaDriver(_))), "{:?}", cuda::probe());

@@ -18,12 +18,12 @@ use gradbus_collectives::bench::{self, BenchArgs};
 use gradbus_worker::env;
 use gradbus_worker::exit::Code;
 
-use crate::cli::Command;
 use crate::mpirun::{self, MpirunSpec};
 use crate::plan::LaunchPlan;
 use crate::progress::Silent;
-use crate::run::{self, lex};
+use crate::run;
 use crate::supervise::Options;
+use crate::usage::{lex, Parsed};
 use crate::Error;
 
 /// `gradbus bench --help`.
@@ -129,7 +129,7 @@ fn seconds(v: OsString) -> Result<Duration, Error> {
 }
 
 /// Parses the arguments after `bench`.
-pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
+pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<BenchCmd>, Error> {
     use lexopt::prelude::*;
     let h = hint();
     let mut cmd = BenchCmd {
@@ -146,7 +146,7 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
     let mut what: Option<String> = None;
     while let Some(arg) = parser.next().map_err(|e| lex(e, h))? {
         match arg {
-            Short('h') | Long("help") => return Ok(Command::Help(HELP)),
+            Short('h') | Long("help") => return Ok(Parsed::Help(HELP)),
             Long("np") | Short('n') => cmd.np = number(parser.value().map_err(|e| lex(e, h))?, "--np", "2")?,
             Long("sizes") => cmd.sizes = sizes(parser.value().map_err(|e| lex(e, h))?)?,
             Long("iters") => cmd.iters = number(parser.value().map_err(|e| lex(e, h))?, "--iters", "20")?,
@@ -176,11 +176,11 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
     if !["shm", "mpi", "hier"].contains(&cmd.transport.as_str()) {
         return Err(Error::usage(format!("--transport {}: unknown transport", cmd.transport), "use shm, mpi or hier"));
     }
-    Ok(Command::Bench(cmd))
+    Ok(Parsed::Args(cmd))
 }
 
 /// Parses the arguments after the hidden `__bench-rank`.
-pub fn parse_rank(parser: &mut lexopt::Parser) -> Result<Command, Error> {
+pub fn parse_rank(parser: &mut lexopt::Parser) -> Result<RankCmd, Error> {
     use lexopt::prelude::*;
     let h = "`__bench-rank` is started by `gradbus bench`, not by hand";
     let (mut sizes_, mut iters, mut warmup, mut timeout) = (None, 20, 3, Duration::from_secs(120));
@@ -199,7 +199,7 @@ pub fn parse_rank(parser: &mut lexopt::Parser) -> Result<Command, Error> {
     let (Some(sizes), Some(out)) = (sizes_, out) else {
         return Err(Error::usage("__bench-rank needs --sizes and --out", h));
     };
-    Ok(Command::BenchRank(RankCmd { sizes, iters, warmup, timeout, json, out }))
+    Ok(RankCmd { sizes, iters, warmup, timeout, json, out })
 }
 
 /// The arguments of every benchmark process.
@@ -225,10 +225,11 @@ fn rank_args(cmd: &BenchCmd, out: &Path) -> Vec<OsString> {
 }
 
 /// `--transport mpi|hier`: the same benchmark with `MPI_Allreduce` beside the bus, every process
-/// started by `mpirun` (the worker's hidden `--bench-allreduce`); rank 0 prints the table.
+/// started by `mpirun` (`gradbus worker --bench-allreduce`); rank 0 prints the table.
 fn execute_mpirun(cmd: &BenchCmd) -> Result<Code, Error> {
     let mpirun = mpirun::find_on_path("mpirun", std::env::var_os("PATH").as_deref()).ok_or(Error::MpirunMissing)?;
     let sizes = cmd.sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let worker = run::worker_command()?;
     let mut worker_args: Vec<OsString> =
         vec!["--bench-allreduce".into(), "--transport".into(), cmd.transport.clone().into()];
     for (flag, value) in [
@@ -250,8 +251,8 @@ fn execute_mpirun(cmd: &BenchCmd) -> Result<Code, Error> {
         oversubscribe: true,
         as_root: mpirun::running_as_root(),
         exports: std::env::var_os("RUST_LOG").map(|_| "RUST_LOG".to_string()).into_iter().collect(),
-        worker: run::worker_path()?,
-        worker_args,
+        worker: worker.program.clone(),
+        worker_args: worker.args(worker_args),
     };
     let argv = mpirun::command_line(&spec);
     eprintln!("gradbus: bench allreduce: {}", argv.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" "));
@@ -353,16 +354,22 @@ pub fn execute_rank(cmd: RankCmd) -> Result<Code, Error> {
 mod tests {
     use super::*;
 
-    fn p(args: &[&str]) -> Result<Command, Error> {
-        crate::cli::parse(args.iter().map(OsString::from))
+    /// `gradbus ARGS` parsed the way `cli` does: `bench ...` and `__bench-rank ...`.
+    fn p(args: &[&str]) -> Result<Parsed<BenchCmd>, Error> {
+        let mut parser = lexopt::Parser::from_args(&args[1..]);
+        match args[0] {
+            "bench" => parse(&mut parser),
+            "__bench-rank" => parse_rank(&mut parser).map(|_| Parsed::Help("__bench-rank")),
+            other => panic!("not a bench command: {other}"),
+        }
     }
 
     #[test]
     fn parses_the_benchmark_and_its_defaults() {
-        let Command::Bench(b) = p(&["bench", "allreduce"]).unwrap() else { panic!() };
+        let Parsed::Args(b) = p(&["bench", "allreduce"]).unwrap() else { panic!() };
         assert_eq!((b.np, b.iters, b.warmup, b.json), (2, 20, 3, false));
         assert_eq!(b.sizes, [1 << 20, 16 << 20, 64 << 20, 256 << 20]);
-        let Command::Bench(b) =
+        let Parsed::Args(b) =
             p(&["bench", "--np", "3", "allreduce", "--sizes", "4KiB,1MiB", "--json", "--iters", "5"]).unwrap()
         else {
             panic!()
@@ -370,9 +377,8 @@ mod tests {
         assert_eq!((b.np, b.iters, b.json), (3, 5, true));
         assert_eq!(b.sizes, [4096, 1 << 20]);
         let args = rank_args(&b, Path::new("/r/out"));
-        let Command::BenchRank(r) = p(&args.iter().map(|a| a.to_str().unwrap()).collect::<Vec<_>>()).unwrap() else {
-            panic!()
-        };
+        assert_eq!(args[0], "__bench-rank");
+        let r = parse_rank(&mut lexopt::Parser::from_args(&args[1..])).unwrap();
         assert_eq!(r.sizes, b.sizes);
         assert_eq!((r.iters, r.warmup, r.json, r.timeout), (5, 3, true, b.timeout));
         assert_eq!(r.out, PathBuf::from("/r/out"));
@@ -395,6 +401,6 @@ mod tests {
             assert_eq!(e.code(), Code::Usage, "{bad:?}");
             assert!(e.to_string().contains("hint:"), "{bad:?}: {e}");
         }
-        assert_eq!(p(&["bench", "--help"]).unwrap(), Command::Help(HELP));
+        assert_eq!(p(&["bench", "--help"]).unwrap(), Parsed::Help(HELP));
     }
 }

@@ -1,9 +1,13 @@
 //! The `gradbus` command line: parse into a [`Command`], then [`execute`] it.
 //!
 //! Adding a subcommand is two match arms: one in [`parse`] that hands the `lexopt` parser to the
-//! subcommand module's own `parse` (which returns a [`Command`]), and one in [`execute`] that calls
-//! the module's `execute` and returns its exit [`Code`]. Parsing never starts anything and never
-//! panics; every mistake is an [`Error`] with a hint, exit 2.
+//! subcommand module's own `parse` (which returns its arguments or its help text, a
+//! [`Parsed`]), and one in [`execute`] that calls the module's `execute` and returns its exit
+//! [`Code`]. The subcommand modules never import this one (no cycle). Parsing never starts anything
+//! and never panics; every mistake is an [`Error`] with a hint, exit 2.
+//!
+//! `gradbus worker` is one rank of a job: the launcher starts its own executable with it (and a user
+//! may, under a bare `mpirun`); its arguments go unparsed to `gradbus_worker::cli::main_with_args`.
 
 use std::ffi::OsString;
 
@@ -11,6 +15,7 @@ use gradbus_worker::exit::Code;
 
 use crate::bench::{BenchCmd, RankCmd};
 use crate::run::{self, RunArgs};
+use crate::usage::{lex, Parsed};
 use crate::Error;
 
 /// `gradbus --help`. The exit-code table is `gradbus_worker::exit::Code` (a test keeps them equal).
@@ -22,7 +27,9 @@ USAGE:
     gradbus replay DUMP [--trace] [--json]
     gradbus bench allreduce [--np N] [--sizes LIST] [--json]  measure the shm all-reduce
     gradbus report RUN_DIR [--margin NATS] [--z-limit Z]      summary and RUN_DIR/report.svg
-    gradbus --help | gradbus run --help | gradbus bench --help
+    gradbus worker [--run-dir DIR] [--resume] CONFIG.toml [--set key=value ...]
+                                                  one rank (started by `run`, or by a bare mpirun)
+    gradbus --help | gradbus run --help | gradbus bench --help | gradbus worker --help
 
 EXIT CODES (gradbus_worker::exit::Code):
     0    done
@@ -34,7 +41,7 @@ EXIT CODES (gradbus_worker::exit::Code):
 
 ENVIRONMENT:
     RUST_LOG               the launcher's verbosity (env_logger); exported to the workers
-    GRADBUS_WORKER_BIN     override the worker binary (tests and debugging)
+    GRADBUS_WORKER_BIN     a program to start in place of `gradbus worker` (tests and debugging)
 ";
 
 /// A parsed command line.
@@ -52,6 +59,16 @@ pub enum Command {
     BenchRank(RankCmd),
     /// `gradbus report` (its module parses the arguments).
     Report(Vec<OsString>),
+    /// `gradbus worker`: one rank (the worker library parses the arguments).
+    Worker(Vec<OsString>),
+}
+
+/// A subcommand parser's outcome as a [`Command`]: its help text, or `args` wrapped by `wrap`.
+fn command<T>(parsed: Result<Parsed<T>, Error>, wrap: impl FnOnce(T) -> Command) -> Result<Command, Error> {
+    Ok(match parsed? {
+        Parsed::Help(text) => Command::Help(text),
+        Parsed::Args(args) => wrap(args),
+    })
 }
 
 /// Parses the arguments after the program name.
@@ -59,23 +76,24 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Command, Error>
     use lexopt::prelude::*;
     let hint = "see `gradbus --help`";
     let mut parser = lexopt::Parser::from_args(args);
-    let arg = parser.next().map_err(|e| run::lex(e, hint))?;
+    let arg = parser.next().map_err(|e| lex(e, hint))?;
     match arg {
         None => Err(Error::usage("missing subcommand", "try `gradbus run --help`")),
         Some(Short('h') | Long("help")) => Ok(Command::Help(HELP)),
         Some(Value(v)) => match v.to_str() {
-            Some("run") => run::parse(&mut parser),
+            Some("run") => command(run::parse(&mut parser), Command::Run),
             Some("replay") => Ok(Command::Replay(rest(&mut parser))),
-            Some("bench") => crate::bench::parse(&mut parser),
-            Some("__bench-rank") => crate::bench::parse_rank(&mut parser),
+            Some("bench") => command(crate::bench::parse(&mut parser), Command::Bench),
+            Some("__bench-rank") => crate::bench::parse_rank(&mut parser).map(Command::BenchRank),
             Some("report") => Ok(Command::Report(rest(&mut parser))),
+            Some("worker") => Ok(Command::Worker(rest(&mut parser))),
             Some("help") => Ok(Command::Help(HELP)),
             _ => Err(Error::usage(
                 format!("unknown subcommand `{}`", v.to_string_lossy()),
-                "the subcommands are run, replay, bench and report; see `gradbus --help`",
+                "the subcommands are run, replay, bench, report and worker; see `gradbus --help`",
             )),
         },
-        Some(other) => Err(run::lex(other.unexpected(), hint)),
+        Some(other) => Err(lex(other.unexpected(), hint)),
     }
 }
 
@@ -96,6 +114,7 @@ pub fn execute(cmd: Command) -> Result<Code, Error> {
         Command::Bench(args) => crate::bench::execute(args),
         Command::BenchRank(args) => crate::bench::execute_rank(args),
         Command::Report(args) => crate::report::execute(args),
+        Command::Worker(args) => Ok(gradbus_worker::cli::main_with_args(args)),
     }
 }
 
@@ -113,6 +132,10 @@ mod tests {
         assert_eq!(p(&["run", "--help"]).unwrap(), Command::Help(run::HELP));
         assert!(matches!(p(&["run", "c.toml"]).unwrap(), Command::Run(_)));
         assert_eq!(p(&["replay", "d", "--x"]).unwrap(), Command::Replay(vec!["d".into(), "--x".into()]));
+        assert_eq!(
+            p(&["worker", "--run-dir", "r", "c.toml"]).unwrap(),
+            Command::Worker(vec!["--run-dir".into(), "r".into(), "c.toml".into()])
+        );
         for bad in [&[][..], &["frob"], &["--np", "2"]] {
             let e = p(bad).unwrap_err();
             assert_eq!(e.code(), Code::Usage);

@@ -1,10 +1,12 @@
 //! The `gradbus` launcher library: everything behind the thin `gradbus` binary.
 //!
 //! - [`cli`] parses the command line into a [`cli::Command`] and dispatches it, one match arm per
-//!   subcommand.
+//!   subcommand; [`usage`] holds what the subcommands' parsers share. `gradbus worker` (one rank)
+//!   is the worker library's `cli::main_with_args`: one binary is the whole tool.
 //! - [`hostfile`] (text -> raw entries with line numbers) and [`plan`] (entries -> a validated
 //!   [`plan::LaunchPlan`]) are the two parsing stages of a launch.
-//! - [`run`] is `gradbus run`: plan, run directory, worker environment, then [`supervise`], which
+//! - [`run`] is `gradbus run`: plan, run directory, worker environment (each rank is this
+//!   executable's `worker` subcommand), then [`supervise`], which
 //!   spawns any set of processes, prefixes and logs their output, tears the job down on the first
 //!   failure or on a signal, and maps the ends to the exit-code policy of
 //!   `gradbus_worker::exit::Code`.
@@ -31,5 +33,6 @@ pub mod run;
 pub mod shm;
 pub mod signals;
 pub mod supervise;
+pub mod usage;
 
 pub use error::Error;

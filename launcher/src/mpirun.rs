@@ -34,9 +34,9 @@ pub struct MpirunSpec {
     pub as_root: bool,
     /// Variable names to export with `-x`, in order.
     pub exports: Vec<String>,
-    /// Absolute path of the worker binary.
+    /// Absolute path of the program that runs a rank (the launcher's own executable).
     pub worker: PathBuf,
-    /// The worker's arguments (`--run-dir DIR CONFIG [--set k=v ...]`).
+    /// Its arguments (`worker --run-dir DIR CONFIG [--set k=v ...]`).
     pub worker_args: Vec<OsString>,
 }
 
@@ -99,8 +99,8 @@ mod tests {
             oversubscribe: false,
             as_root: false,
             exports: exports(|n| n == "RUST_LOG"),
-            worker: "/opt/gradbus/bin/gradbus-worker".into(),
-            worker_args: vec!["--run-dir".into(), "/runs/j1".into(), "/cfg/tiny.toml".into()],
+            worker: "/opt/gradbus/bin/gradbus".into(),
+            worker_args: vec!["worker".into(), "--run-dir".into(), "/runs/j1".into(), "/cfg/tiny.toml".into()],
         }
     }
 
@@ -114,7 +114,7 @@ mod tests {
             joined(&command_line(&spec())),
             "/usr/bin/mpirun --hostfile hosts.txt -np 4 --bind-to none \
              -x GRADBUS_JOB_ID -x GRADBUS_RUN_DIR -x RUST_LOG \
-             /opt/gradbus/bin/gradbus-worker --run-dir /runs/j1 /cfg/tiny.toml"
+             /opt/gradbus/bin/gradbus worker --run-dir /runs/j1 /cfg/tiny.toml"
         );
     }
 
@@ -130,7 +130,7 @@ mod tests {
             joined(&command_line(&s)),
             "/usr/bin/mpirun -np 4 --bind-to none --oversubscribe --allow-run-as-root \
              -x GRADBUS_JOB_ID -x GRADBUS_RUN_DIR \
-             /opt/gradbus/bin/gradbus-worker --run-dir /runs/j1 /cfg/tiny.toml --set lr=0.001"
+             /opt/gradbus/bin/gradbus worker --run-dir /runs/j1 /cfg/tiny.toml --set lr=0.001"
         );
     }
 

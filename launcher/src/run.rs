@@ -8,9 +8,9 @@
 //! shared-memory segments are removed after the last process is gone, the root-cause summary is
 //! printed, and the policy code is returned.
 //!
-//! The worker command line is `gradbus-worker --run-dir DIR [--resume] CONFIG [--set key=value ...]`
-//! with the environment contract of `gradbus_worker::env` (rank, local rank, sizes, node id, job id,
-//! run directory). Paths handed to workers are absolute, so a worker's working directory does not
+//! The worker command line is `gradbus worker --run-dir DIR [--resume] CONFIG [--set key=value ...]`,
+//! `gradbus` being this very executable ([`worker_command`]), with the environment contract of
+//! `gradbus_worker::env` (rank, local rank, sizes, node id, job id, run directory). Paths handed to workers are absolute, so a worker's working directory does not
 //! matter.
 
 use std::ffi::OsString;
@@ -21,7 +21,6 @@ use gradbus_collectives::ShmBus;
 use gradbus_worker::env;
 use gradbus_worker::exit::Code;
 
-use crate::cli::Command;
 use crate::hostfile;
 use crate::mpirun::{self, MpirunSpec};
 use crate::plan::LaunchPlan;
@@ -29,6 +28,7 @@ use crate::progress::{Progress, ShmProgress};
 use crate::shm;
 use crate::signals;
 use crate::supervise::{self, Options, Outcome, ProcSpec};
+use crate::usage::{lex, Parsed};
 use crate::Error;
 
 /// `gradbus run --help`.
@@ -93,13 +93,8 @@ fn hint() -> &'static str {
     "see `gradbus run --help`"
 }
 
-/// Turns a lexopt error into a usage error.
-pub(crate) fn lex(e: lexopt::Error, hint: &str) -> Error {
-    Error::usage(e.to_string(), hint)
-}
-
 /// Parses the arguments after `run`.
-pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
+pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<RunArgs>, Error> {
     use lexopt::prelude::*;
     let mut np = None;
     let mut hostfile = None;
@@ -113,7 +108,7 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
     let h = hint();
     while let Some(arg) = parser.next().map_err(|e| lex(e, h))? {
         match arg {
-            Short('h') | Long("help") => return Ok(Command::Help(HELP)),
+            Short('h') | Long("help") => return Ok(Parsed::Help(HELP)),
             Long("np") | Short('n') => {
                 let v = parser.value().map_err(|e| lex(e, h))?;
                 let n = v.parse::<usize>().map_err(|e| lex(e, "--np takes a whole number, e.g. --np 4"))?;
@@ -185,7 +180,7 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Command, Error> {
             "give only --resume RUN_DIR to continue a run",
         ));
     }
-    Ok(Command::Run(RunArgs { np, hostfile, oversubscribe, launcher, run_dir, resume, grace, config, sets }))
+    Ok(Parsed::Args(RunArgs { np, hostfile, oversubscribe, launcher, run_dir, resume, grace, config, sets }))
 }
 
 /// A job id unique on this machine and readable: UTC time of the launch and the launcher's pid,
@@ -211,23 +206,39 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
-/// The worker binary: `$GRADBUS_WORKER_BIN` if set, else `gradbus-worker` next to this executable.
-pub fn worker_path() -> Result<PathBuf, Error> {
-    let (path, hint) = match std::env::var_os(env::WORKER_BIN) {
-        Some(p) => (PathBuf::from(p), format!("{} points here; fix or unset it", env::WORKER_BIN)),
+/// How a rank is started: a program and the arguments that come before the worker's own.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerCommand {
+    /// Absolute path of the program.
+    pub program: PathBuf,
+    /// `["worker"]` for this executable; nothing for a `GRADBUS_WORKER_BIN` override.
+    pub prefix: Vec<OsString>,
+}
+
+impl WorkerCommand {
+    /// The prefix followed by the worker's arguments.
+    pub fn args(&self, worker_args: Vec<OsString>) -> Vec<OsString> {
+        self.prefix.iter().cloned().chain(worker_args).collect()
+    }
+}
+
+/// The worker: this executable's `worker` subcommand, or `$GRADBUS_WORKER_BIN` (a program that takes
+/// the worker's arguments) if set.
+pub fn worker_command() -> Result<WorkerCommand, Error> {
+    let (path, prefix, hint) = match std::env::var_os(env::WORKER_BIN) {
+        Some(p) => (PathBuf::from(p), vec![], format!("{} points here; fix or unset it", env::WORKER_BIN)),
         None => {
-            let exe = std::env::current_exe().unwrap_or_default();
-            let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-            (
-                dir.join("gradbus-worker"),
-                "gradbus-worker is installed next to gradbus: `cargo build --release --bins` builds both".to_string(),
-            )
+            let hint = "the launcher starts itself as `gradbus worker`; reinstall it (`cargo install --path .`)";
+            match std::env::current_exe() {
+                Ok(exe) => (exe, vec!["worker".into()], hint.to_string()),
+                Err(e) => (PathBuf::from("gradbus"), vec![], format!("{hint} ({e})")),
+            }
         }
     };
     if !path.is_file() {
         return Err(Error::WorkerMissing { path, hint });
     }
-    Ok(std::path::absolute(&path).unwrap_or(path))
+    Ok(WorkerCommand { program: std::path::absolute(&path).unwrap_or(path), prefix })
 }
 
 /// Checks that the config file exists and can be opened; returns its absolute path.
@@ -351,7 +362,7 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         Some(path) => LaunchPlan::from_hosts(&hostfile::read(path)?, args.np, args.oversubscribe)?,
         None => LaunchPlan::local(args.np.unwrap_or(1))?,
     };
-    let worker = worker_path()?;
+    let worker = worker_command()?;
     let mpirun = match args.launcher {
         LauncherKind::Local => {
             plan.require_local(args.hostfile.as_deref())?;
@@ -386,9 +397,9 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         run_dir.display()
     );
 
-    let wargs = worker_args(&run_dir, resume, &config, &args.sets);
+    let wargs = worker.args(worker_args(&run_dir, resume, &config, &args.sets));
     let specs = match mpirun {
-        None => local_specs(&plan, &worker, &wargs, &job_id, &run_dir),
+        None => local_specs(&plan, &worker.program, &wargs, &job_id, &run_dir),
         Some(mpirun) => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             let hostfile = args.hostfile.as_ref().map(|h| std::path::absolute(h).unwrap_or(h.clone()));
@@ -401,7 +412,7 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
                 np: plan.world_size,
                 as_root: mpirun::running_as_root(),
                 exports: mpirun::exports(|n| std::env::var_os(n).is_some()),
-                worker,
+                worker: worker.program,
                 worker_args: wargs,
             };
             let mut argv = mpirun::command_line(&spec).into_iter();
@@ -433,8 +444,8 @@ mod tests {
     fn parse_run(args: &[&str]) -> Result<RunArgs, Error> {
         let mut p = lexopt::Parser::from_args(args.iter().copied());
         match parse(&mut p)? {
-            Command::Run(a) => Ok(a),
-            _ => panic!("not a run command"),
+            Parsed::Args(a) => Ok(a),
+            Parsed::Help(_) => panic!("not a run command"),
         }
     }
 

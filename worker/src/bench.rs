@@ -1,16 +1,16 @@
-//! `gradbus-worker --bench-allreduce ...`: one process of the all-reduce benchmark, for launches by
+//! `gradbus worker --bench-allreduce ...`: one process of the all-reduce benchmark, for launches by
 //! `mpirun` (the `gradbus bench allreduce` CLI spawns its own processes). Rank and size come from the
 //! MPI launcher's environment; rank 0 prints the table (or JSON lines).
 //!
-//! `mpirun --allow-run-as-root --bind-to none -np 2 target/release/gradbus-worker --bench-allreduce
-//! --transport mpi --sizes 64MiB` (feature `mpi`) compares the shm bus with `MPI_Allreduce`.
+//! `mpirun --allow-run-as-root --bind-to none -np 2 gradbus worker --bench-allreduce --transport mpi
+//! --sizes 64MiB` (feature `mpi`) compares the shm bus with `MPI_Allreduce`.
 
 use gradbus_collectives::bench::{self, BenchArgs, BenchTransport};
 
 use crate::rank::RankInfo;
 
 /// Usage of the hidden subcommand.
-pub const USAGE: &str = "usage: gradbus-worker --bench-allreduce [--sizes 1MiB,64MiB] [--iters N] [--warmup N] \
+pub const USAGE: &str = "usage: gradbus worker --bench-allreduce [--sizes 1MiB,64MiB] [--iters N] [--warmup N] \
 [--transport shm|mpi|hier] [--nodes K] [--json]";
 
 /// Run one benchmark process with the arguments after `--bench-allreduce`; `Err` is a message.

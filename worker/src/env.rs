@@ -29,8 +29,9 @@ pub const TRANSPORT: &str = "GRADBUS_TRANSPORT";
 /// A fault plan (TOML array of tables, the same syntax as `[[faults]]` in the config).
 pub const FAULTS: &str = "GRADBUS_FAULTS";
 
-/// Override the worker binary the launcher starts (a path); for tests and debugging. Read by the
-/// launcher only; unset, it starts the `gradbus-worker` next to its own executable.
+/// A program the launcher starts in place of `gradbus worker` (a path; it gets the worker's
+/// arguments); for tests and debugging. Read by the launcher only; unset, the launcher starts its
+/// own executable with `worker`.
 pub const WORKER_BIN: &str = "GRADBUS_WORKER_BIN";
 
 /// Open MPI's variables.

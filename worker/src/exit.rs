@@ -1,6 +1,6 @@
 //! The exit-code policy of every gradbus binary, written down once. The README's table is this enum.
 
-/// Process exit codes shared by `gradbus` and `gradbus-worker`.
+/// Process exit codes shared by `gradbus` and its `worker` subcommand.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Code {

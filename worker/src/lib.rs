@@ -1,10 +1,11 @@
 //! gradbus-worker: one rank of a gradbus job - rank discovery, config, the reference RL workload,
 //! the step loop over a `Transport`, checkpoints, failure dumps, replay and the forensics trace.
 //!
-//! The binary (`worker/src/main.rs`) is thin: it parses arguments and maps `WorkerError`s to the
-//! exit codes of [`exit::Code`].
+//! [`cli::main_with_args`] is the `gradbus worker` subcommand (the `gradbus` binary calls it): it
+//! parses arguments and maps `WorkerError`s to the exit codes of [`exit::Code`].
 
 pub mod bench;
+pub mod cli;
 pub mod config;
 pub mod env;
 pub mod exit;
@@ -71,7 +72,7 @@ impl WorkerError {
     }
 }
 
-/// Arguments of `gradbus-worker`.
+/// Arguments of `gradbus worker`.
 #[derive(Clone, Debug, Default)]
 pub struct WorkerArgs {
     /// The config file.
