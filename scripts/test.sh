@@ -1,36 +1,121 @@
 #!/usr/bin/env bash
-# The test command of the README, and all that .ci/run does: install what the tests need on a
-# fresh Debian/Ubuntu machine (when missing), then run every test of the workspace.
+# The test command of the README, and all that .ci/run does. On a fresh Debian 12 machine with only
+# rustup: install what the tests need (only what is missing, so a second run installs nothing),
+# probe what this machine can run, run every test of the workspace, then every command of the README
+# on a fresh clone (scripts/readme-test.sh), and end with the list of what was skipped and why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t_start=$(date +%s)
 
-# System packages: Open MPI and libclang for the `mpi` feature (bindgen), iproute2; installed only when
-# missing, so a second run costs nothing.
+# ---------------------------------------------------------------- system packages
+# C toolchain (linking, and the `cc` builds of some crates), pkg-config, git (the README test clones
+# the repository), Open MPI and libclang for the `mpi` feature (bindgen), iproute2 for the two-node
+# test in network namespaces (tests/mpi.rs), procps (`kill`, which that test runs, and `ps`),
+# util-linux and mount (`unshare`, `mount`: the namespaces of tests/mpi.rs and shm_bus.rs).
 need=()
-command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
-dpkg -s libclang1-14 libclang-common-14-dev >/dev/null 2>&1 || need+=(libclang1-14 libclang-common-14-dev)
-# `ip` for the two-node test in network namespaces (tests/mpi.rs; it skips, saying why, without root).
-command -v ip >/dev/null 2>&1 || need+=(iproute2)
+has() { type -P "$1" >/dev/null; } # an executable on PATH, not a shell builtin
+installed() { dpkg -s "$@" >/dev/null 2>&1; }
+{ has cc && installed libc6-dev; } || need+=(gcc libc6-dev)
+has pkg-config || need+=(pkg-config)
+has git || need+=(git)
+has mpirun || need+=(openmpi-bin libopenmpi-dev)
+installed libclang1-14 libclang-common-14-dev || need+=(libclang1-14 libclang-common-14-dev)
+has ip || need+=(iproute2)
+{ has ps && has kill; } || need+=(procps)
+has unshare || need+=(util-linux)
+has mount || need+=(mount)
 if [ ${#need[@]} -gt 0 ]; then
-  if [ "$(id -u)" != 0 ] && ! command -v sudo >/dev/null; then
+  if [ "$(id -u)" != 0 ] && ! has sudo; then
     echo "missing system packages: ${need[*]} (install them, or run as root)" >&2
     exit 2
   fi
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
   export DEBIAN_FRONTEND=noninteractive
+  echo "test.sh: installing ${need[*]}"
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
-cargo test --workspace --release
+# ---------------------------------------------------------------- what this machine can run
+# A test that cannot run prints `SKIPPED: <why>` (tests/common/skip.rs) and appends it to
+# GRADBUS_SKIP_LOG; a capability named in GRADBUS_REQUIRE turns that test's skip into a failure. The
+# probes below do what those tests need, so where a probe passes, the test must run.
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/gradbus-test.XXXXXX")
+export GRADBUS_SKIP_LOG="$tmp/skipped"
+: >"$GRADBUS_SKIP_LOG"
+results="$tmp/cargo-test.log"
+require=()
+# tmpfs: a 1 MiB tmpfs in a private mount namespace (collectives/tests/shm_bus.rs, full /dev/shm).
+mkdir "$tmp/mnt"
+if unshare -rm sh -c "mount -t tmpfs -o size=1m tmpfs '$tmp/mnt'" 2>/dev/null; then require+=(tmpfs); fi
+# netns: root with CAP_NET_ADMIN and CAP_SYS_ADMIN: a bridge, a network namespace, a tmpfs on
+# /dev/shm inside it (tests/mpi.rs, two nodes in network namespaces).
+probe_netns() {
+  local ns="gbprobe$$"
+  [ "$(id -u)" = 0 ] && has ip || return 1
+  ip link add "${ns}br" type bridge 2>/dev/null || return 1
+  ip link del "${ns}br"
+  ip netns add "$ns" 2>/dev/null || return 1
+  local ok=0
+  ip netns exec "$ns" unshare --mount --propagation private sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm' \
+    2>/dev/null && ok=1
+  ip netns del "$ns"
+  [ $ok = 1 ]
+}
+if probe_netns; then require+=(netns); fi
+# cuda: a GPU that the driver lists (kernels/tests/cuda.rs, collectives/tests/nccl.rs).
+if has nvidia-smi && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then require+=(cuda); fi
+GRADBUS_REQUIRE=$(IFS=,; echo "${require[*]}")
+export GRADBUS_REQUIRE
+echo "test.sh: GRADBUS_REQUIRE=$GRADBUS_REQUIRE (tests that need these must run here, not skip)"
+
+# ---------------------------------------------------------------- the closing list
+# Printed however the run ends: the test totals, every SKIPPED line (with how many tests printed
+# it), every #[ignore]d test (benchmarks: run by hand), and the time taken.
+closing() {
+  local rc=$?
+  echo
+  echo "==================== test.sh: closing list ===================="
+  if [ -s "$results" ]; then
+    awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1); if ($i ~ /^ignored/) g += $(i-1) } n++ }
+         END { printf "tests: %d passed, %d failed, %d ignored, in %d test binaries\n", p, f, g, n }' "$results"
+    echo "ignored (#[ignore]: benchmarks and long runs, by hand):"
+    grep -E '^test .* \.\.\. ignored' "$results" | sed -E 's/^test (.*) \.\.\. ignored,? ?/  \1: /' | sort -u || echo "  none"
+  fi
+  echo "skipped (SKIPPED: the test or README command could not run here):"
+  if [ -s "$GRADBUS_SKIP_LOG" ]; then
+    sort "$GRADBUS_SKIP_LOG" | uniq -c | sed -E 's/^ *1 /  /; s/^ *([0-9]+) /  (x\1) /'
+  else
+    echo "  none"
+  fi
+  echo "required here (a skip would have failed): ${GRADBUS_REQUIRE:-nothing}"
+  echo "test.sh: $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") in $(($(date +%s) - t_start)) s"
+  rm -rf "$tmp"
+  exit $rc
+}
+trap closing EXIT
+
+# `cargo test`'s output goes to the log too, for the closing list's totals.
+run() {
+  echo "test.sh: $*"
+  "$@" 2>&1 | tee -a "$results"
+}
+
+# ---------------------------------------------------------------- the tests
+run cargo test --workspace --release
 # The MPI transports (feature `mpi`: rsmpi, bindgen) under real `mpirun`s: only the `mpi` test targets
 # (collectives/tests/mpi.rs, tests/mpi.rs); the line above already ran everything else, and keeps the
 # default build (no MPI) tested. Costs the feature's build (~2-3 min on 2 cores) and ~40 s of tests.
-cargo test --workspace --release --features mpi --test mpi
+run cargo test --workspace --release --features mpi --test mpi
 
 # The `cuda` feature builds without CUDA (cudarc loads libcuda/libnvrtc/libnccl at run time), so CI
 # keeps it compiling; on this GPU-less machine its GPU tests print "SKIPPED: no CUDA driver" and the
 # no-driver paths are tested for real. The GPU checks themselves: scripts/gpu-check.sh on a GPU.
-cargo test --release --features cuda -p gradbus-kernels
-cargo test --release --features cuda -p gradbus-collectives --test nccl
-cargo test --release --features cuda -p gradbus-collectives --lib nccl::
+run cargo test --release --features cuda -p gradbus-kernels
+run cargo test --release --features cuda -p gradbus-collectives --test nccl
+run cargo test --release --features cuda -p gradbus-collectives --lib nccl::
+
+# Every README command on a fresh clone, in order: the first contact of a new user. Its own
+# install (`cargo install --path .`, into a temporary root) is the check that an install works.
+echo "test.sh: scripts/readme-test.sh"
+scripts/readme-test.sh

@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# readme-test: run every command of README.md's ```sh blocks, in order, on a fresh clone of this
+# repository (its committed HEAD: what a new user gets), the way a new user would type them.
+#
+#   scripts/readme-test.sh           # scripts/test.sh (and so .ci/run) runs it after the tests
+#   scripts/readme-test.sh --cold    # without the build cache below: every crate built from scratch
+#   scripts/readme-test.sh --dry-run # print each command as it would run (or why not), run nothing
+#
+# The rules, so that a command as written works or this fails:
+# - A command is a line of a ```sh block with its `\` continuation lines; `#` lines are comments.
+# - Expected exit code: 0, or N where the command's trailing comment says `exit N`.
+# - A command that trains (`gradbus run`, `cargo run ... -- run`, `gradbus worker` without
+#   --bench-allreduce) and does not set `steps=` gets `--set steps=2` appended; one that sets
+#   `steps=` runs as written (the README chose its length). Anything else runs as written.
+# - `gradbus` on PATH comes only from the README's own `cargo install`: its root is a temporary
+#   CARGO_INSTALL_ROOT whose bin/ is on PATH (as ~/.cargo/bin is after rustup), and PATH entries
+#   that already hold a `gradbus` are dropped. GRADBUS_* variables are unset, as in a new shell.
+# - Commands this machine cannot run are listed in SKIP with the reason and print
+#   `SKIPPED: <command>: <why>` (also appended to $GRADBUS_SKIP_LOG when set). A SKIP entry that
+#   matches no README command is an error, so the list cannot go stale.
+# - Build cache: unless --cold, the clone's target/release starts as a copy of this checkout's, so
+#   dependencies are reused; the workspace's own crates are rebuilt from the clone's sources.
+# Each command's output goes to a log; its last lines are shown, all of it when it fails. Exit 0
+# when every command ran as expected, 1 at the first that did not (its work directory is kept).
+set -euo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+cold=0
+dry=0
+case "${1:-}" in
+  "") ;;
+  --cold) cold=1 ;;
+  --dry-run) dry=1 ;;
+  -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+  *) echo "readme-test: unknown argument $1 (see --help)" >&2; exit 2 ;;
+esac
+
+# Command (exactly as in the README, without its trailing comment) -> why it is not run here.
+declare -A SKIP=(
+  ["scripts/test.sh"]="runs every test and then this README test: it is the command that runs this (CI: .ci/run)"
+  ["scripts/gpu-check.sh"]="needs an NVIDIA GPU with its driver (CI has none)"
+  ["scripts/gpu-check.sh --prepare target/gpu-check"]="builds test binaries for the GPU machine only; scripts/test.sh builds and runs the same cuda test targets here (their GPU parts print SKIPPED)"
+  ["scripts/gpu-check.sh --prebuilt target/gpu-check"]="needs an NVIDIA GPU and the binaries of --prepare"
+)
+
+# The commands of the README's ```sh blocks, one per array element, continuation lines joined.
+mapfile -t commands < <(awk '
+  /^```sh[[:space:]]*$/ { inblock = 1; next }
+  /^```/ { if (inblock && cmd != "") print cmd; inblock = 0; cmd = ""; next }
+  !inblock { next }
+  {
+    line = $0
+    if (cmd == "") { sub(/^[[:space:]]+/, "", line); if (line == "" || line ~ /^#/) next }
+    else { sub(/^[[:space:]]+/, " ", line) }
+    if (line ~ /\\[[:space:]]*$/) { sub(/[[:space:]]*\\[[:space:]]*$/, "", line); cmd = cmd line; next }
+    print cmd line; cmd = ""
+  }' "$src/README.md")
+[ ${#commands[@]} -gt 0 ] || { echo "readme-test: no \`\`\`sh commands in README.md" >&2; exit 1; }
+
+strip() { # the command without its trailing comment and surrounding blanks
+  local c="${1%%[[:space:]]#*}"
+  c="${c#"${c%%[![:space:]]*}"}"
+  printf '%s' "${c%"${c##*[![:space:]]}"}"
+}
+for key in "${!SKIP[@]}"; do
+  found=0
+  for c in "${commands[@]}"; do [ "$(strip "$c")" = "$key" ] && found=1; done
+  [ $found = 1 ] || { echo "readme-test: SKIP entry matches no README command: $key" >&2; exit 1; }
+done
+
+trains='(^|[[:space:]])(gradbus[[:space:]]+run|cargo[[:space:]].*--[[:space:]]+run|gradbus[[:space:]]+worker)[[:space:]]'
+says_exit='(^|[^[:alnum:]])exit[[:space:]]+([0-9]+)'
+# Prints the command as it runs here (bounded) and sets `want`, its expected exit code.
+bounded() {
+  local cmd comment
+  cmd=$(strip "$1")
+  comment=""
+  [ "$cmd" != "$1" ] && comment="${1#*[[:space:]]#}"
+  if [[ " $cmd " =~ $trains ]] && [[ $cmd != *--bench-allreduce* ]] && [[ $cmd != *steps=* ]]; then
+    cmd="$cmd --set steps=2"
+  fi
+  want=0
+  if [[ $comment =~ $says_exit ]]; then want=${BASH_REMATCH[2]}; fi
+  printf '%s' "$cmd"
+}
+if [ $dry = 1 ]; then
+  for c in "${commands[@]}"; do
+    key=$(strip "$c")
+    if [ -n "${SKIP[$key]+x}" ]; then echo "SKIPPED: $key: ${SKIP[$key]}"; continue; fi
+    cmd=$(bounded "$c")
+    bounded "$c" >/dev/null
+    echo "README \$ $cmd    (expect exit $want)"
+  done
+  exit 0
+fi
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/gradbus-readme.XXXXXX")
+clone="$work/gradbus"
+if [ -n "$(git -C "$src" status --porcelain --untracked-files=no)" ]; then
+  echo "readme-test: note: uncommitted changes in $src are not tested (the clone is of HEAD)" >&2
+fi
+git clone -q "$src" "$clone"
+if [ $cold = 0 ] && [ -d "$src/target/release" ]; then
+  mkdir -p "$clone/target"
+  cp -a "$src/target/release" "$clone/target/release"
+fi
+
+# A new user's environment: no gradbus on PATH until the README installs it, no GRADBUS_* set.
+export CARGO_INSTALL_ROOT="$work/cargo-root"
+path=""
+IFS=: read -ra dirs <<<"$PATH"
+for d in "${dirs[@]}"; do
+  [ -n "$d" ] && [ ! -x "$d/gradbus" ] && path="${path:+$path:}$d"
+done
+export PATH="$CARGO_INSTALL_ROOT/bin:$path"
+skip_log=${GRADBUS_SKIP_LOG:-}
+while IFS= read -r name; do unset "$name"; done < <(compgen -e | grep '^GRADBUS_' || true)
+
+ran=0
+skipped=0
+n=0
+for c in "${commands[@]}"; do
+  n=$((n + 1))
+  key=$(strip "$c")
+  if [ -n "${SKIP[$key]+x}" ]; then
+    line="SKIPPED: $key: ${SKIP[$key]}"
+    echo "$line"
+    if [ -n "$skip_log" ]; then echo "$line" >>"$skip_log"; fi
+    skipped=$((skipped + 1))
+    continue
+  fi
+  cmd=$(bounded "$c")
+  bounded "$c" >/dev/null # sets want (the command substitution above ran in a subshell)
+  log="$work/cmd-$n.log"
+  echo "README \$ $cmd    (expect exit $want)"
+  t0=$(date +%s)
+  set +e
+  (cd "$clone" && timeout -k 10 1200 bash -c "$cmd") >"$log" 2>&1
+  rc=$?
+  set -e
+  if [ $rc != "$want" ]; then
+    tail -n 200 "$log"
+    echo "readme-test: FAILED: \`$cmd\` exited $rc, expected $want (work directory kept: $work)" >&2
+    exit 1
+  fi
+  tail -n 4 "$log" | sed 's/^/    /'
+  echo "    ok: exit $rc in $(($(date +%s) - t0)) s"
+  # An install must put the one binary where the README says PATH finds it.
+  if [[ $cmd == "cargo install"* ]]; then
+    found=$(command -v gradbus || true)
+    if [ "$found" != "$CARGO_INSTALL_ROOT/bin/gradbus" ]; then
+      echo "readme-test: FAILED: after \`$cmd\`, gradbus on PATH is '${found}', not $CARGO_INSTALL_ROOT/bin/gradbus" >&2
+      exit 1
+    fi
+  fi
+  ran=$((ran + 1))
+done
+rm -rf "$work"
+echo "readme-test: ok: $ran README command(s) ran as expected on a fresh clone, $skipped skipped (listed above)"
