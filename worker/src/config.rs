@@ -392,6 +392,9 @@ fn count(x: f64) -> String {
     }
 }
 
+/// The keys that hold a table.
+const SECTIONS: [&str; 8] = ["model", "rl", "loss", "optim", "skip", "checkpoint", "warn", "spike"];
+
 /// The longest wait in seconds a config may ask for (`collective_timeout_s`, a planned stall).
 pub const MAX_SECONDS: f64 = 86_400.0;
 /// The largest spike window: the detectors keep that many values.
@@ -473,6 +476,18 @@ impl Config {
         for arg in overrides {
             apply_override(&mut table, arg)?;
         }
+        let origin = if overrides.is_empty() { origin.to_string() } else { format!("{origin} with --set overrides") };
+        // serde would take an empty array for a table whose fields all have defaults.
+        for (key, v) in table.iter().filter(|(k, _)| SECTIONS.contains(&k.as_str())) {
+            if !v.is_table() {
+                return Err(ConfigError::Schema {
+                    key: key.clone(),
+                    origin,
+                    message: format!("invalid type: {}, expected a table", v.type_str()),
+                    hint: "write it as a [section] of key = value lines, as in examples/tiny.toml",
+                });
+            }
+        }
         let canonical = table.to_string();
         let cfg: Config = toml::from_str(&canonical).map_err(|e| {
             let message = e.message().trim().to_string();
@@ -483,7 +498,7 @@ impl Config {
             };
             ConfigError::Schema {
                 key: e.span().and_then(|s| key_at(&canonical, s.start)).unwrap_or_else(|| "?".into()),
-                origin: if overrides.is_empty() { origin.into() } else { format!("{origin} with --set overrides") },
+                origin,
                 message,
                 hint,
             }
@@ -659,7 +674,10 @@ impl Config {
         }
         match rules.into_iter().find(|rule| !rule.2) {
             Some((key, value, _, why, example)) => {
-                let hint = format!("e.g. --set {key}={example}");
+                let hint = match key.split_once("].") {
+                    Some((entry, field)) => format!("e.g. {field} = {example} in the {entry}] entry"),
+                    None => format!("e.g. --set {key}={example}"),
+                };
                 Err(ConfigError::Range { key, value, why, hint })
             }
             None => Ok(()),
