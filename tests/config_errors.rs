@@ -1,5 +1,6 @@
 //! Bad input at the edges ends with exit 2 and a message that names the file, key or line and gives a
-//! hint - never a panic or a backtrace.
+//! hint - never a panic or a backtrace. A bad config is refused once, by the launcher, before any
+//! rank starts.
 
 mod common;
 
@@ -57,6 +58,117 @@ fn wrong_type_and_out_of_range_values_name_the_key() {
     let r = gradbus(&["run", "--run-dir", d.to_str().unwrap(), "examples/tiny.toml", "--set", "nokey"], &[]);
     r.expect_code(2);
     assert!((r.stdout() + &r.stderr()).contains("--set nokey"), "{}", r.stderr());
+}
+
+/// Every key of the config (examples/tiny.toml and worker/src/config.rs), each with a value of the
+/// wrong type, a value just past its boundary and an absurd one (non-finite, negative, or a model
+/// that cannot fit any machine). `faults[0].FIELD` rows plant one fault with that field set.
+const BAD_VALUES: &[(&str, [&str; 3])] = &[
+    ("seed", ["\"zero\"", "-1", "1e30"]),
+    ("steps", ["\"many\"", "0", "-5"]),
+    ("policy", ["1", "\"\"", "\"panic\""]),
+    ("rollout_sync_interval", ["true", "0", "-1"]),
+    ("bucket_bytes", ["\"64k\"", "3", "-65536"]),
+    ("collective_timeout_s", ["\"30s\"", "0", "inf"]),
+    ("overlap", ["1", "\"\"", "\"maybe\""]),
+    ("model", ["1", "[]", "\"big\""]),
+    ("model.vocab", ["\"16\"", "3", "1000000000000"]),
+    ("model.max_seq", ["\"16\"", "2", "10000000000000"]),
+    ("model.channels", ["64.0", "0", "100000"]),
+    ("model.heads", ["\"4\"", "0", "1000000000"]),
+    ("model.layers", ["[2]", "0", "1000000000000"]),
+    ("rl", ["1", "[]", "\"x\""]),
+    ("rl.prompts_per_rank", ["\"2\"", "0", "1000000000000"]),
+    ("rl.group_size", ["8.5", "1", "1000000000000"]),
+    ("rl.response_len", ["\"8\"", "0", "1000000"]),
+    ("rl.epochs", ["\"4\"", "0", "-4"]),
+    ("rl.minibatches", ["\"4\"", "0", "1000000"]),
+    ("rl.temperature", ["\"hot\"", "0", "inf"]),
+    ("loss", ["1", "[]", "\"x\""]),
+    ("loss.style", ["1", "\"\"", "\"unsafe\""]),
+    ("loss.clip", ["\"0.2\"", "0", "inf"]),
+    ("loss.kl_coef", ["\"0.01\"", "-0.001", "nan"]),
+    ("optim", ["1", "[]", "\"x\""]),
+    ("optim.lr", ["\"fast\"", "0", "nan"]),
+    ("optim.warmup", ["\"10\"", "-1", "1e30"]),
+    ("optim.beta1", ["\"0.9\"", "1.0", "-inf"]),
+    ("optim.beta2", ["\"0.999\"", "1.0", "1e30"]),
+    ("optim.eps", ["\"1e-8\"", "0", "inf"]),
+    ("optim.weight_decay", ["\"0\"", "-1e-9", "nan"]),
+    ("optim.grad_clip", ["\"1\"", "-0.001", "inf"]),
+    ("skip", ["1", "[]", "\"x\""]),
+    ("skip.max_consecutive", ["\"3\"", "-1", "4294967296"]),
+    ("skip.max_fraction", ["\"0.1\"", "1.0001", "nan"]),
+    ("skip.window", ["\"100\"", "0", "4294967296"]),
+    ("checkpoint", ["1", "[]", "\"x\""]),
+    ("checkpoint.every", ["\"10\"", "-1", "1e30"]),
+    ("warn", ["1", "[]", "\"x\""]),
+    ("warn.headroom", ["\"20\"", "-0.001", "inf"]),
+    ("spike", ["1", "[]", "\"x\""]),
+    ("spike.skip", ["1", "\"yes\"", "[]"]),
+    ("spike.window", ["\"128\"", "1", "1000000000000"]),
+    ("spike.z_limit", ["\"6\"", "-0.5", "nan"]),
+    ("faults", ["3", "[1]", "\"none\""]),
+    ("faults[0].kind", ["1", "\"\"", "\"meteor\""]),
+    ("faults[0].rank", ["\"0\"", "2", "-1"]),
+    ("faults[0].step", ["\"0\"", "20", "-1"]),
+    ("faults[0].minibatch", ["\"0\"", "16", "4294967296"]),
+    ("faults[0].phase", ["1", "\"\"", "\"during\""]),
+    ("faults[0].param", ["1", "\"\"", "\"blocks.99.ln1.weight\""]),
+    ("faults[0].element", ["\"5\"", "-1", "1e30"]),
+    ("faults[0].transient", ["1", "\"no\"", "[]"]),
+    ("faults[0].code", ["\"9\"", "256", "99999999999"]),
+    ("faults[0].seconds", ["\"1\"", "-1", "inf"]),
+];
+
+/// The `--set` argument that gives `key` the value `v`.
+fn set_arg(key: &str, v: &str) -> String {
+    match key.strip_prefix("faults[0].") {
+        Some(field) => {
+            let mut fields: Vec<(&str, &str)> = vec![("kind", "\"stall\""), ("rank", "0"), ("step", "0")];
+            fields.retain(|(k, _)| *k != field);
+            fields.push((field, v));
+            let body: Vec<String> = fields.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+            format!("faults=[{{{}}}]", body.join(", "))
+        }
+        None => format!("{key}={v}"),
+    }
+}
+
+#[test]
+fn every_config_key_refuses_wrong_type_boundary_and_absurd_values_once_before_any_rank_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("never");
+    let mut failures = Vec::new();
+    for (key, values) in BAD_VALUES {
+        for v in values {
+            let set = set_arg(key, v);
+            let r = gradbus(
+                &["run", "--np", "2", "--run-dir", d.to_str().unwrap(), "examples/tiny.toml", "--set", &set],
+                &[],
+            );
+            let (out, err) = (r.stdout(), r.stderr());
+            let errors = err.lines().filter(|l| l.contains("error:")).count();
+            let why = if r.code() != Some(2) {
+                format!("exit {:?}", r.code())
+            } else if err.contains("panicked") || err.contains("RUST_BACKTRACE") {
+                "panicked".into()
+            } else if errors != 1 || !err.starts_with("gradbus: error:") {
+                format!("{errors} error lines")
+            } else if !err.contains(key) {
+                format!("the message does not name `{key}`")
+            } else if !err.contains("hint:") {
+                "no hint".into()
+            } else if d.exists() || out.contains("[rank ") || err.contains("gradbus-worker") {
+                "a rank was started".into()
+            } else {
+                continue;
+            };
+            failures.push(format!("--set '{set}': {why}\n{err}"));
+            let _ = std::fs::remove_dir_all(&d);
+        }
+    }
+    assert!(failures.is_empty(), "{} of {} cases:\n{}", failures.len(), BAD_VALUES.len() * 3, failures.join("\n"));
 }
 
 #[test]

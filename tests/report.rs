@@ -85,6 +85,7 @@ fn a_clean_run_renders_every_panel_and_no_event() {
     }
     assert!(svg.contains("bucket #0") && svg.contains("exp overflow (log-ratio 88.72)"));
     assert!(!svg.contains("ABORT") && !svg.contains("skipped update"), "a clean run has no events");
+    assert!(!svg.contains("off the axis"), "a clean run's linear panels show every value");
     assert!(out.contains("6 step(s) (0..=5)"), "{out}");
     assert!(out.contains("abort: none"), "{out}");
     assert!(!out.contains("replay:"), "{out}");

@@ -72,6 +72,10 @@ pub enum Error {
         reason: String,
     },
 
+    /// The config's content is wrong (the worker crate's own check): names the key, with a hint.
+    #[error(transparent)]
+    ConfigValue(#[from] gradbus_worker::config::ConfigError),
+
     /// The worker binary was not found where the launcher looked.
     #[error("worker binary not found: {}\n  hint: {hint}", path.display())]
     WorkerMissing {
@@ -133,6 +137,7 @@ impl Error {
             | Error::HostfileEmpty { .. }
             | Error::NotEnoughSlots { .. }
             | Error::Config { .. }
+            | Error::ConfigValue(_)
             | Error::WorkerMissing { .. }
             | Error::MpirunMissing
             | Error::RunDir { .. }

@@ -357,6 +357,7 @@ const ABORT: RGBColor = RGBColor(220, 0, 0);
 const WARN: RGBColor = RGBColor(200, 160, 0);
 const SPIKE: RGBColor = RGBColor(220, 0, 160);
 const LINE: RGBColor = RGBColor(30, 90, 200);
+const OFF_AXIS: RGBColor = RGBColor(90, 90, 90);
 
 /// Finite points, split into runs at non-finite (or, on a log scale, non-positive) values.
 fn segments(points: &[(f64, f64)], log: bool) -> Vec<Vec<(f64, f64)>> {
@@ -394,14 +395,91 @@ fn y_range(values: impl Iterator<Item = f64>, log: bool, extra: &[f64]) -> (f64,
     }
 }
 
-/// A tick label: at most 3 decimals, no trailing zeros, no "-0".
+/// A tick label that fits the label area: at most 3 decimals and no trailing zeros between 1e-3
+/// and 1e5, else the shortest of `1e12` / `9.6e14` / `-2.5e-4`; never "-0".
 fn tick(v: f64) -> String {
-    let s = format!("{v:.3}");
-    let s = s.trim_end_matches('0').trim_end_matches('.');
+    let a = v.abs();
+    if a != 0.0 && a.is_finite() && !(1e-3..1e5).contains(&a) {
+        let s = format!("{v:.1e}");
+        return s.replace(".0e", "e");
+    }
+    let s = if a >= 1e3 { format!("{v:.0}") } else { format!("{v:.3}") };
+    let s = if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.') } else { &s };
     if s == "-0" {
         "0".to_string()
     } else {
         s.to_string()
+    }
+}
+
+/// A tick label on an axis spanning `span`: a rounding residue of zero (|v| below a billionth of
+/// the span) is 0.
+fn axis_tick(v: f64, span: f64) -> String {
+    tick(if v.abs() < span * 1e-9 { 0.0 } else { v })
+}
+
+/// The y axis of a linear panel: the range drawn and what lies beyond it.
+#[derive(Clone, Debug, PartialEq)]
+struct LinearAxis {
+    /// The axis range: the kept values with a margin.
+    lo: f64,
+    hi: f64,
+    /// The kept values' range: an off-axis value is drawn at one of these, inside the margin, so
+    /// that its mark stays inside the panel.
+    bottom: f64,
+    top: f64,
+    /// Finite values above `hi` / below `lo` (drawn clamped to the edge and marked).
+    above: usize,
+    below: usize,
+    /// The most extreme of them.
+    max: f64,
+    min: f64,
+}
+
+/// How far beyond the central band (the 10th to 90th percentile) a value may lie, in band widths,
+/// before it is off the axis. A diverging run's 1e12 loss then sits at the edge, marked, while its
+/// normal range fills the panel; a run without outliers keeps its full range.
+const FENCE: f64 = 3.0;
+
+/// The axis of some values (non-finite ones are drawn apart and do not count). `extra` values
+/// (reference lines) are always inside.
+fn linear_axis(values: &[f64], extra: &[f64]) -> LinearAxis {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    let q = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    if !v.is_empty() {
+        // The narrowest band with a spread; with no spread at all the full range is the band.
+        let (a, b) =
+            [0.1, 0.05, 0.02, 0.0].iter().map(|&p| (q(p), q(1.0 - p))).find(|(a, b)| b > a).unwrap_or((v[0], v[0]));
+        let w = b - a;
+        let (flo, fhi) = (a - FENCE * w, b + FENCE * w);
+        let inside = v.iter().filter(|&&x| x >= flo && x <= fhi);
+        lo = inside.clone().copied().fold(lo, f64::min);
+        hi = inside.copied().fold(hi, f64::max);
+    }
+    for &x in extra.iter().filter(|x| x.is_finite()) {
+        lo = lo.min(x);
+        hi = hi.max(x);
+    }
+    let (above, below) = (v.iter().filter(|&&x| x > hi).count(), v.iter().filter(|&&x| x < lo).count());
+    let (max, min) = (v.last().copied().unwrap_or(f64::NAN), v.first().copied().unwrap_or(f64::NAN));
+    let (bottom, top) = (lo, hi);
+    let (lo, hi) = y_range([lo, hi].into_iter(), false, &[]);
+    LinearAxis { lo, hi, bottom: bottom.max(lo), top: top.min(hi), above, below, max, min }
+}
+
+impl LinearAxis {
+    /// The legend entry of the off-axis marks, e.g. `off the axis: 54 above (max 9.6e14)`.
+    fn off_label(&self) -> Option<String> {
+        let mut parts = Vec::new();
+        if self.above > 0 {
+            parts.push(format!("{} above (max {})", self.above, tick(self.max)));
+        }
+        if self.below > 0 {
+            parts.push(format!("{} below (min {})", self.below, tick(self.min)));
+        }
+        (!parts.is_empty()).then(|| format!("off the axis: {}", parts.join(", ")))
     }
 }
 
@@ -420,6 +498,8 @@ enum MarkKind {
     Abort,
     Warning,
     Spike,
+    /// A value beyond a linear axis, drawn at the edge.
+    OffAxis,
 }
 
 /// A named, coloured line.
@@ -435,8 +515,10 @@ struct Panel {
     marks: Vec<Mark>,
     /// Text placed at the top, ending at x (the abort, the first warning), and its colour.
     label: Option<(f64, String, RGBColor)>,
-    /// Where the legend goes.
-    legend: SeriesLabelPosition,
+    /// Where the legend goes; `None`: the corner the fewest points are drawn in ([`quiet_corner`]).
+    legend: Option<SeriesLabelPosition>,
+    /// The legend entry of the off-axis marks (set when the axis is fitted).
+    off_label: String,
 }
 
 type DrawResult<T> = Result<T, String>;
@@ -447,10 +529,21 @@ fn err<E: std::fmt::Debug>(e: E) -> String {
 
 /// Draw the series, lines and marks of a panel on a chart of either scale.
 macro_rules! draw_panel {
-    ($chart:expr, $p:expr, $x0:expr, $x1:expr, $ylo:expr, $yhi:expr) => {{
+    ($chart:expr, $p:expr, $x0:expr, $x1:expr, $ylo:expr, $yhi:expr, $to_unit:expr) => {{
         let chart = $chart;
         let p: &Panel = $p;
         let (ylo, yhi) = ($ylo, $yhi);
+        let legend = p.legend.clone().unwrap_or_else(|| {
+            let to_unit = $to_unit;
+            let xs = |x: f64| (x - $x0) / ($x1 - $x0);
+            let pts = p.series.iter().flat_map(|(_, _, pts)| pts.iter()).map(|&(x, y)| (x, y));
+            let marks = p.marks.iter().map(|m| (m.x, if m.y.is_finite() { m.y } else { yhi }));
+            quiet_corner(
+                pts.chain(marks)
+                    .filter(|(_, y)| y.is_finite() && (!p.log || *y > 0.0))
+                    .map(|(x, y)| (xs(x), to_unit(y))),
+            )
+        });
         let clamp = |y: f64| if y.is_finite() && (!p.log || y > 0.0) { y.clamp(ylo, yhi) } else { yhi };
         for (name, color, points) in &p.series {
             let mut first = true;
@@ -471,12 +564,15 @@ macro_rules! draw_panel {
                 .label(name.as_str())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
         }
-        for kind in [MarkKind::Warning, MarkKind::Skip, MarkKind::Rerun, MarkKind::Spike, MarkKind::Abort] {
+        for kind in
+            [MarkKind::OffAxis, MarkKind::Warning, MarkKind::Skip, MarkKind::Rerun, MarkKind::Spike, MarkKind::Abort]
+        {
             let pts: Vec<(f64, f64)> = p.marks.iter().filter(|m| m.kind == kind).map(|m| (m.x, clamp(m.y))).collect();
             if pts.is_empty() {
                 continue;
             }
             let (label, color) = match kind {
+                MarkKind::OffAxis => (p.off_label.as_str(), OFF_AXIS),
                 MarkKind::Warning => ("warning: headroom < margin", WARN),
                 MarkKind::Skip => ("skipped update", SKIP),
                 MarkKind::Rerun => ("rerun update", RERUN),
@@ -484,6 +580,9 @@ macro_rules! draw_panel {
                 MarkKind::Abort => ("ABORT", ABORT),
             };
             let s = match kind {
+                MarkKind::OffAxis => {
+                    chart.draw_series(pts.iter().map(|&c| TriangleMarker::new(c, 4, OFF_AXIS.filled())))
+                }
                 MarkKind::Warning => chart.draw_series(pts.iter().map(|&c| Circle::new(c, 3, WARN.filled()))),
                 MarkKind::Skip => chart.draw_series(pts.iter().map(|&c| TriangleMarker::new(c, 6, SKIP.filled()))),
                 MarkKind::Rerun => chart.draw_series(pts.iter().map(|&c| Cross::new(c, 5, RERUN.stroke_width(2)))),
@@ -511,7 +610,7 @@ macro_rules! draw_panel {
         }
         chart
             .configure_series_labels()
-            .position(p.legend.clone())
+            .position(legend)
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK.mix(0.4))
             .label_font((FONT, 11))
@@ -520,45 +619,94 @@ macro_rules! draw_panel {
     }};
 }
 
+/// The corner of a panel where a legend box (about 30% of the width, 35% of the height) covers the
+/// fewest of `points` (in panel units, 0..1 both ways); ties go to the first of upper left, upper
+/// right, lower left, lower right.
+fn quiet_corner(points: impl Iterator<Item = (f64, f64)>) -> SeriesLabelPosition {
+    let (w, h) = (0.3, 0.35);
+    let mut n = [0usize; 4];
+    for (x, y) in points {
+        let (left, right, up, low) = (x < w, x > 1.0 - w, y > 1.0 - h, y < h);
+        n[0] += usize::from(left && up);
+        n[1] += usize::from(right && up);
+        n[2] += usize::from(left && low);
+        n[3] += usize::from(right && low);
+    }
+    let best = (0..4).min_by_key(|&i| n[i]).unwrap_or(0);
+    [
+        SeriesLabelPosition::UpperLeft,
+        SeriesLabelPosition::UpperRight,
+        SeriesLabelPosition::LowerLeft,
+        SeriesLabelPosition::LowerRight,
+    ][best]
+        .clone()
+}
+
+/// The label area's width for tick labels of up to `chars` characters (plotters' 11-12 px font)
+/// plus the axis description.
+fn label_area(chars: usize) -> u32 {
+    (34 + 7 * chars as u32).max(60)
+}
+
 fn draw_one<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
-    p: &Panel,
+    mut p: Panel,
     x0: f64,
     x1: f64,
 ) -> DrawResult<()>
 where
     DB::ErrorType: 'static,
 {
-    let mut values: Vec<f64> = p.series.iter().flat_map(|(_, _, pts)| pts.iter().map(|&(_, y)| y)).collect();
-    values.extend(p.marks.iter().map(|m| m.y));
     let extra: Vec<f64> = p.hlines.iter().map(|h| h.2).collect();
-    let (ylo, yhi) = y_range(values.into_iter(), p.log, &extra);
     let mut builder = ChartBuilder::on(area);
-    builder.caption(&p.title, (FONT, 16)).margin(10).x_label_area_size(32).y_label_area_size(70);
+    builder.caption(&p.title, (FONT, 16)).margin(10).x_label_area_size(32);
     if p.log {
+        let mut values: Vec<f64> = p.series.iter().flat_map(|(_, _, pts)| pts.iter().map(|&(_, y)| y)).collect();
+        values.extend(p.marks.iter().map(|m| m.y));
+        let (ylo, yhi) = y_range(values.into_iter(), true, &extra);
+        let label = |v: &f64| format!("{v:.0e}");
+        builder.y_label_area_size(label_area(label(&ylo).len().max(label(&yhi).len())));
         let mut chart = builder.build_cartesian_2d(x0..x1, (ylo..yhi).log_scale()).map_err(err)?;
         chart
             .configure_mesh()
             .x_desc("step")
-            .x_label_formatter(&|v| tick(*v))
+            .x_label_formatter(&|v| axis_tick(*v, x1 - x0))
             .y_desc(p.y_desc)
-            .y_label_formatter(&|v| format!("{v:.0e}"))
+            .y_label_formatter(&label)
             .light_line_style(BLACK.mix(0.05))
             .draw()
             .map_err(err)?;
-        draw_panel!(&mut chart, p, x0, x1, ylo, yhi);
+        draw_panel!(&mut chart, &p, x0, x1, ylo, yhi, |y: f64| (y.ln() - ylo.ln()) / (yhi.ln() - ylo.ln()));
     } else {
+        let values: Vec<f64> = p.series.iter().flat_map(|(_, _, pts)| pts.iter().map(|&(_, y)| y)).collect();
+        let axis = linear_axis(&values, &extra);
+        let (ylo, yhi) = (axis.lo, axis.hi);
+        // Values beyond the axis: the line goes to the edge, and a mark at the edge says so.
+        let (bottom, top) = (axis.bottom, axis.top);
+        let mut off = Vec::new();
+        for (_, _, pts) in p.series.iter_mut() {
+            for (x, y) in pts.iter_mut().filter(|(_, y)| y.is_finite() && (*y > top || *y < bottom)) {
+                *y = y.clamp(bottom, top);
+                off.push(Mark { x: *x, y: *y, kind: MarkKind::OffAxis });
+            }
+        }
+        for m in p.marks.iter_mut().filter(|m| m.y.is_finite()) {
+            m.y = m.y.clamp(bottom, top);
+        }
+        p.marks.extend(off);
+        p.off_label = axis.off_label().unwrap_or_default();
+        builder.y_label_area_size(label_area(tick(ylo).len().max(tick(yhi).len())));
         let mut chart = builder.build_cartesian_2d(x0..x1, ylo..yhi).map_err(err)?;
         chart
             .configure_mesh()
             .x_desc("step")
-            .x_label_formatter(&|v| tick(*v))
+            .x_label_formatter(&|v| axis_tick(*v, x1 - x0))
             .y_desc(p.y_desc)
-            .y_label_formatter(&|v| tick(*v))
+            .y_label_formatter(&|v| axis_tick(*v, yhi - ylo))
             .light_line_style(BLACK.mix(0.05))
             .draw()
             .map_err(err)?;
-        draw_panel!(&mut chart, p, x0, x1, ylo, yhi);
+        draw_panel!(&mut chart, &p, x0, x1, ylo, yhi, |y: f64| (y - ylo) / (yhi - ylo));
     }
     Ok(())
 }
@@ -628,7 +776,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             hlines: vec![],
             marks: loss_marks,
             label: abort_label.clone(),
-            legend: SeriesLabelPosition::UpperLeft,
+            legend: None,
+            off_label: String::new(),
         },
         Panel {
             title: "reward (mean)".into(),
@@ -638,7 +787,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             hlines: vec![],
             marks: events(&|x| x.reward),
             label: None,
-            legend: SeriesLabelPosition::UpperLeft,
+            legend: None,
+            off_label: String::new(),
         },
         Panel {
             title: format!("global grad norm (log scale){}", n(a.norm_spikes.len(), "spike(s)")),
@@ -648,7 +798,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             hlines: vec![],
             marks: norm_marks,
             label: None,
-            legend: SeriesLabelPosition::UpperLeft,
+            legend: None,
+            off_label: String::new(),
         },
         Panel {
             title: "per-bucket grad norms (log scale)".into(),
@@ -658,7 +809,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             hlines: vec![],
             marks: events(&|x| x.bucket_norms.iter().copied().fold(f64::NAN, f64::max)),
             label: None,
-            legend: SeriesLabelPosition::UpperLeft,
+            legend: None,
+            off_label: String::new(),
         },
         Panel {
             title: format!(
@@ -686,7 +838,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
                     WARN,
                 )
             }),
-            legend: SeriesLabelPosition::MiddleLeft,
+            legend: Some(SeriesLabelPosition::MiddleLeft),
+            off_label: String::new(),
         },
     ]
 }
@@ -704,7 +857,7 @@ pub fn render_svg(path: &Path, data: &RunData, a: &Analysis, opts: &Options) -> 
     let root = SVGBackend::new(path, (W, PANEL_H * panels.len() as u32 + 40)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let root = root.titled(&title, (FONT, 20)).map_err(err)?;
-    for (area, p) in root.split_evenly((panels.len(), 1)).iter().zip(&panels) {
+    for (area, p) in root.split_evenly((panels.len(), 1)).iter().zip(panels) {
         draw_one(area, p, x0, x1)?;
     }
     root.present().map_err(err)?;
@@ -787,8 +940,72 @@ mod tests {
     fn tick_labels_are_short() {
         assert_eq!(tick(20.0), "20");
         assert_eq!(tick(0.4), "0.4");
-        assert_eq!(tick(-0.0001), "0");
+        assert_eq!(tick(-0.0001), "-1e-4");
+        assert_eq!(axis_tick(-2.2e-16, 2.0), "0");
+        assert_eq!(axis_tick(-2.2e-16, 1e-15), "-2.2e-16");
         assert_eq!(tick(-1.25), "-1.25");
+        assert_eq!(tick(1e12), "1e12");
+        assert_eq!(tick(9.636e14), "9.6e14");
+        assert_eq!(tick(-2.5e-4), "-2.5e-4");
+        assert_eq!(tick(12345.678), "12346");
+        assert_eq!(tick(0.0), "0");
+    }
+
+    /// A diverging run's losses: a normal band in [-1.4, 0.6], 50 spikes from 1e3 to 1e15, NaNs.
+    fn diverging() -> Vec<f64> {
+        let mut v: Vec<f64> = (0..900).map(|i| -1.4 + 2.0 * ((i * 37) % 100) as f64 / 100.0).collect();
+        for k in 0..50 {
+            v.insert(k * 18 + 5, 10f64.powf(3.0 + 12.0 * k as f64 / 49.0));
+        }
+        v.extend([f64::NAN, f64::INFINITY]);
+        v
+    }
+
+    #[test]
+    fn a_diverging_loss_keeps_its_normal_range_and_marks_the_outliers_at_the_edge() {
+        let a = linear_axis(&diverging(), &[]);
+        assert!(a.lo <= -1.4 && a.bottom <= -1.4, "the normal range's bottom is inside: {a:?}");
+        assert!(a.top >= 0.58 && a.hi < 10.0, "the normal range fills the axis, spikes do not: {a:?}");
+        assert_eq!((a.above, a.below), (50, 0));
+        assert_eq!(a.max, 1e15);
+        assert_eq!(a.off_label().unwrap(), "off the axis: 50 above (max 1e15)");
+        // A run without outliers keeps its whole range, and reference lines stay on the axis.
+        let normal: Vec<f64> = (0..300).map(|i| 0.6 - 2.0 * i as f64 / 299.0).collect();
+        let b = linear_axis(&normal, &[5.0]);
+        assert!(b.lo <= -1.4 && b.hi >= 5.0 && (b.above, b.below) == (0, 0) && b.off_label().is_none(), "{b:?}");
+        // Mostly constant values: a step to another level is not an outlier.
+        let mut flat = vec![0.0; 90];
+        flat.extend([1.0; 10]);
+        assert_eq!(linear_axis(&flat, &[]).above, 0);
+    }
+
+    #[test]
+    fn a_diverging_run_draws_short_labels_and_the_off_axis_legend() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines: Vec<String> = diverging()
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let l = if l.is_finite() { format!("{l}") } else { format!("\"{l}\"") };
+                line(i as u64 / 4, i as u64 % 4, 0, &l, "proceed", "60.0", "")
+            })
+            .collect();
+        let data = RunData { updates: parse_metrics(&lines.join("\n")).unwrap(), abort: None, has_dumps: false };
+        let o = Options { run_dir: dir.path().into(), ..opts() };
+        let a = analyze(&data, &o);
+        let path = dir.path().join("r.svg");
+        render_svg(&path, &data, &a, &o).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.contains("off the axis: 50 above (max 1e15)"), "outliers not marked");
+        // Every text that is a number is short enough for the label area.
+        let numbers: Vec<&str> = svg
+            .split('>')
+            .filter_map(|t| t.split('<').next())
+            .map(str::trim)
+            .filter(|t| !t.is_empty() && t.parse::<f64>().is_ok())
+            .collect();
+        assert!(numbers.iter().any(|t| *t == "0.5"), "the normal range has ticks: {numbers:?}");
+        assert!(numbers.iter().all(|t| t.len() <= 7), "{numbers:?}");
     }
 
     #[test]

@@ -362,6 +362,14 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         Some(path) => LaunchPlan::from_hosts(&hostfile::read(path)?, args.np, args.oversubscribe)?,
         None => LaunchPlan::local(args.np.unwrap_or(1))?,
     };
+    // The worker's own checks, once, before any rank starts: a bad config is one message and exit 2
+    // (the workers check again for a bare mpirun). Memory is this machine's only for a local launch.
+    let (cfg, _, _) = gradbus_worker::config::Config::load(&config, &args.sets)?;
+    cfg.check_world(plan.world_size)?;
+    if args.launcher == LauncherKind::Local {
+        let local = (0..plan.world_size).map(|r| plan.local_size(r)).max().unwrap_or(1);
+        cfg.check_memory(local, plan.world_size > 1, &gradbus_worker::config::Machine::probe())?;
+    }
     let worker = worker_command()?;
     let mpirun = match args.launcher {
         LauncherKind::Local => {

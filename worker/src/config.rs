@@ -9,9 +9,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use gradbus_collectives::layout::Fnv;
+use gradbus_collectives::layout::{Fnv, ALIGN_FLOATS};
 use gradbus_collectives::Policy;
 
+use crate::faults::FaultPhase;
 use crate::loss::LossConfig;
 use crate::model::GptConfig;
 
@@ -19,23 +20,35 @@ use crate::model::GptConfig;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The config file could not be read.
-    #[error("cannot read config {path}: {source} (hint: check the path; examples/tiny.toml is the default config)")]
+    #[error("cannot read config {path}: {source}\n  hint: check the path; examples/tiny.toml is the default config")]
     Read {
         /// The file.
         path: PathBuf,
         /// The OS error.
         source: std::io::Error,
     },
-    /// The file is not valid TOML or does not match the schema (unknown key, wrong type).
+    /// The file is not valid TOML (its line and column are in the message).
     #[error("{path}: {message}")]
     Invalid {
-        /// The file (or `--set` for overrides).
+        /// The file.
         path: String,
-        /// What toml/serde said, which names the key.
+        /// What the TOML parser said, with the line.
         message: String,
     },
+    /// A key does not match the schema: unknown key, wrong type, unknown variant.
+    #[error("config key `{key}` ({origin}): {message}\n  hint: {hint}")]
+    Schema {
+        /// The dotted key, e.g. `optim.lr` or `faults[0].rank`.
+        key: String,
+        /// The file, and whether `--set` overrides were applied.
+        origin: String,
+        /// What serde said.
+        message: String,
+        /// What to do.
+        hint: &'static str,
+    },
     /// A `--set` override is malformed.
-    #[error("--set {arg}: {why} (hint: use --set key=value with a dotted key, e.g. --set loss.style=\"safe\")")]
+    #[error("--set {arg}: {why}\n  hint: use --set key=value with a dotted key, e.g. --set loss.style=\"safe\"")]
     BadOverride {
         /// The override as given.
         arg: String,
@@ -43,14 +56,24 @@ pub enum ConfigError {
         why: String,
     },
     /// A value is out of its range.
-    #[error("config key `{key}` = {value}: {why}")]
+    #[error("config key `{key}` = {value}: {why}\n  hint: {hint}")]
     Range {
         /// The dotted key.
-        key: &'static str,
+        key: String,
         /// The value given.
         value: String,
         /// The allowed range.
-        why: &'static str,
+        why: String,
+        /// What to do, e.g. the default value.
+        hint: String,
+    },
+    /// The job would not fit in this machine's memory.
+    #[error("{estimate}\n  hint: {hint}")]
+    Memory {
+        /// The estimate against what the machine has, in words.
+        estimate: String,
+        /// What to do.
+        hint: String,
     },
 }
 
@@ -263,6 +286,167 @@ impl Default for SpikeConfig {
     }
 }
 
+/// Elements of the model's flat parameter buffer (every slot padded to `ALIGN_FLOATS`, as
+/// `Layout::new` lays them out), as f64 so that an absurd shape cannot overflow.
+fn param_floats(m: &GptConfig) -> f64 {
+    let a = |n: f64| (n / ALIGN_FLOATS as f64).ceil() * ALIGN_FLOATS as f64;
+    let (v, t, c) = (m.vocab as f64, m.max_seq as f64, m.channels as f64);
+    let block = 6.0 * a(c) + a(3.0 * c * c) + a(3.0 * c) + a(c * c) + 2.0 * a(4.0 * c * c) + a(4.0 * c);
+    2.0 * a(v * c) + a(t * c) + m.layers as f64 * block + 2.0 * a(c)
+}
+
+/// A job's memory on one node, in bytes (f64: an absurd model gives a large number, not an
+/// overflow). Counted from the buffers the worker allocates (`train::Trainer::new`,
+/// `model::Activations::new`, the shm segment's gradient slots); small tables are left out.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemoryEstimate {
+    /// Ranks on the node.
+    pub local_ranks: usize,
+    /// Parameter elements P.
+    pub params: f64,
+    /// One rank's weights x3 (trainer, rollout engine, frozen reference) and Adam moments x2.
+    pub state: f64,
+    /// One rank's activations, dlogits and loss caches.
+    pub activations: f64,
+    /// One rank's gradients when they are not in /dev/shm (a world of one).
+    pub private_grads: f64,
+    /// The node's /dev/shm segment: every local rank's gradients.
+    pub segment: f64,
+    /// Rank 0's buffer while it encodes a checkpoint (weights and moments), when checkpointing.
+    pub checkpoint: f64,
+}
+
+impl MemoryEstimate {
+    /// Bytes the node needs in all.
+    pub fn total(&self) -> f64 {
+        self.local_ranks as f64 * (self.state + self.activations + self.private_grads) + self.segment + self.checkpoint
+    }
+
+    fn describe(&self) -> String {
+        let mut s = format!(
+            "{} rank(s) x (weights x3 and Adam moments x2 {}, activations {}",
+            self.local_ranks,
+            bytes(self.state),
+            bytes(self.activations)
+        );
+        if self.private_grads > 0.0 {
+            s += &format!(", gradients {}", bytes(self.private_grads));
+        }
+        s += ")";
+        if self.segment > 0.0 {
+            s += &format!(" + gradients in /dev/shm {}", bytes(self.segment));
+        }
+        if self.checkpoint > 0.0 {
+            s += &format!(" + checkpoint buffer {}", bytes(self.checkpoint));
+        }
+        s + &format!(", for {} parameters", count(self.params))
+    }
+}
+
+/// What this machine has, where it can be read (None elsewhere: that check is then skipped).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Machine {
+    /// Bytes of `MemAvailable` in /proc/meminfo.
+    pub mem_available: Option<f64>,
+    /// Free bytes of /dev/shm.
+    pub shm_free: Option<f64>,
+}
+
+impl Machine {
+    /// Read /proc/meminfo and statvfs(/dev/shm).
+    pub fn probe() -> Machine {
+        let mem_available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+            let line = t.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024.0)
+        });
+        // SAFETY: statvfs writes only into `st`, a plain C struct that may start zeroed; the path
+        // is a NUL-terminated literal.
+        let shm_free = unsafe {
+            let mut st: libc::statvfs = std::mem::zeroed();
+            (libc::statvfs(c"/dev/shm".as_ptr(), &mut st) == 0).then(|| st.f_bavail as f64 * st.f_frsize as f64)
+        };
+        Machine { mem_available, shm_free }
+    }
+}
+
+/// Bytes in binary units, e.g. `894.1 GiB`; beyond EiB in scientific notation.
+pub fn bytes(x: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = x;
+    for u in units {
+        if v < 1024.0 {
+            return if u == "B" { format!("{v:.0} B") } else { format!("{v:.1} {u}") };
+        }
+        v /= 1024.0;
+    }
+    format!("{x:.1e} B")
+}
+
+/// A count, exact below a million, else like `2.4e11`.
+fn count(x: f64) -> String {
+    if x < 1e6 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.1e}")
+    }
+}
+
+/// The keys that hold a table.
+const SECTIONS: [&str; 8] = ["model", "rl", "loss", "optim", "skip", "checkpoint", "warn", "spike"];
+
+/// The longest wait in seconds a config may ask for (`collective_timeout_s`, a planned stall).
+pub const MAX_SECONDS: f64 = 86_400.0;
+/// The largest spike window: the detectors keep that many values.
+pub const MAX_SPIKE_WINDOW: usize = 1_000_000;
+
+/// One range rule: (key, value as given, whether it holds, the requirement, an example value).
+fn r(
+    key: &str,
+    value: impl std::fmt::Display,
+    holds: bool,
+    why: &str,
+    example: &'static str,
+) -> (String, String, bool, String, &'static str) {
+    (key.to_string(), value.to_string(), holds, why.to_string(), example)
+}
+
+/// The dotted key (`optim.lr`, `faults[1].rank`) of the line holding byte `offset` of a TOML text as
+/// `toml::Table::to_string` writes it: `[table]` and `[[array]]` headers, one `key = value` a line.
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let mut table = String::new();
+    let mut arrays: Vec<(String, usize)> = Vec::new();
+    let mut pos = 0;
+    for line in text.split_inclusive('\n') {
+        let t = line.trim();
+        let here = offset >= pos && offset < pos + line.len();
+        if let Some(name) = t.strip_prefix("[[").and_then(|x| x.strip_suffix("]]")) {
+            let name = name.trim().to_string();
+            let n = match arrays.iter_mut().find(|(a, _)| *a == name) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.1
+                }
+                None => {
+                    arrays.push((name.clone(), 0));
+                    0
+                }
+            };
+            table = format!("{name}[{n}]");
+        } else if let Some(name) = t.strip_prefix('[').and_then(|x| x.strip_suffix(']')) {
+            table = name.trim().to_string();
+        } else if here {
+            let k = t.split('=').next()?.trim().trim_matches('"');
+            return Some(if table.is_empty() { k.to_string() } else { format!("{table}.{k}") });
+        }
+        if here {
+            return Some(table);
+        }
+        pos += line.len();
+    }
+    None
+}
+
 fn default_steps() -> u64 {
     20
 }
@@ -286,53 +470,300 @@ impl Config {
 
     /// Parse TOML text (named `origin` in errors), apply overrides, check ranges.
     pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<(Config, u64, String), ConfigError> {
-        let invalid =
-            |path: &str, e: &dyn std::fmt::Display| ConfigError::Invalid { path: path.into(), message: e.to_string() };
-        let mut table: toml::Table = text.parse().map_err(|e| invalid(origin, &e))?;
+        let mut table: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| ConfigError::Invalid { path: origin.into(), message: e.to_string() })?;
         for arg in overrides {
             apply_override(&mut table, arg)?;
         }
+        let origin = if overrides.is_empty() { origin.to_string() } else { format!("{origin} with --set overrides") };
+        // serde would take an empty array for a table whose fields all have defaults.
+        for (key, v) in table.iter().filter(|(k, _)| SECTIONS.contains(&k.as_str())) {
+            if !v.is_table() {
+                return Err(ConfigError::Schema {
+                    key: key.clone(),
+                    origin,
+                    message: format!("invalid type: {}, expected a table", v.type_str()),
+                    hint: "write it as a [section] of key = value lines, as in examples/tiny.toml",
+                });
+            }
+        }
         let canonical = table.to_string();
-        let cfg: Config =
-            toml::from_str(&canonical).map_err(|e| invalid(&format!("{origin} (with --set overrides)"), &e))?;
+        let cfg: Config = toml::from_str(&canonical).map_err(|e| {
+            let message = e.message().trim().to_string();
+            let hint = if message.starts_with("unknown field") {
+                "check the spelling and the table; examples/tiny.toml documents every key"
+            } else {
+                "examples/tiny.toml documents every key with a value of its type"
+            };
+            ConfigError::Schema {
+                key: e.span().and_then(|s| key_at(&canonical, s.start)).unwrap_or_else(|| "?".into()),
+                origin,
+                message,
+                hint,
+            }
+        })?;
         cfg.check()?;
         let mut h = Fnv::default();
         h.write(canonical.as_bytes());
         Ok((cfg, h.0, canonical))
     }
 
+    /// Every range rule of every key; the first one broken is the error. No rule allocates, so an
+    /// absurd model shape is refused here or by [`Config::memory`], never by an allocation.
     fn check(&self) -> Result<(), ConfigError> {
-        let range = |key, value: String, why| Err(ConfigError::Range { key, value, why });
-        let rl = &self.rl;
-        if rl.prompts_per_rank == 0 || rl.group_size < 2 {
-            return range(
+        let (m, rl, o, l) = (&self.model, &self.rl, &self.optim, &self.loss);
+        let finite_pos = |x: f64| x.is_finite() && x > 0.0;
+        let finite_nonneg = |x: f64| x.is_finite() && x >= 0.0;
+        let fraction = |x: f64| (0.0..1.0).contains(&x);
+        let per_rank = rl.prompts_per_rank.checked_mul(rl.group_size);
+        let updates = rl.epochs.checked_mul(rl.minibatches);
+        // (key, value, holds, requirement, example): in the order of examples/tiny.toml.
+        let mut rules: Vec<(String, String, bool, String, &str)> = vec![
+            r("steps", self.steps, self.steps >= 1, "must be at least 1", "20"),
+            r(
+                "rollout_sync_interval",
+                self.rollout_sync_interval,
+                self.rollout_sync_interval >= 1,
+                "must be at least 1 (1 = on-policy)",
+                "1",
+            ),
+            r("bucket_bytes", self.bucket_bytes, self.bucket_bytes >= 4, "must be at least 4 (one f32)", "65536"),
+            r(
+                "collective_timeout_s",
+                self.collective_timeout_s,
+                finite_pos(self.collective_timeout_s) && self.collective_timeout_s <= MAX_SECONDS,
+                &format!("must be > 0 and at most {MAX_SECONDS} seconds"),
+                "30",
+            ),
+            r("model.vocab", m.vocab, m.vocab >= 4, "must be at least 4 (BOS, EOS, PAD and one content token)", "16"),
+            r(
+                "model.max_seq",
+                m.max_seq,
+                m.max_seq >= 3,
+                "must be at least 3 (a prompt [BOS, p] and one response token)",
+                "16",
+            ),
+            r("model.channels", m.channels, m.channels >= 1, "must be at least 1", "64"),
+            r(
+                "model.heads",
+                m.heads,
+                m.heads >= 1 && m.channels % m.heads == 0,
+                &format!("must be at least 1 and divide model.channels = {}", m.channels),
+                "4",
+            ),
+            r("model.layers", m.layers, m.layers >= 1, "must be at least 1", "2"),
+            r("rl.prompts_per_rank", rl.prompts_per_rank, rl.prompts_per_rank >= 1, "must be at least 1", "2"),
+            r(
                 "rl.group_size",
-                rl.group_size.to_string(),
-                "need prompts_per_rank >= 1 and group_size >= 2 (group-normalised advantages)",
-            );
-        }
-        if rl.epochs == 0 || rl.minibatches == 0 || (rl.prompts_per_rank * rl.group_size) % rl.minibatches != 0 {
-            return range(
-                "rl.minibatches",
-                rl.minibatches.to_string(),
-                "must be >= 1 and divide prompts_per_rank * group_size",
-            );
-        }
-        if rl.response_len == 0 || 2 + rl.response_len > self.model.max_seq {
-            return range(
+                rl.group_size,
+                rl.group_size >= 2 && per_rank.is_some(),
+                "must be at least 2 (group-normalised advantages)",
+                "8",
+            ),
+            r(
                 "rl.response_len",
-                rl.response_len.to_string(),
-                "must be >= 1 and 2 + response_len <= model.max_seq",
-            );
+                rl.response_len,
+                rl.response_len >= 1 && rl.response_len.checked_add(2).is_some_and(|n| n <= m.max_seq),
+                &format!("must be at least 1 and 2 + rl.response_len <= model.max_seq = {}", m.max_seq),
+                "8",
+            ),
+            r("rl.epochs", rl.epochs, rl.epochs >= 1, "must be at least 1", "4"),
+            r(
+                "rl.minibatches",
+                rl.minibatches,
+                rl.minibatches >= 1 && updates.is_some() && per_rank.is_some_and(|n| n % rl.minibatches == 0),
+                &format!(
+                    "must be at least 1 and divide rl.prompts_per_rank x rl.group_size = {}",
+                    per_rank.map_or("overflow".into(), |n| n.to_string())
+                ),
+                "4",
+            ),
+            r("rl.temperature", rl.temperature, finite_pos(rl.temperature.into()), "must be finite and > 0", "1.0"),
+            r(
+                "loss.clip",
+                l.clip,
+                finite_pos(l.clip.into()),
+                "must be finite and > 0 (the PPO ratio is clipped to [1 - clip, 1 + clip])",
+                "0.2",
+            ),
+            r("loss.kl_coef", l.kl_coef, finite_nonneg(l.kl_coef.into()), "must be finite and >= 0", "0.01"),
+            r("optim.lr", o.lr, finite_pos(o.lr.into()), "must be finite and > 0", "1e-3"),
+            r("optim.beta1", o.beta1, fraction(o.beta1.into()), "must be in [0, 1)", "0.9"),
+            r("optim.beta2", o.beta2, fraction(o.beta2.into()), "must be in [0, 1)", "0.999"),
+            r("optim.eps", o.eps, finite_pos(o.eps.into()), "must be finite and > 0", "1e-8"),
+            r(
+                "optim.weight_decay",
+                o.weight_decay,
+                finite_nonneg(o.weight_decay.into()),
+                "must be finite and >= 0",
+                "0.0",
+            ),
+            r(
+                "optim.grad_clip",
+                o.grad_clip,
+                finite_nonneg(o.grad_clip.into()),
+                "must be finite and >= 0 (0 = no clipping)",
+                "1.0",
+            ),
+            r(
+                "skip.max_fraction",
+                self.skip.max_fraction,
+                (0.0..=1.0).contains(&self.skip.max_fraction),
+                "must be in [0, 1]",
+                "0.1",
+            ),
+            r("skip.window", self.skip.window, self.skip.window >= 1, "must be at least 1", "100"),
+            r(
+                "warn.headroom",
+                self.warn.headroom,
+                finite_nonneg(self.warn.headroom.into()),
+                "must be finite and >= 0 (nats below ln(f32::MAX) = 88.72)",
+                "20",
+            ),
+            r(
+                "spike.window",
+                self.spike.window,
+                (2..=MAX_SPIKE_WINDOW).contains(&self.spike.window),
+                &format!("must be in 2..={MAX_SPIKE_WINDOW} updates"),
+                "128",
+            ),
+            r(
+                "spike.z_limit",
+                self.spike.z_limit,
+                finite_nonneg(self.spike.z_limit),
+                "must be finite and >= 0 (0 = only the 10x rule)",
+                "6",
+            ),
+        ];
+        let updates = updates.unwrap_or(usize::MAX);
+        for (i, f) in self.faults.iter().enumerate() {
+            let key = |k: &str| format!("faults[{i}].{k}");
+            let (last, last_why) = if f.phase == FaultPhase::Checkpoint {
+                (self.steps, "must be at most steps (a checkpoint's step is the steps completed)")
+            } else {
+                (self.steps.saturating_sub(1), "must be below steps (the fault would never fire)")
+            };
+            rules.push(r(&key("step"), f.step, f.step <= last, last_why, "1"));
+            let mb_ok =
+                if f.phase == FaultPhase::Checkpoint { f.minibatch == 0 } else { (f.minibatch as usize) < updates };
+            rules.push(r(
+                &key("minibatch"),
+                f.minibatch,
+                mb_ok,
+                "must be below rl.epochs x rl.minibatches (0 for phase \"checkpoint\")",
+                "0",
+            ));
+            rules.push(r(
+                &key("seconds"),
+                f.seconds,
+                finite_nonneg(f.seconds) && f.seconds <= MAX_SECONDS,
+                &format!("must be in [0, {MAX_SECONDS}]"),
+                "3600",
+            ));
+            rules.push(r(&key("code"), f.code, (0..=255).contains(&f.code), "must be an exit code in 0..=255", "1"));
+            if let Some(p) = &f.param {
+                rules.push((
+                    key("param"),
+                    format!("{p:?}"),
+                    m.has_param(p),
+                    "must name a parameter of the model".into(),
+                    "\"head.weight\"",
+                ));
+            }
         }
-        if self.rollout_sync_interval == 0 {
-            return range("rollout_sync_interval", "0".into(), "must be >= 1 (1 = on-policy)");
+        match rules.into_iter().find(|rule| !rule.2) {
+            Some((key, value, _, why, example)) => {
+                let hint = match key.split_once("].") {
+                    Some((entry, field)) => format!("e.g. {field} = {example} in the {entry}] entry"),
+                    None => format!("e.g. --set {key}={example}"),
+                };
+                Err(ConfigError::Range { key, value, why, hint })
+            }
+            None => Ok(()),
         }
-        if !(self.collective_timeout_s > 0.0) {
-            return range("collective_timeout_s", self.collective_timeout_s.to_string(), "must be > 0");
+    }
+
+    /// The checks that need the world size: a planned fault's rank must exist.
+    pub fn check_world(&self, world: usize) -> Result<(), ConfigError> {
+        for (i, f) in self.faults.iter().enumerate() {
+            if f.rank >= world {
+                return Err(ConfigError::Range {
+                    key: format!("faults[{i}].rank"),
+                    value: f.rank.to_string(),
+                    why: format!("must be below the world size {world} (the fault would never fire)"),
+                    hint: "e.g. rank = 0".into(),
+                });
+            }
         }
-        if !(rl.temperature > 0.0) {
-            return range("rl.temperature", rl.temperature.to_string(), "must be > 0");
+        Ok(())
+    }
+
+    /// What a job of this config needs on one node that runs `local_ranks` of its ranks;
+    /// `shared`: the gradients live in the node's /dev/shm segment (a world of more than one).
+    pub fn memory(&self, local_ranks: usize, shared: bool) -> MemoryEstimate {
+        let (m, rl) = (&self.model, &self.rl);
+        let params = param_floats(m);
+        let (b, t) = (rl.prompts_per_rank.saturating_mul(rl.group_size), rl.response_len.saturating_add(1));
+        let bt = b as f64 * t as f64;
+        // Activations, the loss's dlogits (B, T, V) and per-position caches.
+        let activations = 4.0 * (crate::model::Activations::numel(m, b, t) + bt * m.vocab as f64 + 16.0 * bt);
+        // Weights (trainer, rollout engine, frozen reference) and Adam's two moments.
+        let state = 4.0 * 5.0 * params;
+        let grads = 4.0 * params;
+        MemoryEstimate {
+            local_ranks,
+            params,
+            state,
+            activations,
+            private_grads: if shared { 0.0 } else { grads },
+            segment: if shared { local_ranks as f64 * (grads / 4096.0).ceil() * 4096.0 } else { 0.0 },
+            checkpoint: if self.checkpoint.every > 0 { state } else { 0.0 },
+        }
+    }
+
+    /// The model and batch keys the memory estimate depends on, with their values.
+    fn shape_keys(&self) -> String {
+        let (m, rl) = (&self.model, &self.rl);
+        format!(
+            "model.vocab = {}, model.max_seq = {}, model.channels = {}, model.heads = {}, model.layers = {}, \
+             rl.prompts_per_rank = {}, rl.group_size = {}, rl.response_len = {}",
+            m.vocab, m.max_seq, m.channels, m.heads, m.layers, rl.prompts_per_rank, rl.group_size, rl.response_len
+        )
+    }
+
+    /// Refuse the config when [`Config::memory`] exceeds what `machine` has: memory available
+    /// (`MemAvailable`) for the whole node, /dev/shm free space for the gradient segment.
+    pub fn check_memory(&self, local_ranks: usize, shared: bool, machine: &Machine) -> Result<(), ConfigError> {
+        let e = self.memory(local_ranks, shared);
+        let hint = "make the model or the batch smaller (model.channels, model.layers, model.vocab, \
+                    rl.prompts_per_rank, rl.group_size), or run fewer ranks on this node";
+        if let Some(have) = machine.mem_available.filter(|&have| e.total() > have) {
+            return Err(ConfigError::Memory {
+                estimate: format!(
+                    "the job needs about {} of memory on this node and the machine has {} available \
+                     (MemAvailable): {}; {}",
+                    bytes(e.total()),
+                    bytes(have),
+                    e.describe(),
+                    self.shape_keys()
+                ),
+                hint: hint.into(),
+            });
+        }
+        if let Some(free) = machine.shm_free.filter(|&free| e.segment > free) {
+            return Err(ConfigError::Memory {
+                estimate: format!(
+                    "the gradients of {} local rank(s) need about {} in /dev/shm and it has {} free \
+                     ({} parameters; {})",
+                    local_ranks,
+                    bytes(e.segment),
+                    bytes(free),
+                    count(e.params),
+                    self.shape_keys()
+                ),
+                hint: format!("{hint}; or enlarge /dev/shm (`mount -o remount,size=8G /dev/shm`, docker --shm-size)"),
+            });
         }
         Ok(())
     }
@@ -345,7 +776,7 @@ impl Config {
             PolicyName::Skip => Policy::Skip {
                 max_consecutive: self.skip.max_consecutive,
                 max_fraction: self.skip.max_fraction,
-                window: self.skip.window.max(1),
+                window: self.skip.window,
             },
         }
     }
@@ -377,7 +808,20 @@ fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), ConfigError>
 
 #[cfg(test)]
 mod tests {
-    use super::Overlap;
+    use super::*;
+
+    fn load(sets: &[&str]) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/tiny.toml")).unwrap();
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::from_toml(&text, "tiny.toml", &sets).map(|c| c.0)
+    }
+
+    fn key_of(e: ConfigError) -> String {
+        match e {
+            ConfigError::Range { key, .. } | ConfigError::Schema { key, .. } => key,
+            other => panic!("not a keyed error: {other}"),
+        }
+    }
 
     #[test]
     fn overlap_auto_needs_other_nodes_and_a_free_core_per_rank() {
@@ -387,5 +831,66 @@ mod tests {
         assert!(!Overlap::Auto.resolve(1, 1), "one node: the shared-memory reduce is short");
         assert!(!Overlap::Auto.resolve(4, cores), "every core already runs a rank");
         assert_eq!(Overlap::Auto.resolve(4, (cores / 2).max(1)), cores >= 2);
+    }
+
+    #[test]
+    fn schema_errors_name_the_dotted_key() {
+        assert_eq!(key_of(load(&["optim.lr=\"fast\""]).unwrap_err()), "optim.lr");
+        assert_eq!(key_of(load(&["optim.lrr=1"]).unwrap_err()), "optim.lrr");
+        assert_eq!(key_of(load(&["seed=-1"]).unwrap_err()), "seed");
+        assert_eq!(
+            key_of(load(&["faults=[{kind=\"nan\",rank=0,step=0},{kind=\"nan\",rank=\"x\",step=0}]"]).unwrap_err()),
+            "faults[1].rank"
+        );
+    }
+
+    #[test]
+    fn range_errors_name_the_key_and_the_defaults_pass() {
+        load(&[]).unwrap();
+        for (set, key) in [
+            ("model.heads=3", "model.heads"),
+            ("model.channels=0", "model.channels"),
+            ("model.vocab=3", "model.vocab"),
+            ("optim.lr=nan", "optim.lr"),
+            ("optim.lr=-1", "optim.lr"),
+            ("loss.clip=inf", "loss.clip"),
+            ("warn.headroom=-1", "warn.headroom"),
+            ("optim.beta2=1.0", "optim.beta2"),
+            ("skip.window=0", "skip.window"),
+            ("collective_timeout_s=inf", "collective_timeout_s"),
+            ("faults=[{kind=\"stall\",rank=0,step=0,seconds=-1}]", "faults[0].seconds"),
+            ("faults=[{kind=\"nan\",rank=0,step=0,param=\"blocks.9.ln1.weight\"}]", "faults[0].param"),
+        ] {
+            assert_eq!(key_of(load(&[set]).unwrap_err()), key, "{set}");
+        }
+        let c = load(&["faults=[{kind=\"kill\",rank=2,step=0}]"]).unwrap();
+        assert_eq!(key_of(c.check_world(2).unwrap_err()), "faults[0].rank");
+        c.check_world(3).unwrap();
+    }
+
+    #[test]
+    fn memory_estimate_counts_the_layout_and_refuses_what_does_not_fit() {
+        for m in [GptConfig::default(), GptConfig { vocab: 7, max_seq: 5, channels: 12, heads: 3, layers: 3 }] {
+            let layout = gradbus_collectives::Layout::new(&crate::model::param_specs(&m), 64);
+            assert_eq!(param_floats(&m), layout.len as f64, "{m:?}");
+        }
+        let c = load(&["checkpoint.every=0"]).unwrap();
+        let e = c.memory(2, true);
+        let p = param_floats(&c.model) * 4.0;
+        assert_eq!(e.segment, 2.0 * (p / 4096.0).ceil() * 4096.0);
+        assert_eq!(e.total(), 2.0 * (5.0 * p + e.activations) + e.segment);
+        assert_eq!(c.memory(1, false).private_grads, p);
+        let big = Machine { mem_available: Some(1e12), shm_free: Some(1e12) };
+        c.check_memory(2, true, &big).unwrap();
+        let small = Machine { mem_available: Some(e.total() - 1.0), shm_free: None };
+        let msg = c.check_memory(2, true, &small).unwrap_err().to_string();
+        assert!(msg.contains("MemAvailable") && msg.contains("model.channels = 64") && msg.contains("hint:"), "{msg}");
+        let tight_shm = Machine { mem_available: None, shm_free: Some(e.segment - 1.0) };
+        assert!(c.check_memory(2, true, &tight_shm).unwrap_err().to_string().contains("/dev/shm"));
+        let huge = load(&["model.channels=100000"]).unwrap();
+        let msg = huge.check_memory(1, false, &big).unwrap_err().to_string();
+        assert!(msg.contains("TiB") && msg.contains("model.channels = 100000"), "{msg}");
+        assert_eq!(bytes(1536.0), "1.5 KiB");
+        assert_eq!(bytes(3.0), "3 B");
     }
 }

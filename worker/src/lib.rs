@@ -153,6 +153,10 @@ fn mpi_transport(
 pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     let info = RankInfo::discover().map_err(WorkerError::Usage)?;
     let (cfg, config_hash, canonical) = Config::load(&args.config, &args.overrides)?;
+    // `gradbus run` has checked the whole node already; under a bare mpirun this is the only check,
+    // and each rank can only see its own share (the others may already hold theirs).
+    cfg.check_world(info.world)?;
+    cfg.check_memory(1, info.world > 1, &config::Machine { shm_free: None, ..config::Machine::probe() })?;
     let run_dir = info.run_dir(args.run_dir.clone());
     std::fs::create_dir_all(&run_dir).map_err(|e| WorkerError::io(&run_dir.display().to_string(), e))?;
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);

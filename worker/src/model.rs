@@ -43,17 +43,13 @@ impl Default for GptConfig {
 }
 
 impl GptConfig {
-    /// Check the shape; the message names the key.
-    pub fn validate(&self) -> Result<(), String> {
-        for (key, v) in [("vocab", self.vocab), ("max_seq", self.max_seq), ("channels", self.channels)] {
-            if v == 0 {
-                return Err(format!("model.{key} must be at least 1"));
-            }
-        }
-        if self.heads == 0 || self.channels % self.heads != 0 {
-            return Err(format!("model.heads = {} must divide model.channels = {}", self.heads, self.channels));
-        }
-        Ok(())
+    /// Whether `name` is one of [`param_specs`]' names, without building them (an absurd
+    /// `layers` must not allocate before the config check has refused it).
+    pub fn has_param(&self, name: &str) -> bool {
+        matches!(name, "wte" | "wpe" | "ln_f.weight" | "ln_f.bias" | "head.weight")
+            || name.strip_prefix("blocks.").and_then(|x| x.split_once('.')).is_some_and(|(l, p)| {
+                l.parse::<usize>().is_ok_and(|n| n < self.layers && n.to_string() == l) && BLOCK_PARAMS.contains(&p)
+            })
     }
 }
 
@@ -155,6 +151,15 @@ pub struct Activations {
 }
 
 impl Activations {
+    /// How many 4-byte elements [`Activations::new`] allocates for `(cfg, b, t)`, as f64 so that an
+    /// absurd shape gives a large number instead of an overflow (the config's memory estimate).
+    pub fn numel(cfg: &GptConfig, b: usize, t: usize) -> f64 {
+        let (c, v, nh, l) = (cfg.channels as f64, cfg.vocab as f64, cfg.heads as f64, cfg.layers as f64);
+        let bt = b as f64 * t as f64;
+        let block = 18.0 * bt * c + 4.0 * bt + b as f64 * nh * t as f64 * t as f64;
+        l * block + 17.0 * bt * c + 3.0 * bt + bt * v
+    }
+
     /// Buffers for up to `b` sequences of up to `t` positions.
     pub fn new(cfg: &GptConfig, b: usize, t: usize) -> Activations {
         let (c, v, nh) = (cfg.channels, cfg.vocab, cfg.heads);
@@ -215,10 +220,10 @@ pub struct Gpt {
 }
 
 impl Gpt {
-    /// The model for `cfg`, with each parameter's range taken from the layout's slots. Panics if the
-    /// layout was not made from `param_specs(cfg)`.
+    /// The model for `cfg`, with each parameter's range taken from the layout's slots. `cfg` is one
+    /// that `config::Config`'s check accepted (heads divide channels, every size at least 1); the
+    /// layout must have been made from `param_specs(cfg)`, else this panics (a bug, not an input).
     pub fn new(cfg: &GptConfig, layout: &Layout) -> Gpt {
-        cfg.validate().expect("valid model config");
         let specs = param_specs(cfg);
         assert_eq!(specs.len(), layout.slots.len(), "layout has a different parameter count");
         let ranges = specs
@@ -480,10 +485,36 @@ mod tests {
     }
 
     #[test]
-    fn config_rejects_unknown_keys_and_bad_heads() {
+    fn config_rejects_unknown_keys() {
         let c: GptConfig = toml::from_str("channels = 32\nheads = 2").unwrap();
         assert_eq!((c.channels, c.heads, c.vocab), (32, 2, 16));
         assert!(toml::from_str::<GptConfig>("chanels = 32").is_err());
-        assert!(GptConfig { heads: 3, ..GptConfig::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn has_param_knows_exactly_the_names_of_param_specs() {
+        let cfg = GptConfig { layers: 3, ..GptConfig::default() };
+        for s in param_specs(&cfg) {
+            assert!(cfg.has_param(&s.name), "{}", s.name);
+        }
+        for bad in ["blocks.3.ln1.weight", "blocks.01.ln1.weight", "blocks.0.ln3.weight", "head", "blocks.0", ""] {
+            assert!(!cfg.has_param(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn activation_count_matches_the_buffers() {
+        let cfg = GptConfig { vocab: 7, max_seq: 9, channels: 12, heads: 3, layers: 2 };
+        let (b, t) = (5, 6);
+        let a = Activations::new(&cfg, b, t);
+        let mut n = a.tokens.len() + a.encoded.len() + a.lnf.len() + a.lnf_mean.len() + a.lnf_rstd.len();
+        n += a.logits.len() + a.dx.len() + a.dres.len() + a.d1.len() + a.d2.len();
+        n += a.dqkv.len() + a.dh1.len() + a.dh2.len();
+        for k in &a.blocks {
+            n += k.ln1.len() + k.ln1_mean.len() + k.ln1_rstd.len() + k.qkv.len() + k.atty.len() + k.att.len();
+            n += k.attproj.len() + k.res2.len() + k.ln2.len() + k.ln2_mean.len() + k.ln2_rstd.len();
+            n += k.fch.len() + k.fch_gelu.len() + k.fcproj.len() + k.res3.len();
+        }
+        assert_eq!(Activations::numel(&cfg, b, t), n as f64);
     }
 }
