@@ -167,12 +167,6 @@ unsafe impl Transport for Solo {
         Ok(())
     }
     fn agree(&mut self, _at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
-        Ok(HealthTable {
-            world: 1,
-            buckets: self.local.len(),
-            local: self.local.clone(),
-            reduced: self.local.clone(),
-            reports: vec![local],
-        })
+        Ok(HealthTable::detailed(1, self.local.clone(), self.local.clone(), vec![local], None))
     }
 }

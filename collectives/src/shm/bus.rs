@@ -12,10 +12,12 @@ use gradbus_kernels::{reduce_in_place, reduce_plain, reduce_to_one, Health};
 use memmap2::MmapRaw;
 
 use super::liveness::{monotonic_ns, self_start_time, thread_cpu_time};
+use super::segment::REPORT_BYTES;
 use super::segment::{
     attach, check_job_id, create, load_health, store_health, BusConfig, Geometry, HealthCell, RankCell,
 };
 use super::{FAIL_MARKED, ST_ATTACHED, ST_DEPARTED};
+use crate::agreement::{AgreementPath, Summary};
 use crate::layout::{chunk_range, Layout, ALIGN_FLOATS};
 use crate::transport::{Progress, Transport};
 use crate::verdict::{HealthTable, LocalReport, StepId};
@@ -36,6 +38,8 @@ pub struct ShmBus {
     pub(super) barriers: u64,
     /// `agree` calls so far: the update number, whose parity picks the table buffer.
     pub(super) update: u64,
+    /// Summary first, or always the table (`GRADBUS_AGREEMENT`).
+    pub(super) agreement: AgreementPath,
     /// Thread CPU time of this rank's last reduce phase (between the two barriers; no waiting in
     /// it), for the benchmark: unlike wall time it does not count preemption by other processes.
     pub(crate) last_reduce_cpu: Duration,
@@ -55,6 +59,7 @@ impl ShmBus {
     /// `cfg.timeout` if a rank does not come.
     pub fn open(cfg: BusConfig) -> Result<ShmBus, Error> {
         check_job_id(&cfg.shm_dir, &cfg.job_id)?;
+        let agreement = AgreementPath::from_env()?;
         if cfg.local_size == 0 || cfg.local_rank >= cfg.local_size {
             return Err(Error::BadSegment {
                 path: ShmBus::segment_path(&cfg.shm_dir, &cfg.job_id, cfg.node_id).display().to_string(),
@@ -82,6 +87,7 @@ impl ShmBus {
             claimed: false,
             barriers: 0,
             update: 0,
+            agreement,
             last_reduce_cpu: Duration::ZERO,
             inside_reduce: None,
         };
@@ -112,17 +118,44 @@ impl ShmBus {
         assert!(bucket < g.buckets && reducer < g.n);
         let idx = (parity as usize * g.buckets + bucket) * g.n + reducer;
         // SAFETY: entry idx < 2 * buckets * n lies in [table, reports) (Geometry); it is 64-byte
-        // aligned and holds a stamp word then n + 1 cells of 4 words, all atomics.
+        // aligned and holds a stamp word then n + 2 cells of 4 words, all atomics.
         unsafe {
             let p = self.map.as_ptr().add(g.table + idx * g.entry);
-            (&*p.cast::<AtomicU64>(), std::slice::from_raw_parts(p.add(8).cast::<HealthCell>(), g.n + 1))
+            (&*p.cast::<AtomicU64>(), std::slice::from_raw_parts(p.add(8).cast::<HealthCell>(), g.n + 2))
         }
     }
 
     pub(super) fn report_cell(&self, parity: u64, k: usize) -> &[AtomicU64; 8] {
         assert!(k < self.geo.n);
         // SAFETY: report (parity, k) lies in [reports, grads) (Geometry), 8-byte aligned, 8 atomics.
-        unsafe { &*self.map.as_ptr().add(self.geo.reports + (parity as usize * self.geo.n + k) * 64).cast() }
+        unsafe { &*self.map.as_ptr().add(self.geo.reports + (parity as usize * self.geo.n + k) * REPORT_BYTES).cast() }
+    }
+
+    fn read_report(&self, parity: u64, k: usize) -> LocalReport {
+        let w = self.report_cell(parity, k);
+        LocalReport::from_words(&std::array::from_fn::<u64, { LocalReport::WORDS }, _>(|i| {
+            w[i].load(Ordering::Relaxed)
+        }))
+    }
+
+    /// Local rank `k`'s health per bucket in the last agreed update (its cells of every reducer's
+    /// chunk, merged in chunk order). Valid until the next `agree`: the buffer of that update is
+    /// rewritten only two updates later, after barriers this rank has not passed.
+    pub fn last_local_row(&self, k: usize) -> Vec<Health> {
+        let (n, parity) = (self.geo.n, (self.update + 1) % 2);
+        (0..self.geo.buckets)
+            .map(|b| {
+                let len = self.cfg.layout.buckets[b].range.len();
+                let mut h = Health::default();
+                for r in 0..n {
+                    let (stamp, cells) = self.entry(parity, b, r);
+                    if stamp.load(Ordering::Relaxed) == self.update {
+                        h.merge(&load_health(&cells[k]), chunk_range(len, n, r, ALIGN_FLOATS).start as u64);
+                    }
+                }
+                h
+            })
+            .collect()
     }
 
     /// Start of rank k's gradient slot.
@@ -225,7 +258,12 @@ impl ShmBus {
             };
             drop(slices);
             let (stamp, cells) = self.entry(self.update % 2, bucket, me);
-            for (cell, h) in cells.iter().zip(tally.iter().chain([&sum])) {
+            let totals = Health {
+                nan: tally.iter().map(|h| h.nan).sum(),
+                inf: tally.iter().map(|h| h.inf).sum(),
+                ..Health::default()
+            };
+            for (cell, h) in cells.iter().zip(tally.iter().chain([&sum, &totals])) {
                 store_health(cell, h);
             }
             stamp.store(self.update + 1, Ordering::Relaxed);
@@ -271,52 +309,46 @@ unsafe impl Transport for ShmBus {
         self.inside_reduce = Some(hook);
     }
 
+    /// The node's agreement. Every rank reads, per bucket, each reducer's chunk of the reduced
+    /// health and its NaN/Inf totals (O(local ranks x buckets) words, not the O(local ranks^2 x
+    /// buckets) of the per-rank cells), and every rank's report; only when that summary shows an
+    /// anomaly (or `GRADBUS_AGREEMENT=table`) does it read every rank's cells too.
     fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
         let (n, me, parity) = (self.geo.n, self.cfg.local_rank, self.update % 2);
-        let words = [
-            local.loss,
-            local.values[0],
-            local.values[1],
-            local.values[2],
-            local.values[3],
-            local.values[4],
-            local.values[5],
-            local.values[6],
-        ];
-        for (w, v) in self.report_cell(parity, me).iter().zip(words) {
-            w.store(v.to_bits(), Ordering::Relaxed);
+        for (w, v) in self.report_cell(parity, me).iter().zip(local.to_words()) {
+            w.store(v, Ordering::Relaxed);
         }
         self.barrier_tagged("agree", at, None)?;
-        let stamp_now = self.update + 1;
         let nb = self.geo.buckets;
-        let mut table = HealthTable {
-            world: n,
-            buckets: nb,
-            local: vec![Health::default(); nb * n],
-            reduced: vec![Health::default(); nb],
-            reports: Vec::with_capacity(n),
-        };
-        for b in 0..nb {
+        let mut summary = Summary::empty(nb);
+        let mut reduced = vec![Health::default(); nb];
+        for (b, red) in reduced.iter_mut().enumerate() {
             let len = self.cfg.layout.buckets[b].range.len();
             // Chunks in increasing offset order: a fixed order of the f64 sums on every rank.
             for r in 0..n {
                 let (stamp, cells) = self.entry(parity, b, r);
-                if stamp.load(Ordering::Relaxed) != stamp_now {
+                if stamp.load(Ordering::Relaxed) != self.update + 1 {
                     continue; // bucket not reduced in this update: nothing to report
                 }
                 let off = chunk_range(len, n, r, ALIGN_FLOATS).start as u64;
-                for k in 0..n {
-                    table.local[b * n + k].merge(&load_health(&cells[k]), off);
-                }
-                table.reduced[b].merge(&load_health(&cells[n]), off);
+                red.merge(&load_health(&cells[n]), off);
+                let totals = load_health(&cells[n + 1]);
+                summary.add_local(b, totals.nan, totals.inf);
             }
         }
-        for k in 0..n {
-            let w = self.report_cell(parity, k);
-            let f = |i: usize| f64::from_bits(w[i].load(Ordering::Relaxed));
-            table.reports.push(LocalReport { loss: f(0), values: std::array::from_fn(|i| f(i + 1)) });
+        summary.set_reduced(&reduced);
+        let reports: Vec<LocalReport> = (0..n).map(|k| self.read_report(parity, k)).collect();
+        for r in &reports {
+            summary.add_report(r);
         }
         self.update += 1;
+        if self.agreement == AgreementPath::Summary && summary.anomaly().is_none() {
+            return Ok(HealthTable::summarized(n, summary).expect("one reduced health per bucket"));
+        }
+        let local = (0..n).map(|k| self.last_local_row(k)).collect::<Vec<_>>();
+        let local = (0..nb).flat_map(|b| local.iter().map(move |row| row[b])).collect();
+        let table = HealthTable::detailed(n, local, reduced, reports, None);
+        debug_assert_eq!(table.summary, summary, "both paths agree on the summary");
         Ok(table)
     }
 

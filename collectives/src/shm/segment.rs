@@ -111,6 +111,10 @@ pub(super) struct RankCell {
     pub(super) tags: [[AtomicU64; 5]; 2],
 }
 
+/// Bytes of one report cell: `LocalReport::WORDS` words, padded to a cache line.
+pub(super) const REPORT_BYTES: usize = 64;
+const _: () = assert!(LocalReport::WORDS * 8 <= REPORT_BYTES);
+
 /// A stored `Health`: nan, inf, sumsq bits, first bad (or `NONE`).
 pub(super) type HealthCell = [AtomicU64; 4];
 
@@ -121,7 +125,8 @@ pub(super) struct Geometry {
     pub(super) buckets: usize,
     pub(super) cells: usize,
     pub(super) table: usize,
-    /// Bytes of one (parity, bucket, reducer) entry: a stamp then n + 1 health cells.
+    /// Bytes of one (parity, bucket, reducer) entry: a stamp, then n + 2 health cells: the chunk's
+    /// health per source rank, the health of the chunk's sum, and the NaN/Inf totals of the sources.
     pub(super) entry: usize,
     pub(super) reports: usize,
     pub(super) grads: usize,
@@ -137,9 +142,9 @@ impl Geometry {
     pub(super) fn new(n: usize, buckets: usize, len: usize) -> Geometry {
         let cells = HEADER_BYTES;
         let table = round_up(cells + n * size_of::<RankCell>(), PAGE);
-        let entry = round_up(8 + (n + 1) * size_of::<HealthCell>(), 64);
+        let entry = round_up(8 + (n + 2) * size_of::<HealthCell>(), 64);
         let reports = round_up(table + 2 * buckets * n * entry, PAGE);
-        let grads = round_up(reports + 2 * n * size_of::<LocalReport>(), PAGE);
+        let grads = round_up(reports + 2 * n * REPORT_BYTES, PAGE);
         let slot_stride = round_up(len * 4, PAGE).max(PAGE);
         Geometry { n, buckets, cells, table, entry, reports, grads, slot_stride, size: grads + n * slot_stride }
     }
