@@ -283,3 +283,21 @@ fn two_nodes_in_network_namespaces_train_over_tcp_like_two_fake_nodes_and_tear_d
     r.expect_code(4);
     assert!(nodes.processes_left().is_empty(), "left: {:?}", nodes.processes_left());
 }
+
+/// The agreement's summary path (the default) and its table path (`GRADBUS_AGREEMENT=table`) give
+/// bitwise the same metrics over flat MPI and the hierarchical transport (2 fake nodes).
+#[test]
+fn summary_and_table_agreement_give_bitwise_identical_metrics_over_mpi_and_hier() {
+    let d = tempfile::tempdir().unwrap();
+    let run = |name: &str, env: &[(&str, &str)]| {
+        let dir = d.path().join(name);
+        worker_under_mpirun(&dir, env);
+        metrics(&dir)
+    };
+    for (name, env) in [("flat", ("GRADBUS_TRANSPORT", "mpi")), ("hier", ("GRADBUS_FAKE_NODES", "2"))] {
+        let summary = run(&format!("{name}-summary"), &[env]);
+        let table = run(&format!("{name}-table"), &[env, ("GRADBUS_AGREEMENT", "table")]);
+        assert_eq!(summary.len(), 2 * 16);
+        assert_eq!(summary, table, "{name}: the paths' metrics differ");
+    }
+}

@@ -277,9 +277,9 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
         bus.allreduce_bucket(at, bucket)?;
         let want = (n * (n + 1) / 2) as f32;
         let wrong = bus.grads()[range.clone()].iter().filter(|&&x| x != want).count();
-        let table = bus.agree(at, LocalReport { loss: wrong as f64, values: [0.0; 7] })?;
+        let table = bus.agree(at, LocalReport { loss: wrong as f64, ..LocalReport::default() })?;
         #[allow(unused_mut)]
-        let mut wrong: u64 = table.reports.iter().map(|r| r.loss as u64).sum();
+        let mut wrong = table.summary.loss.sum() as u64;
 
         // The same bytes through MPI_Allreduce (every rank takes part; the result is checked too).
         #[allow(unused_mut)]
@@ -390,8 +390,8 @@ fn time_transport(
     t.grads()[range.clone()].fill(fill);
     t.allreduce_bucket(at, bucket)?;
     let wrong = t.grads()[range].iter().filter(|&&x| x != want).count();
-    let table = t.agree(at, LocalReport { loss: wrong as f64, values: [0.0; 7] })?;
-    Ok((best, table.reports.iter().map(|r| r.loss as u64).sum()))
+    let table = t.agree(at, LocalReport { loss: wrong as f64, ..LocalReport::default() })?;
+    Ok((best, table.summary.loss.sum() as u64))
 }
 
 /// GB/s of a single-thread memcpy, the fused health scan and a plain read of `x`'s bytes.

@@ -127,6 +127,18 @@ impl Layout {
     }
 }
 
+/// The element range of chunk `r` of `len` elements split among `n` reducers: cut into units of
+/// `align` elements, the units dealt out as evenly as possible (the first `units % n` chunks get one
+/// more), the last chunk holding the ragged end. Chunks are contiguous, ordered and cover `0..len`.
+pub fn chunk_range(len: usize, n: usize, r: usize, align: usize) -> Range<usize> {
+    assert!(n > 0 && r < n && align > 0);
+    let units = len.div_ceil(align);
+    let (base, extra) = (units / n, units % n);
+    let start = r * base + r.min(extra);
+    let end = start + base + usize::from(r < extra);
+    (start * align).min(len)..(end * align).min(len)
+}
+
 /// FNV-1a 64: a stable hash with no dependency (std's hasher is not stable across releases).
 #[derive(Clone, Copy, Debug)]
 pub struct Fnv(pub u64);
@@ -190,5 +202,43 @@ mod tests {
         assert_eq!(a, Layout::new(&specs(&[10, 20]), 0).hash());
         assert_ne!(a, Layout::new(&specs(&[10, 21]), 0).hash());
         assert_ne!(a, Layout::new(&specs(&[10, 20]), 1 << 20).hash());
+    }
+
+    #[test]
+    fn chunks_cover_the_range_in_order_and_differ_by_at_most_one_unit() {
+        for len in [0, 1, 2, 15, 16, 17, 31, 33, 100, 1000, 4099] {
+            for n in 1..=5 {
+                for align in [1, 16] {
+                    let mut at = 0;
+                    let mut sizes = Vec::new();
+                    for r in 0..n {
+                        let c = chunk_range(len, n, r, align);
+                        assert_eq!(c.start, at, "len {len} n {n} align {align} r {r}");
+                        assert!(c.start <= c.end);
+                        at = c.end;
+                        sizes.push(c.len());
+                        if c.end < len {
+                            assert_eq!(c.end % align, 0, "inner cuts on unit boundaries");
+                        }
+                    }
+                    assert_eq!(at, len, "chunks cover the range");
+                    let units = len.div_ceil(align);
+                    let max = sizes.iter().max().unwrap();
+                    assert!(*max <= units.div_ceil(n) * align, "len {len} n {n} align {align}: {sizes:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn chunks_of_small_ranges() {
+        assert_eq!(chunk_range(1, 3, 0, 1), 0..1);
+        assert_eq!(chunk_range(1, 3, 1, 1), 1..1);
+        assert_eq!(chunk_range(1, 3, 2, 1), 1..1);
+        assert_eq!(chunk_range(0, 2, 1, 16), 0..0);
+        assert_eq!(chunk_range(10, 3, 0, 1), 0..4);
+        assert_eq!(chunk_range(10, 3, 1, 1), 4..7);
+        assert_eq!(chunk_range(10, 3, 2, 1), 7..10);
+        assert_eq!(chunk_range(48, 2, 1, 16), 32..48);
     }
 }

@@ -7,6 +7,7 @@
 //! Transports: `Solo` (one rank), the shared-memory bus, MPI and hierarchical shm+MPI (feature
 //! `mpi`), NCCL (feature `cuda`, module `nccl`: compiled but never run, see its header).
 
+pub mod agreement;
 pub mod bench;
 pub mod layout;
 #[cfg(feature = "mpi")]
@@ -21,6 +22,7 @@ pub mod verdict;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 mod wire;
 
+pub use agreement::{AgreementPath, Anomaly, ExactSum, Stat, Summary};
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use overlap::{backward_and_reduce, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
@@ -99,6 +101,14 @@ pub enum Error {
     #[error("NCCL: {what} (hint: {hint})")]
     Nccl {
         /// What went wrong.
+        what: String,
+        /// What to do.
+        hint: String,
+    },
+    /// A setting the collectives read (an environment variable) has a value they do not know.
+    #[error("{what} (hint: {hint})")]
+    Config {
+        /// What was wrong, naming the setting.
         what: String,
         /// What to do.
         hint: String,

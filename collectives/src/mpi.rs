@@ -51,11 +51,13 @@
 
 use std::sync::{Arc, Mutex, Weak};
 
+use ::mpi::collective::SystemOperation;
 use ::mpi::environment::Universe;
 use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
 use gradbus_kernels::{health_scan, Health};
 
+use crate::agreement::{AgreementPath, Summary};
 use crate::layout::{Fnv, Layout};
 use crate::shm::{BusConfig, ShmBus};
 use crate::transport::{Progress, Transport};
@@ -222,7 +224,7 @@ fn agree_rows(
     report: &LocalReport,
 ) -> Result<HealthTable, Error> {
     let nb = local.len();
-    let row = 2 + 8 * nb + 8;
+    let row = 2 + 8 * nb + LocalReport::WORDS;
     let mut mine = Vec::with_capacity(row);
     mine.push(ops);
     mine.push(reduced.is_some() as u64);
@@ -231,8 +233,7 @@ fn agree_rows(
         Some(r) => mine.extend(r.iter().flat_map(health_words)),
         None => mine.resize(mine.len() + 4 * nb, 0),
     }
-    mine.push(report.loss.to_bits());
-    mine.extend(report.values.iter().map(|v| v.to_bits()));
+    mine.extend(report.to_words());
     debug_assert_eq!(mine.len(), row);
     let n = comm.size() as usize;
     let me = comm.rank() as usize;
@@ -263,21 +264,56 @@ fn agree_rows(
             });
         }
     }
-    let mut table = HealthTable {
-        world: n,
-        buckets: nb,
-        local: vec![Health::default(); nb * n],
-        reduced: red(first).chunks_exact(4).map(health_of).collect(),
-        reports: Vec::with_capacity(n),
-    };
+    let mut local = vec![Health::default(); nb * n];
+    let mut reports = Vec::with_capacity(n);
     for (k, r) in rows.iter().enumerate() {
         for b in 0..nb {
-            table.local[b * n + k] = health_of(&r[2 + 4 * b..2 + 4 * b + 4]);
+            local[b * n + k] = health_of(&r[2 + 4 * b..2 + 4 * b + 4]);
         }
-        let f = |i: usize| f64::from_bits(r[2 + 8 * nb + i]);
-        table.reports.push(LocalReport { loss: f(0), values: std::array::from_fn(|i| f(i + 1)) });
+        reports.push(LocalReport::from_words(&r[2 + 8 * nb..]));
     }
-    Ok(table)
+    let reduced = red(first).chunks_exact(4).map(health_of).collect();
+    Ok(HealthTable::detailed(n, local, reduced, reports, Some(ops)))
+}
+
+/// The summary path of the agreement: ONE all-reduce (two non-blocking `MPI_Iallreduce`s started
+/// together, integer sums and maxima; see `agreement`) of every rank's contribution. Exact integer
+/// operations: the same bits whatever order the library combines the ranks in.
+fn allreduce_summary(comm: &SimpleCommunicator, mine: &Summary) -> Summary {
+    let (s, m) = (mine.sum_words(), mine.max_words());
+    let (mut rs, mut rm) = (vec![0u64; s.len()], vec![0u64; m.len()]);
+    ::mpi::request::scope(|scope| {
+        let a = comm.immediate_all_reduce_into(scope, &s[..], &mut rs[..], SystemOperation::sum());
+        let b = comm.immediate_all_reduce_into(scope, &m[..], &mut rm[..], SystemOperation::max());
+        a.wait();
+        b.wait();
+    });
+    Summary::from_words(mine.buckets(), &rs, &rm)
+}
+
+/// The agreement of both transports: the summary all-reduce, then the full table (`agree_rows`)
+/// only when the summary shows an anomaly or the table path is forced. `contribution` is this
+/// rank's share of the summary (without the collective hash, added here); `local` and `reduced`
+/// are its row of the table.
+#[allow(clippy::too_many_arguments)]
+fn agree_world(
+    comm: &SimpleCommunicator,
+    path: AgreementPath,
+    ops: u64,
+    mut contribution: Summary,
+    local: impl FnOnce() -> Vec<Health>,
+    reduced: Option<&[Health]>,
+    report: &LocalReport,
+) -> Result<HealthTable, Error> {
+    if path == AgreementPath::Summary {
+        contribution.ops.add(ops);
+        let summary = allreduce_summary(comm, &contribution);
+        if summary.anomaly().is_none() {
+            let n = comm.size() as usize;
+            return Ok(HealthTable::summarized(n, summary).expect("no anomaly: the reducers agree"));
+        }
+    }
+    agree_rows(comm, ops, &local(), reduced, report)
 }
 
 /// MPI handles of one transport, dropped before the universe (or leaked with it on failure).
@@ -388,6 +424,7 @@ pub struct MpiTransport {
     ops: Fnv,
     rank: usize,
     world: usize,
+    agreement: AgreementPath,
     core: MpiCore,
 }
 
@@ -395,6 +432,7 @@ impl MpiTransport {
     /// Initialise MPI, check that the environment's rank and world size agree with it, and check
     /// every rank's `config_hash` and layout (one allgather). Collective over `MPI_COMM_WORLD`.
     pub fn open(expect: Expect, layout: Layout, config_hash: u64) -> Result<MpiTransport, Error> {
+        let agreement = AgreementPath::from_env()?;
         let ident = [expect.rank as u64, expect.rank as u64, 0, 1, config_hash, layout.hash()];
         let (core, _) = MpiCore::open(&expect, |_| Ok(ident))?;
         let nb = layout.buckets.len();
@@ -407,6 +445,7 @@ impl MpiTransport {
             ops: Fnv::default(),
             rank: expect.rank,
             world: expect.world,
+            agreement,
             layout,
             core,
         })
@@ -443,7 +482,10 @@ unsafe impl Transport for MpiTransport {
         fold_op(&mut self.ops, "agree", at, None);
         let ops = std::mem::take(&mut self.ops).0;
         let (l, red) = (&self.local, &self.reduced);
-        let table = self.core.guard(|c| agree_rows(&c.comms().world, ops, l, Some(red), &local))?;
+        let mine = Summary::of_rank(l, Some(red), &local);
+        let path = self.agreement;
+        let table =
+            self.core.guard(|c| agree_world(&c.comms().world, path, ops, mine, || l.clone(), Some(red), &local))?;
         // Buckets not reduced in the next update report nothing, as on the bus.
         self.local.fill(Health::default());
         self.reduced.fill(Health::default());
@@ -464,6 +506,7 @@ pub struct HierTransport {
     ops: Fnv,
     rank: usize,
     world: usize,
+    agreement: AgreementPath,
     core: MpiCore,
 }
 
@@ -481,6 +524,7 @@ impl HierTransport {
     pub fn open(expect: Expect, mut bus: BusConfig) -> Result<HierTransport, Error> {
         // A node id past a C int gets a colour anyway, so that this rank joins every split; it
         // fails after them (and its peers at their bus's deadline).
+        let agreement = AgreementPath::from_env()?;
         let env_node = bus.node_id;
         let fake = i32::try_from(env_node).unwrap_or(i32::MAX);
         // Find the node before opening the bus: the splits are collective over the world, and a
@@ -519,6 +563,7 @@ impl HierTransport {
             ops: Fnv::default(),
             rank: expect.rank,
             world: expect.world,
+            agreement,
             core,
         })
     }
@@ -567,13 +612,21 @@ unsafe impl Transport for HierTransport {
         fold_op(&mut self.ops, "agree", at, None);
         let ops = std::mem::take(&mut self.ops).0;
         let r = (|| {
-            // The node's table (every local rank's health, merged from the reducers' chunks).
+            // The node's summary (a full node table only when the node shows an anomaly). Its
+            // leader contributes it, with the global reduce's health in place of the node's;
+            // the other ranks contribute nothing but their collective hash.
             let node = self.bus.agree(at, local)?;
-            let me = self.bus.rank();
-            let mine: Vec<Health> = (0..node.buckets).map(|b| *node.cell(b, me)).collect();
             let leader = self.core.comms().leaders.is_some();
             let red = leader.then_some(&self.reduced[..]);
-            agree_rows(&self.core.comms().world, ops, &mine, red, &local)
+            let mut mine = Summary::empty(node.buckets);
+            if let Some(red) = red {
+                mine = node.summary.clone();
+                mine.clear_reduced();
+                mine.set_reduced(red);
+            }
+            let bus = &self.bus;
+            let row = || bus.last_local_row(bus.rank());
+            agree_world(&self.core.comms().world, self.agreement, ops, mine, row, red, &local)
         })();
         self.reduced.fill(Health::default());
         if r.is_err() {

@@ -265,8 +265,7 @@ unsafe impl Transport for NcclTransport {
         let n = self.cfg.world;
         let mut mine = vec![ops, self.cfg.config_hash, self.cfg.layout.hash()];
         mine.extend(self.local.iter().flat_map(health_words));
-        mine.push(report.loss.to_bits());
-        mine.extend(report.values.iter().map(|v| v.to_bits()));
+        mine.extend(report.to_words());
         let width = mine.len();
         let all = self.exchange(&mine)?;
         let pending = std::mem::take(&mut self.pending);
@@ -291,20 +290,16 @@ unsafe impl Transport for NcclTransport {
                 });
             }
         }
-        let mut table = HealthTable {
-            world: n,
-            buckets: nb,
-            local: vec![Health::default(); nb * n],
-            reduced,
-            reports: Vec::with_capacity(n),
-        };
+        let mut local = vec![Health::default(); nb * n];
+        let mut reports = Vec::with_capacity(n);
         for (k, r) in rows.iter().enumerate() {
             for b in 0..nb {
-                table.local[b * n + k] = health_of(&r[HEAD + 4 * b..HEAD + 4 * b + 4]);
+                local[b * n + k] = health_of(&r[HEAD + 4 * b..HEAD + 4 * b + 4]);
             }
-            let f = |i: usize| f64::from_bits(r[HEAD + 4 * nb + i]);
-            table.reports.push(LocalReport { loss: f(0), values: std::array::from_fn(|i| f(i + 1)) });
+            reports.push(LocalReport::from_words(&r[HEAD + 4 * nb..]));
         }
+        // The table path always: a single GPU per machine has not run this transport yet.
+        let table = HealthTable::detailed(n, local, reduced, reports, Some(ops));
         // Buckets not reduced in the next update report nothing, as on the bus.
         self.local.fill(Health::default());
         Ok(table)

@@ -85,7 +85,7 @@ pub unsafe trait Transport {
 pub fn bucket_health(x: &[f32], chunks: usize) -> Health {
     let mut h = Health::default();
     for r in 0..chunks {
-        let c = crate::shm::chunk_range(x.len(), chunks, r, crate::layout::ALIGN_FLOATS);
+        let c = crate::layout::chunk_range(x.len(), chunks, r, crate::layout::ALIGN_FLOATS);
         h.merge(&health_scan(&x[c.clone()]), c.start as u64);
     }
     h
@@ -167,12 +167,6 @@ unsafe impl Transport for Solo {
         Ok(())
     }
     fn agree(&mut self, _at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
-        Ok(HealthTable {
-            world: 1,
-            buckets: self.local.len(),
-            local: self.local.clone(),
-            reduced: self.local.clone(),
-            reports: vec![local],
-        })
+        Ok(HealthTable::detailed(1, self.local.clone(), self.local.clone(), vec![local], None))
     }
 }

@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use gradbus_kernels::Health;
 use serde::Serialize;
 
+use crate::agreement::Summary;
 use crate::layout::Layout;
 
 /// Which optimizer update a collective belongs to. Never "-1": the worker always knows its step.
@@ -24,17 +25,54 @@ pub struct StepId {
 }
 
 /// Scalars that each rank contributes to the agreement (exchanged with the health table, no extra
-/// round trip). `loss` decides `loss_finite`; `values` are the workload's own (reward, KL, tokens...).
+/// round trip). `loss` decides `loss_finite`; `values` are the workload's own (reward, KL...), which
+/// the agreement sums exactly and takes the extremes of (`Summary`); `replica` is a checksum of the
+/// state every rank must hold alike (the parameters), which must agree across ranks.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 #[repr(C)]
 pub struct LocalReport {
     /// This rank's loss for the update.
     pub loss: f64,
     /// Workload-defined scalars, averaged or summed by the workload after the agreement.
-    pub values: [f64; 7],
+    pub values: [f64; LocalReport::VALUES],
+    /// Checksum of this rank's replica of the shared state; ranks that differ stop the job.
+    pub replica: u64,
+}
+
+impl LocalReport {
+    /// Number of workload values.
+    pub const VALUES: usize = 5;
+    /// Words of a report on the wire or in a segment.
+    pub const WORDS: usize = 2 + LocalReport::VALUES;
+
+    /// The report as words: loss bits, value bits, replica.
+    pub fn to_words(&self) -> [u64; LocalReport::WORDS] {
+        let mut w = [0; LocalReport::WORDS];
+        w[0] = self.loss.to_bits();
+        for (w, v) in w[1..].iter_mut().zip(&self.values) {
+            *w = v.to_bits();
+        }
+        w[LocalReport::WORDS - 1] = self.replica;
+        w
+    }
+
+    /// The report of `to_words`' words.
+    pub fn from_words(w: &[u64]) -> LocalReport {
+        LocalReport {
+            loss: f64::from_bits(w[0]),
+            values: std::array::from_fn(|i| f64::from_bits(w[1 + i])),
+            replica: w[LocalReport::WORDS - 1],
+        }
+    }
 }
 
 /// What every rank knows after the agreement of one update.
+///
+/// Always: the `summary` (O(buckets), see `agreement`) and the reduced buckets' health. The
+/// per-rank detail (`local`, `reports`) only when the agreement gathered the full table
+/// (`is_detailed`): when the summary showed a non-finite value or a disagreement, or when the table
+/// path was forced. Every field present is bitwise the same on every rank, and the summary is the
+/// same whichever path produced it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HealthTable {
     /// Number of ranks.
@@ -42,17 +80,60 @@ pub struct HealthTable {
     /// Number of buckets.
     pub buckets: usize,
     /// `local[bucket * world + rank]`: the rank's gradients in that bucket BEFORE the reduce;
-    /// `first_bad` is relative to the bucket's start.
+    /// `first_bad` is relative to the bucket's start. Empty unless detailed.
     pub local: Vec<Health>,
     /// Health of each reduced bucket (its sum of squares gives the global norm).
     pub reduced: Vec<Health>,
-    /// Each rank's report.
+    /// Each rank's report. Empty unless detailed.
     pub reports: Vec<LocalReport>,
+    /// The aggregates every rank decides from.
+    pub summary: Summary,
 }
 
 impl HealthTable {
-    /// Health of one rank's local gradients in one bucket.
+    /// The table of a full gather: the summary is the merge of every rank's contribution (rank
+    /// `k`'s local cells and report; the reduced health from `reduced`), so it is bitwise the
+    /// summary an all-reduce of the same contributions gives; `ops` is the agreed collective hash
+    /// (when the transport checks one).
+    pub fn detailed(
+        world: usize,
+        local: Vec<Health>,
+        reduced: Vec<Health>,
+        reports: Vec<LocalReport>,
+        ops: Option<u64>,
+    ) -> HealthTable {
+        let buckets = reduced.len();
+        assert_eq!((local.len(), reports.len()), (world * buckets, world));
+        let mut summary = Summary::empty(buckets);
+        summary.set_reduced(&reduced);
+        for (k, r) in reports.iter().enumerate() {
+            for b in 0..buckets {
+                let h = &local[b * world + k];
+                summary.add_local(b, h.nan, h.inf);
+            }
+            summary.add_report(r);
+            if let Some(ops) = ops {
+                summary.ops.add(ops);
+            }
+        }
+        HealthTable { world, buckets, local, reduced, reports, summary }
+    }
+
+    /// The table of a summary alone (no per-rank detail): the summary path's healthy update.
+    /// `None` when the reducers disagree (then the caller gathers the table).
+    pub fn summarized(world: usize, summary: Summary) -> Option<HealthTable> {
+        let reduced = summary.reduced()?;
+        Some(HealthTable { world, buckets: reduced.len(), local: Vec::new(), reduced, reports: Vec::new(), summary })
+    }
+
+    /// Whether the per-rank detail (`local`, `reports`) is present.
+    pub fn is_detailed(&self) -> bool {
+        self.reports.len() == self.world
+    }
+
+    /// Health of one rank's local gradients in one bucket (a detailed table only).
     pub fn cell(&self, bucket: usize, rank: usize) -> &Health {
+        assert!(self.is_detailed(), "per-rank health is gathered only when something is not finite");
         &self.local[bucket * self.world + rank]
     }
 
@@ -63,12 +144,40 @@ impl HealthTable {
 
     /// True when every rank's local gradients and every reduced bucket are finite.
     pub fn all_finite(&self) -> bool {
-        self.local.iter().chain(&self.reduced).all(Health::is_finite)
+        let s = &self.summary;
+        s.nan.iter().chain(&s.inf).all(|&c| c == 0) && self.reduced.iter().all(Health::is_finite)
     }
 
     /// True when every rank reported a finite loss.
     pub fn loss_finite(&self) -> bool {
-        self.reports.iter().all(|r| r.loss.is_finite())
+        self.summary.loss.all_finite()
+    }
+
+    /// The loss averaged over ranks (the exact sum rounded once, divided by the world).
+    pub fn mean_loss(&self) -> f64 {
+        self.summary.loss.sum() / self.world as f64
+    }
+
+    /// Workload value `k` averaged over ranks (the exact sum rounded once, divided by the world).
+    pub fn mean_value(&self, k: usize) -> f64 {
+        self.summary.values[k].sum() / self.world as f64
+    }
+
+    /// Ranks whose local gradients hold a non-finite value, ascending (none without detail: the
+    /// summary path is taken only when every count is zero).
+    pub fn nonfinite_ranks(&self) -> Vec<usize> {
+        if !self.is_detailed() {
+            return Vec::new();
+        }
+        (0..self.world).filter(|&r| (0..self.buckets).any(|b| !self.cell(b, r).is_finite())).collect()
+    }
+
+    /// Ranks whose replica checksum differs from rank 0's (a detailed table; empty when all agree).
+    pub fn replica_outliers(&self) -> Vec<usize> {
+        if self.summary.replica.value().is_some() || !self.is_detailed() {
+            return Vec::new();
+        }
+        (0..self.world).filter(|&r| self.reports[r].replica != self.reports[0].replica).collect()
     }
 
     /// Non-finite counts per (bucket, rank), the fingerprint a rerun is compared by.
@@ -333,13 +442,13 @@ mod tests {
                 h
             })
             .collect();
-        HealthTable {
+        HealthTable::detailed(
             world,
-            buckets,
             local,
             reduced,
-            reports: vec![LocalReport { loss: 0.5, values: [0.0; 7] }; world],
-        }
+            vec![LocalReport { loss: 0.5, ..LocalReport::default() }; world],
+            None,
+        )
     }
 
     const AT: StepId = StepId { step: 7, minibatch: 2, attempt: 0 };
@@ -434,8 +543,10 @@ mod tests {
 
     #[test]
     fn non_finite_loss_is_reported() {
-        let mut t = table(&[(0, 0, 0, true)]);
-        t.reports[2].loss = f64::NAN;
+        let t = table(&[(0, 0, 0, true)]);
+        let mut reports = t.reports.clone();
+        reports[2].loss = f64::NAN;
+        let t = HealthTable::detailed(t.world, t.local, t.reduced, reports, None);
         let r = decide(&t, &layout(), &Policy::Abort, &History::default(), AT).report.unwrap();
         assert!(!r.loss_finite);
     }

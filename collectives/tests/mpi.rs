@@ -18,6 +18,9 @@ use gradbus_collectives::shm::BusConfig;
 use gradbus_collectives::{decide, Error, History, Layout, LocalReport, ParamSpec, Policy, StepId, Transport};
 use gradbus_kernels::rng::Rng;
 
+mod common;
+use common::digest;
+
 const CHILD_ENV: &str = "GRADBUS_TEST_CHILD";
 /// Updates per reduce run.
 const UPDATES: u64 = 2;
@@ -142,13 +145,14 @@ fn child_reduce(dir: &Path, rank: usize) -> Result<(), Error> {
         for b in 0..l.buckets.len() {
             t.allreduce_bucket(at, b)?;
         }
-        let report = LocalReport { loss: rank as f64 + u as f64, values: [u as f64; 7] };
+        let report = LocalReport { loss: rank as f64 + u as f64, values: [u as f64; LocalReport::VALUES], replica: 7 };
         let table = t.agree(at, report)?;
         let verdict = decide(&table, &l, &Policy::Abort, &history, at);
         history.record(&table, &verdict);
         let bytes: Vec<u8> = t.grads().iter().flat_map(|v| v.to_le_bytes()).collect();
         std::fs::write(dir.join(format!("grads-{u}-{rank}.bin")), bytes).unwrap();
         std::fs::write(dir.join(format!("table-{u}-{rank}.txt")), format!("{table:?}\n{verdict:?}\n")).unwrap();
+        std::fs::write(dir.join(format!("digest-{u}-{rank}.txt")), digest(&table, &verdict)).unwrap();
     }
     Ok(())
 }
@@ -232,7 +236,7 @@ fn floats(b: &[u8]) -> Vec<f32> {
 
 /// Run the reduce scenario; check bitwise agreement across ranks, the serial oracle and the tables.
 /// Returns every update's reduced bytes (rank 0) and table text for run-to-run comparisons.
-fn run_reduce(np: usize, env: &[(&str, &str)]) -> Vec<(Vec<u8>, Vec<u8>)> {
+fn run_reduce(np: usize, env: &[(&str, &str)]) -> Vec<(Vec<u8>, Vec<u8>, Vec<u8>)> {
     let r = mpirun(np, "reduce", env);
     assert_eq!(r.code, Some(0), "{}", r.explain());
     let l = layout();
@@ -268,10 +272,19 @@ fn run_reduce(np: usize, env: &[(&str, &str)]) -> Vec<(Vec<u8>, Vec<u8>)> {
         }
         let t = String::from_utf8_lossy(&t0).into_owned();
         assert!(t.contains(&format!("world: {np},")), "{t}");
-        for k in 0..np {
-            assert!(t.contains(&format!("loss: {}.0,", k as u64 + u)), "report of rank {k} missing:\n{t}");
+        if t.contains("reports: [L") {
+            for k in 0..np {
+                assert!(t.contains(&format!("loss: {}.0,", k as u64 + u)), "report of rank {k} missing:\n{t}");
+            }
         }
-        out.push((g0, t0));
+        // The mean loss, from the summary on either path: exact.
+        let mean = (0..np).map(|k| (k as u64 + u) as f64).sum::<f64>() / np as f64;
+        let d = String::from_utf8_lossy(&r.file(&format!("digest-{u}-0.txt"))).into_owned();
+        assert!(d.contains(&format!("mean_loss {:016x}", mean.to_bits())), "{d}");
+        for k in 1..np {
+            assert!(r.file(&format!("digest-{u}-{k}.txt")) == d.as_bytes(), "update {u}: rank {k}'s digest differs");
+        }
+        out.push((g0, t0, r.file(&format!("digest-{u}-0.txt"))));
     }
     out
 }
@@ -380,4 +393,38 @@ fn rank_leaving_while_the_others_wait_in_mpi_ends_the_job_instead_of_hanging() {
     let r = mpirun(3, "leave", &[("GB_TRANSPORT", "mpi"), ("GB_EXIT_TIMEOUT", "2")]);
     assert_ne!(r.code, Some(0), "{}", r.explain());
     assert!(start.elapsed() < Duration::from_secs(60), "took {:?}\n{}", start.elapsed(), r.explain());
+}
+
+/// The summary path (the default) and the forced table path (`GRADBUS_AGREEMENT=table`) give the
+/// same sums and the same digest (everything decided and reported from), bit for bit; on the
+/// update with a planted NaN (if any) both gather the same full table.
+fn paths_agree(np: usize, env: &[(&str, &str)]) {
+    let mut forced = env.to_vec();
+    forced.push(("GRADBUS_AGREEMENT", "table"));
+    let (a, b) = (run_reduce(np, env), run_reduce(np, &forced));
+    for (u, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(x.0 == y.0, "{np} ranks, update {u}: the sums differ between the paths");
+        assert_eq!(String::from_utf8_lossy(&x.2), String::from_utf8_lossy(&y.2), "{np} ranks, update {u}");
+    }
+    if env.iter().any(|(k, _)| *k == "GB_NAN_RANK") {
+        assert_eq!(String::from_utf8_lossy(&a[1].1), String::from_utf8_lossy(&b[1].1), "the failure's table");
+    }
+}
+
+#[test]
+fn summary_and_table_paths_agree_bitwise_flat_mpi_2_to_4_ranks() {
+    for np in 2..=4 {
+        paths_agree(np, &[("GB_TRANSPORT", "mpi")]);
+    }
+}
+
+#[test]
+fn summary_and_table_paths_agree_bitwise_hier_2_nodes() {
+    paths_agree(4, &[("GB_TRANSPORT", "hier"), ("GB_FAKE_NODES", "2")]);
+    paths_agree(4, &[("GB_TRANSPORT", "hier"), ("GB_FAKE_NODES", "2"), ("GB_NAN_RANK", "3")]);
+}
+
+#[test]
+fn summary_and_table_paths_agree_bitwise_on_a_planted_nan_flat() {
+    paths_agree(3, &[("GB_TRANSPORT", "mpi"), ("GB_NAN_RANK", "1")]);
 }

@@ -66,7 +66,7 @@ fn one_rank_reduces_and_agrees() {
     for b in 0..t.layout().buckets.len() {
         t.allreduce_bucket(at, b).unwrap();
     }
-    let table = t.agree(at, LocalReport { loss: 1.5, values: [0.0; 7] }).unwrap();
+    let table = t.agree(at, LocalReport { loss: 1.5, ..LocalReport::default() }).unwrap();
     assert_eq!(table.world, 1);
     assert_eq!(table.reports[0].loss, 1.5);
     assert_eq!(table.local.iter().map(|h| h.nan).sum::<u64>(), 1);

@@ -19,6 +19,8 @@ use gradbus_kernels::rng::Rng;
 
 #[path = "../../tests/common/skip.rs"]
 mod skip;
+mod common;
+use common::digest;
 
 const CHILD_ENV: &str = "GRADBUS_TEST_CHILD";
 const SHM: &str = "/dev/shm";
@@ -36,6 +38,7 @@ fn code_of(e: &Error) -> i32 {
         Error::Io { .. } => 25,
         Error::Mpi { .. } => 26,
         Error::Cuda(_) | Error::Nccl { .. } => 27,
+        Error::Config { .. } => 28,
     }
 }
 
@@ -163,6 +166,10 @@ fn run_child(e: &Env) -> Result<(), Error> {
 
 fn child_reduce(e: &Env) -> Result<(), Error> {
     let layout = reduce_layout();
+    if e.arg == 1 {
+        // Before any other thread exists in this child (`set_var` is not thread-safe).
+        std::env::set_var(gradbus_collectives::AgreementPath::ENV, "table");
+    }
     let mut bus = ShmBus::open(config(e, layout.clone(), Duration::from_secs(30)))?;
     let mut history = History::default();
     for u in 0..3u64 {
@@ -176,14 +183,25 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
         for b in 0..layout.buckets.len() {
             bus.allreduce_bucket(at, b)?;
         }
-        let report = LocalReport { loss: e.rank as f64 + 0.5, values: [u as f64; 7] };
+        let report = LocalReport { loss: e.rank as f64 + 0.5, values: [u as f64; LocalReport::VALUES], replica: 7 };
         let table = bus.agree(at, report)?;
         let verdict = decide(&table, &layout, &Policy::Abort, &history, at);
         history.record(&table, &verdict);
         std::fs::write(e.dir.join(format!("grads-{}-{u}.bin", e.rank)), to_bytes(bus.grads())).unwrap();
         std::fs::write(e.dir.join(format!("table-{}-{u}.txt", e.rank)), format!("{table:?}\n{verdict:?}")).unwrap();
-        let cells: Vec<_> =
-            table.local.iter().map(|h| serde_json::json!([h.nan, h.inf, h.sumsq, h.first_bad])).collect();
+        // Every rank's cells, whichever path the agreement took (the summary path gathers none).
+        let rows: Vec<_> = (0..e.np).map(|k| bus.last_local_row(k)).collect();
+        if table.is_detailed() {
+            assert_eq!(
+                table.local,
+                (0..layout.buckets.len()).flat_map(|b| rows.iter().map(move |r| r[b])).collect::<Vec<_>>()
+            );
+        }
+        let cells: Vec<_> = (0..layout.buckets.len())
+            .flat_map(|b| rows.iter().map(move |r| r[b]))
+            .map(|h| serde_json::json!([h.nan, h.inf, h.sumsq, h.first_bad]))
+            .collect();
+        std::fs::write(e.dir.join(format!("digest-{}-{u}.txt", e.rank)), digest(&table, &verdict)).unwrap();
         std::fs::write(e.dir.join(format!("cells-{}-{u}.json", e.rank)), serde_json::to_string(&cells).unwrap())
             .unwrap();
     }
@@ -225,7 +243,7 @@ fn child_nonfinite(e: &Env) -> Result<(), Error> {
     for b in 0..layout.buckets.len() {
         bus.allreduce_bucket(at, b)?;
     }
-    let table = bus.agree(at, LocalReport { loss: 1.0, values: [0.0; 7] })?;
+    let table = bus.agree(at, LocalReport { loss: 1.0, ..LocalReport::default() })?;
     let verdict = decide(&table, &layout, &Policy::Abort, &History::default(), at);
     let json = serde_json::to_string(&verdict.report).unwrap();
     std::fs::write(e.dir.join(format!("table-{}.txt", e.rank)), format!("{table:?}\n{verdict:?}")).unwrap();
@@ -361,9 +379,12 @@ fn outcome(dir: &Path, rank: usize) -> String {
     std::fs::read_to_string(dir.join(format!("outcome-{rank}.txt"))).unwrap_or_default()
 }
 
-fn run_reduce(np: usize) {
+/// The reduce scenario at `np` ranks (`table`: force the table path); every check below, then
+/// rank 0's digest of each update.
+fn run_reduce(np: usize, table: bool) -> Vec<String> {
     let (job, dir) = job(&format!("reduce{np}"));
-    let mut ch: Vec<Child> = (0..np).map(|r| spawn("reduce", r, np, &job, dir.path(), 0)).collect();
+    let arg = usize::from(table);
+    let mut ch: Vec<Child> = (0..np).map(|r| spawn("reduce", r, np, &job, dir.path(), arg)).collect();
     let codes = wait_children(&mut ch, &[], dir.path());
     assert!(codes.iter().all(|&c| c == Some(0)), "exit codes {codes:?}\n{}", logs(dir.path(), np));
     let layout = reduce_layout();
@@ -383,6 +404,8 @@ fn run_reduce(np: usize) {
             assert!(got == want, "update {u}: rank {r}'s reduced buffer differs from the serial rank-order sum");
             let t = std::fs::read_to_string(dir.path().join(format!("table-{r}-{u}.txt"))).unwrap();
             assert_eq!(t, table0, "update {u}: rank {r}'s table differs from rank 0's");
+            let d = std::fs::read_to_string(dir.path().join(format!("digest-{r}-{u}.txt"))).unwrap();
+            assert_eq!(d, std::fs::read_to_string(dir.path().join(format!("digest-0-{u}.txt"))).unwrap());
         }
         // The table's per-rank cells agree with a direct scan of each rank's input (the bus merges
         // chunk sums, a different order than one scan of the whole bucket: equal to ~1 ulp).
@@ -405,21 +428,32 @@ fn run_reduce(np: usize) {
         }
     }
     assert_no_segment(&job);
+    (0..3).map(|u| std::fs::read_to_string(dir.path().join(format!("digest-0-{u}.txt"))).unwrap()).collect()
 }
 
 #[test]
 fn reduce_2_ranks_is_bitwise_the_serial_rank_order_sum() {
-    run_reduce(2);
+    run_reduce(2, false);
 }
 
 #[test]
 fn reduce_3_ranks_is_bitwise_the_serial_rank_order_sum() {
-    run_reduce(3);
+    run_reduce(3, false);
 }
 
 #[test]
 fn reduce_4_ranks_is_bitwise_the_serial_rank_order_sum() {
-    run_reduce(4);
+    run_reduce(4, false);
+}
+
+/// The summary path (the default) and the forced table path agree on everything a rank decides
+/// and reports from, bit for bit, at 1 to 4 ranks.
+#[test]
+fn summary_and_table_paths_agree_bitwise_at_1_to_4_ranks() {
+    for np in 1..=4 {
+        let (summary, table) = (run_reduce(np, false), run_reduce(np, true));
+        assert_eq!(summary, table, "{np} ranks");
+    }
 }
 
 #[test]

@@ -66,7 +66,9 @@ impl WorkerError {
         match self {
             WorkerError::Config(_) | WorkerError::Usage(_) => Code::Usage,
             WorkerError::Bus(E::Timeout { .. }) => Code::Timeout,
-            WorkerError::Bus(E::ShmFull { .. } | E::BadSegment { .. } | E::Mpi { .. }) => Code::Usage,
+            WorkerError::Bus(E::ShmFull { .. } | E::BadSegment { .. } | E::Mpi { .. } | E::Config { .. }) => {
+                Code::Usage
+            }
             WorkerError::Bus(_) | WorkerError::Io { .. } | WorkerError::Diverged(_) => Code::RankFailed,
         }
     }

@@ -49,8 +49,6 @@ mod slot {
     pub const MAX_LR_RESPONSE: usize = 2;
     pub const MAX_LR_MASKED: usize = 3;
     pub const MIN_LOGP: usize = 4;
-    pub const CHECKSUM_HI: usize = 5;
-    pub const CHECKSUM_LO: usize = 6;
 }
 
 /// The gradients of one mini-batch: `forward_loss`, then backward into `grads` (zeroed by the
@@ -336,16 +334,14 @@ impl Trainer {
             let start = Instant::now();
             let pre_checksum = checksum(&self.params);
             let stats = self.forward_backward(mb, at)?;
-            let mut values = [0.0; 7];
+            let mut values = [0.0; LocalReport::VALUES];
             values[slot::REWARD] = mean(&mb.reward) as f64;
             values[slot::KL] = stats.kl as f64;
             self.warn_headroom(&stats, at);
             values[slot::MAX_LR_RESPONSE] = stats.max_logratio_response as f64;
             values[slot::MAX_LR_MASKED] = stats.max_logratio_masked as f64;
             values[slot::MIN_LOGP] = stats.min_response_logp as f64;
-            values[slot::CHECKSUM_HI] = (pre_checksum >> 32) as f64;
-            values[slot::CHECKSUM_LO] = (pre_checksum & 0xffff_ffff) as f64;
-            let table = self.bus.agree(at, LocalReport { loss: stats.loss as f64, values })?;
+            let table = self.bus.agree(at, LocalReport { loss: stats.loss as f64, values, replica: pre_checksum })?;
             check_replicas(&table, at)?;
             let policy = self.cfg.policy();
             let mut verdict = decide(&table, self.layout(), &policy, &self.history, at);
@@ -365,12 +361,11 @@ impl Trainer {
                 self.warnings += 1;
             }
             let world = table.world as f64;
-            let reward = table.reports.iter().map(|r| r.values[slot::REWARD]).sum::<f64>() / world;
-            self.last = [mean_loss(&table), reward, table.grad_norm() / world];
+            self.last = [table.mean_loss(), table.mean_value(slot::REWARD), table.grad_norm() / world];
             self.write_metrics(&table, at, verdict.action, spike.as_deref(), lr, start)?;
             self.bus.publish(Progress {
                 step: self.step,
-                loss: mean_loss(&table) as f32,
+                loss: table.mean_loss() as f32,
                 grad_norm: (table.grad_norm() / table.world as f64) as f32,
                 skipped: self.history.skipped as u32,
                 warnings: self.warnings,
@@ -476,7 +471,7 @@ impl Trainer {
     /// Feed the agreed loss and gradient norm of a proceeding update to the spike detectors; the
     /// spike, described, if either is one. Every rank feeds the same values: the same answer.
     fn spike(&mut self, table: &HealthTable) -> Option<String> {
-        let values = [mean_loss(table), table.grad_norm() / table.world as f64];
+        let values = [table.mean_loss(), table.grad_norm() / table.world as f64];
         let mut found = None;
         for ((d, x), name) in self.spikes.iter_mut().zip(values).zip(["loss", "grad norm"]) {
             if let Some(s) = d.observe(x) {
@@ -497,15 +492,13 @@ impl Trainer {
     ) -> Result<(), WorkerError> {
         let Some(f) = self.metrics.as_mut() else { return Ok(()) };
         let world = table.world as f64;
-        let avg = |k: usize| table.reports.iter().map(|r| r.values[k]).sum::<f64>() / world;
-        let max = |k: usize| table.reports.iter().map(|r| r.values[k]).fold(f64::NEG_INFINITY, f64::max);
-        let bad: Vec<usize> =
-            (0..table.world).filter(|&r| (0..table.buckets).any(|b| !table.cell(b, r).is_finite())).collect();
+        let (avg, max) = (|k| table.mean_value(k), |k: usize| table.summary.values[k].max());
+        let bad = table.nonfinite_ranks();
         let line = json!({
             "step": at.step,
             "minibatch": at.minibatch,
             "attempt": at.attempt,
-            "loss": finite_or_null(mean_loss(table)),
+            "loss": finite_or_null(table.mean_loss()),
             "reward": avg(slot::REWARD),
             "kl": finite_or_null(avg(slot::KL)),
             "grad_norm": finite_or_null(table.grad_norm() / world),
@@ -516,7 +509,7 @@ impl Trainer {
             "headroom": finite_or_null(headroom(table)),
             "spike": spike,
             "skip_cause": (action == Action::Skip).then(|| spike.unwrap_or("non-finite gradients")),
-            "min_response_logp": finite_or_null(table.reports.iter().map(|r| r.values[slot::MIN_LOGP]).fold(f64::INFINITY, f64::min)),
+            "min_response_logp": finite_or_null(table.summary.values[slot::MIN_LOGP].min()),
             "lr": lr,
             "verdict": action,
             "skipped": self.history.skipped,
@@ -711,13 +704,8 @@ pub fn describe(r: &Report) -> String {
 }
 
 fn check_replicas(table: &HealthTable, at: StepId) -> Result<(), WorkerError> {
-    let sums: Vec<(u64, u64)> = table
-        .reports
-        .iter()
-        .map(|r| (r.values[slot::CHECKSUM_HI] as u64, r.values[slot::CHECKSUM_LO] as u64))
-        .collect();
-    if sums.iter().any(|s| *s != sums[0]) {
-        let odd: Vec<usize> = (0..sums.len()).filter(|&r| sums[r] != sums[0]).collect();
+    let odd = table.replica_outliers();
+    if !odd.is_empty() {
         return Err(WorkerError::Diverged(format!(
             "parameters differ between replicas at step {} update {}: rank(s) {odd:?} differ from rank 0",
             at.step, at.minibatch
@@ -728,16 +716,12 @@ fn check_replicas(table: &HealthTable, at: StepId) -> Result<(), WorkerError> {
 
 /// ln(f32::MAX) minus the largest log-ratio any rank fed to an exp of the loss.
 fn headroom(table: &HealthTable) -> f64 {
-    let max = |k: usize| table.reports.iter().map(|r| r.values[k]).fold(f64::NEG_INFINITY, f64::max);
+    let max = |k: usize| table.summary.values[k].max();
     EXP_OVERFLOW as f64 - max(slot::MAX_LR_RESPONSE).max(max(slot::MAX_LR_MASKED))
 }
 
 fn mean(x: &[f32]) -> f32 {
     x.iter().sum::<f32>() / x.len().max(1) as f32
-}
-
-fn mean_loss(table: &HealthTable) -> f64 {
-    table.reports.iter().map(|r| r.loss).sum::<f64>() / table.world as f64
 }
 
 fn finite_or_null(x: f64) -> serde_json::Value {

@@ -1,0 +1,889 @@
+//! The agreement's summary: what every rank must know about one update to reach the verdict when
+//! everything is healthy, in O(buckets) words whatever the world size, and the exact, order-free
+//! arithmetic that lets any reduction tree combine it.
+//!
+//! Each rank (or node) makes a contribution (`Summary`), the contributions are combined by one
+//! all-reduce (`to_words`: integer sums for one half of the words, maxima for the other), and every
+//! rank decodes the same `Summary`. Only when it shows something wrong (`Summary::anomaly`: a
+//! non-finite count or value, replicas or reducers that disagree, ranks that ran other collectives)
+//! do the transports gather the full per-rank table, which names the rank, bucket, parameter and
+//! element. The table path builds its `Summary` by merging the same per-rank contributions, so both
+//! paths hold bitwise the same summary.
+//!
+//! Invariants:
+//! - `merge` is commutative and associative, bit for bit: every field is an integer sum (counts and
+//!   the limbs of `ExactSum`, exact while fewer than 2^31 contributions are summed) or a maximum.
+//!   So the result cannot depend on the order an MPI library (or NCCL, or a tree) combines ranks in.
+//! - A float sum over ranks (`Stat::sum`) is the exact sum of the finite terms rounded once to
+//!   nearest-even, with IEEE's rules for non-finite terms (NaN if a NaN or both infinities, else the
+//!   infinity). It equals the rank-ordered f64 sum whenever that sum is exact, e.g. for f32-derived
+//!   terms whose exponents span fewer than 29 - log2(world) binades.
+//! - A value that all contributors must share (the replica checksum, the reduced buckets' health,
+//!   the collective-sequence hash) travels as (max, max of the complement): they agree iff
+//!   max == min. Merging the same value twice changes nothing, so every reducer may contribute it.
+//!
+//! Pure functions, no transport: the PyTorch guard reuses this shape.
+
+use gradbus_kernels::Health;
+
+use crate::verdict::LocalReport;
+
+/// Limbs of `ExactSum`: 32-bit digits from 2^-1074 (the least subnormal) up. The largest finite
+/// f64's top bit is bit 2097, so 66 limbs hold any one value; the 67th, and the 32 spare bits of
+/// each i64 limb, hold the carries of up to 2^31 summed contributions.
+pub const LIMBS: usize = 67;
+
+/// An exact sum of finite f64s: a fixed-point superaccumulator over the whole f64 range, as
+/// integer limbs (limb `i` weighs 2^(32 i - 1074)). Adding is integer addition, so any order of
+/// additions gives the same bits; `round` rounds the exact value once to nearest-even. An exactly
+/// zero sum is -0.0 when every term was -0.0 (or there was none), else +0.0, as Rust's ordered
+/// `Iterator::sum` (which starts from -0.0) gives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExactSum {
+    limbs: [i64; LIMBS],
+    /// Terms other than -0.0.
+    signed: u64,
+}
+
+impl Default for ExactSum {
+    fn default() -> ExactSum {
+        ExactSum { limbs: [0; LIMBS], signed: 0 }
+    }
+}
+
+impl ExactSum {
+    /// Add a finite value exactly (non-finite values are the caller's business: see `Stat`).
+    pub fn add(&mut self, x: f64) {
+        assert!(x.is_finite(), "ExactSum::add({x}): only finite values have an exact sum");
+        let bits = x.to_bits();
+        if bits != (-0.0f64).to_bits() {
+            self.signed += 1;
+        }
+        let (e, frac) = ((bits >> 52) & 0x7ff, bits & ((1 << 52) - 1));
+        // x = m * 2^(p - 1074): subnormals have p = 0 and no hidden bit.
+        let (m, p) = if e == 0 { (frac, 0) } else { (frac | 1 << 52, e as usize - 1) };
+        let w = (m as u128) << (p % 32);
+        for k in 0..3 {
+            let digit = ((w >> (32 * k)) & 0xffff_ffff) as i64;
+            if bits >> 63 == 1 {
+                self.limbs[p / 32 + k] -= digit;
+            } else {
+                self.limbs[p / 32 + k] += digit;
+            }
+        }
+        self.normalize();
+    }
+
+    /// Add another sum exactly.
+    pub fn merge(&mut self, other: &ExactSum) {
+        for (a, b) in self.limbs.iter_mut().zip(&other.limbs) {
+            *a = a.wrapping_add(*b);
+        }
+        self.signed += other.signed;
+        self.normalize();
+    }
+
+    /// Carry every limb's excess into the next: limbs 0..LIMBS-1 in [0, 2^32), the last one signed.
+    /// The value, and so `round`, is unchanged; equal values then have equal limbs.
+    fn normalize(&mut self) {
+        let mut carry: i128 = 0;
+        for l in &mut self.limbs[..LIMBS - 1] {
+            let v = *l as i128 + carry;
+            *l = (v & 0xffff_ffff) as i64;
+            carry = v >> 32;
+        }
+        self.limbs[LIMBS - 1] = (self.limbs[LIMBS - 1] as i128 + carry) as i64;
+    }
+
+    /// The exact sum rounded once to the nearest f64 (ties to even); past f64::MAX, an infinity.
+    /// An empty (or exactly cancelling) sum is +0.0.
+    pub fn round(&self) -> f64 {
+        let mut d = self.clone();
+        d.normalize();
+        let negative = d.limbs[LIMBS - 1] < 0;
+        if negative {
+            for l in &mut d.limbs {
+                *l = -*l;
+            }
+            d.normalize();
+        }
+        let sign = if negative { 1u64 << 63 } else { 0 };
+        if d.limbs[LIMBS - 1] != 0 {
+            return f64::from_bits(sign | f64::INFINITY.to_bits());
+        }
+        let Some(top) = (0..LIMBS - 1).rev().find(|&i| d.limbs[i] != 0) else {
+            return if self.signed == 0 { -0.0 } else { 0.0 };
+        };
+        let h = 32 * top + 31 - (d.limbs[top] as u32).leading_zeros() as usize;
+        if h <= 52 {
+            // Below 2^53 units of 2^-1074: the subnormal (or least normal) encoding is the integer.
+            return f64::from_bits(sign | d.bits(0, h + 1));
+        }
+        let mut lo = h - 52;
+        let mut mant = d.bits(lo, 53);
+        let half = d.bits(lo - 1, 1) == 1;
+        let sticky = d.any_below(lo - 1);
+        if half && (sticky || mant & 1 == 1) {
+            mant += 1;
+            if mant == 1 << 53 {
+                mant >>= 1;
+                lo += 1;
+            }
+        }
+        let e = lo as u64 + 1;
+        if e >= 0x7ff {
+            return f64::from_bits(sign | f64::INFINITY.to_bits());
+        }
+        f64::from_bits(sign | e << 52 | (mant & ((1 << 52) - 1)))
+    }
+
+    /// `n <= 64` bits starting at bit `lo` of a normalized, non-negative sum.
+    fn bits(&self, lo: usize, n: usize) -> u64 {
+        let limb = |i: usize| self.limbs.get(i).map_or(0, |&l| l as u64 as u128);
+        let i = lo / 32;
+        let w = (limb(i) | limb(i + 1) << 32 | limb(i + 2) << 64) >> (lo % 32);
+        (w & ((1u128 << n) - 1)) as u64
+    }
+
+    /// Whether any bit below bit `q` is set.
+    fn any_below(&self, q: usize) -> bool {
+        let i = q / 32;
+        self.limbs[..i].iter().any(|&l| l != 0) || (self.limbs[i] & ((1i64 << (q % 32)) - 1)) != 0
+    }
+
+    /// The limbs as words for an integer-sum all-reduce (two's complement: a wrapping u64 sum is
+    /// the i64 sum).
+    fn words(&self) -> impl Iterator<Item = u64> + '_ {
+        self.limbs.iter().map(|&l| l as u64).chain([self.signed])
+    }
+
+    /// Words per sum in `words`.
+    const WORDS: usize = LIMBS + 1;
+
+    fn from_words(w: &[u64]) -> ExactSum {
+        let mut s = ExactSum { limbs: std::array::from_fn(|i| w[i] as i64), signed: w[LIMBS] };
+        s.normalize();
+        s
+    }
+}
+
+/// A value every contributor must share, combined by maxima: (max, max of the complement). Empty
+/// (nobody contributed) is (0, 0); one or many equal contributions give `value()`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Agreed {
+    max: u64,
+    inv_min: u64,
+}
+
+impl Agreed {
+    /// Contribute a value.
+    pub fn add(&mut self, v: u64) {
+        self.max = self.max.max(v);
+        self.inv_min = self.inv_min.max(!v);
+    }
+    fn merge(&mut self, o: &Agreed) {
+        self.max = self.max.max(o.max);
+        self.inv_min = self.inv_min.max(o.inv_min);
+    }
+    /// True when nobody contributed.
+    pub fn is_empty(&self) -> bool {
+        self.max == 0 && self.inv_min == 0
+    }
+    /// The shared value; `None` when contributors differ or nobody contributed.
+    pub fn value(&self) -> Option<u64> {
+        (!self.is_empty() && self.max == !self.inv_min).then_some(self.max)
+    }
+    /// (smallest, largest) contribution; `None` when nobody contributed.
+    pub fn range(&self) -> Option<(u64, u64)> {
+        (!self.is_empty()).then_some((!self.inv_min, self.max))
+    }
+}
+
+/// Order key of a non-NaN f64: `key(a) < key(b)` iff a < b (with -0 < +0); never 0.
+fn key(x: f64) -> u64 {
+    let b = x.to_bits();
+    if b >> 63 == 1 {
+        !b
+    } else {
+        b | 1 << 63
+    }
+}
+
+fn unkey(k: u64) -> f64 {
+    f64::from_bits(if k >> 63 == 1 { k & !(1 << 63) } else { !k })
+}
+
+/// One scalar over ranks (a loss, a workload value): exact sum, extremes, non-finite counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    sum: ExactSum,
+    nan: u64,
+    pos_inf: u64,
+    neg_inf: u64,
+    /// Max of the order keys of the non-NaN values (0: none).
+    max: u64,
+    /// Max of the complemented order keys (0: none).
+    inv_min: u64,
+}
+
+impl Stat {
+    /// Contribute one rank's value.
+    pub fn add(&mut self, x: f64) {
+        if x.is_nan() {
+            self.nan += 1;
+            return;
+        }
+        if x == f64::INFINITY {
+            self.pos_inf += 1;
+        } else if x == f64::NEG_INFINITY {
+            self.neg_inf += 1;
+        } else {
+            self.sum.add(x);
+        }
+        self.max = self.max.max(key(x));
+        self.inv_min = self.inv_min.max(!key(x));
+    }
+    fn merge(&mut self, o: &Stat) {
+        self.sum.merge(&o.sum);
+        self.nan += o.nan;
+        self.pos_inf += o.pos_inf;
+        self.neg_inf += o.neg_inf;
+        self.max = self.max.max(o.max);
+        self.inv_min = self.inv_min.max(o.inv_min);
+    }
+    /// The sum over ranks: the exact sum of the finite values rounded once; NaN when some value
+    /// is NaN or both infinities occur, else an infinity when one occurs (IEEE's rules).
+    pub fn sum(&self) -> f64 {
+        if self.nan > 0 || (self.pos_inf > 0 && self.neg_inf > 0) {
+            f64::NAN
+        } else if self.pos_inf > 0 {
+            f64::INFINITY
+        } else if self.neg_inf > 0 {
+            f64::NEG_INFINITY
+        } else {
+            self.sum.round()
+        }
+    }
+    /// The largest non-NaN value; -inf when there is none (as `fold(-inf, f64::max)`).
+    pub fn max(&self) -> f64 {
+        if self.max == 0 {
+            f64::NEG_INFINITY
+        } else {
+            unkey(self.max)
+        }
+    }
+    /// The smallest non-NaN value; +inf when there is none (as `fold(inf, f64::min)`).
+    pub fn min(&self) -> f64 {
+        if self.inv_min == 0 {
+            f64::INFINITY
+        } else {
+            unkey(!self.inv_min)
+        }
+    }
+    /// True when every contributed value was finite.
+    pub fn all_finite(&self) -> bool {
+        self.nan == 0 && self.pos_inf == 0 && self.neg_inf == 0
+    }
+}
+
+/// Why a summary cannot decide alone: the transports then gather the full table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Anomaly {
+    /// Ranks folded different collective sequences into their hash.
+    Collectives,
+    /// Reducers report different health for a reduced bucket (their sums differ), or none did.
+    Reducers,
+    /// Some local gradient, reduced bucket, loss or reported value is not finite.
+    NonFinite,
+    /// The replicas' checksums differ.
+    Replicas,
+}
+
+/// The agreed summary of one update (see the module doc): per bucket the NaN and Inf totals of the
+/// ranks' local gradients and the reduced bucket's health; the loss and each workload value as a
+/// `Stat`; the replica checksum and the collective-sequence hash as `Agreed` values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Summary {
+    /// Per bucket: NaN elements over every rank's local gradients.
+    pub nan: Vec<u64>,
+    /// Per bucket: Inf elements over every rank's local gradients.
+    pub inf: Vec<u64>,
+    /// Per bucket: the reduced bucket's health words (every reducer contributes its own).
+    reduced: Vec<[Agreed; 4]>,
+    /// The loss over ranks.
+    pub loss: Stat,
+    /// Each workload value over ranks.
+    pub values: [Stat; LocalReport::VALUES],
+    /// The replicas' parameter checksum.
+    pub replica: Agreed,
+    /// The hash of the collectives each rank ran since the last agreement (transports that check it).
+    pub ops: Agreed,
+}
+
+impl Summary {
+    /// The neutral summary of `buckets` buckets: merging it changes nothing.
+    pub fn empty(buckets: usize) -> Summary {
+        Summary {
+            nan: vec![0; buckets],
+            inf: vec![0; buckets],
+            reduced: vec![[Agreed::default(); 4]; buckets],
+            loss: Stat::default(),
+            values: Default::default(),
+            replica: Agreed::default(),
+            ops: Agreed::default(),
+        }
+    }
+
+    /// One rank's contribution: its local health per bucket, the reduced buckets' health when it
+    /// reduced them, its report.
+    pub fn of_rank(local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Summary {
+        let mut s = Summary::empty(local.len());
+        for (b, h) in local.iter().enumerate() {
+            s.add_local(b, h.nan, h.inf);
+        }
+        if let Some(r) = reduced {
+            s.set_reduced(r);
+        }
+        s.add_report(report);
+        s
+    }
+
+    /// Number of buckets.
+    pub fn buckets(&self) -> usize {
+        self.nan.len()
+    }
+
+    /// Count non-finite local elements of one bucket.
+    pub fn add_local(&mut self, bucket: usize, nan: u64, inf: u64) {
+        self.nan[bucket] += nan;
+        self.inf[bucket] += inf;
+    }
+
+    /// Contribute the reduced buckets' health (as a reducer).
+    pub fn set_reduced(&mut self, reduced: &[Health]) {
+        assert_eq!(reduced.len(), self.buckets());
+        for (a, h) in self.reduced.iter_mut().zip(reduced) {
+            for (a, w) in a.iter_mut().zip(health_words(h)) {
+                a.add(w);
+            }
+        }
+    }
+
+    /// Forget the reduced buckets' health (a node summary whose reduce was not the global one).
+    pub fn clear_reduced(&mut self) {
+        self.reduced.fill([Agreed::default(); 4]);
+    }
+
+    /// Contribute one rank's report.
+    pub fn add_report(&mut self, r: &LocalReport) {
+        self.loss.add(r.loss);
+        for (s, &v) in self.values.iter_mut().zip(&r.values) {
+            s.add(v);
+        }
+        self.replica.add(r.replica);
+    }
+
+    /// Combine with another contribution (commutative and associative, bit for bit).
+    pub fn merge(&mut self, o: &Summary) {
+        assert_eq!(self.buckets(), o.buckets());
+        for b in 0..self.buckets() {
+            self.nan[b] += o.nan[b];
+            self.inf[b] += o.inf[b];
+            for (a, x) in self.reduced[b].iter_mut().zip(&o.reduced[b]) {
+                a.merge(x);
+            }
+        }
+        self.loss.merge(&o.loss);
+        for (a, x) in self.values.iter_mut().zip(&o.values) {
+            a.merge(x);
+        }
+        self.replica.merge(&o.replica);
+        self.ops.merge(&o.ops);
+    }
+
+    /// The reduced buckets' health; `None` when reducers disagree or none contributed.
+    pub fn reduced(&self) -> Option<Vec<Health>> {
+        self.reduced
+            .iter()
+            .map(|a| {
+                let w: Option<Vec<u64>> = a.iter().map(Agreed::value).collect();
+                w.map(|w| health_of(&w))
+            })
+            .collect()
+    }
+
+    /// What keeps this summary from deciding alone, in the order checked; `None` when everything
+    /// is finite and consistent (then every rank's verdict is `Proceed`-able from it).
+    pub fn anomaly(&self) -> Option<Anomaly> {
+        if !self.ops.is_empty() && self.ops.value().is_none() {
+            return Some(Anomaly::Collectives);
+        }
+        let Some(reduced) = self.reduced() else { return Some(Anomaly::Reducers) };
+        let stats_finite = self.loss.all_finite() && self.values.iter().all(Stat::all_finite);
+        if self.nan.iter().chain(&self.inf).any(|&c| c > 0) || !reduced.iter().all(Health::is_finite) || !stats_finite {
+            return Some(Anomaly::NonFinite);
+        }
+        if self.replica.value().is_none() {
+            return Some(Anomaly::Replicas);
+        }
+        None
+    }
+
+    /// Words of the integer-sum half of the all-reduce: `sum_words(buckets)` of them.
+    pub fn sum_words(&self) -> Vec<u64> {
+        let mut w = Vec::with_capacity(Summary::sum_len(self.buckets()));
+        w.extend(&self.nan);
+        w.extend(&self.inf);
+        for s in self.stats() {
+            w.extend([s.nan, s.pos_inf, s.neg_inf]);
+            w.extend(s.sum.words());
+        }
+        w
+    }
+
+    /// Words of the maximum half of the all-reduce: `max_len(buckets)` of them.
+    pub fn max_words(&self) -> Vec<u64> {
+        let mut w = Vec::with_capacity(Summary::max_len(self.buckets()));
+        for a in self.reduced.iter().flatten().chain([&self.replica, &self.ops]) {
+            w.extend([a.max, a.inv_min]);
+        }
+        for s in self.stats() {
+            w.extend([s.max, s.inv_min]);
+        }
+        w
+    }
+
+    /// Length of `sum_words` for `buckets` buckets.
+    pub fn sum_len(buckets: usize) -> usize {
+        2 * buckets + (1 + LocalReport::VALUES) * (3 + ExactSum::WORDS)
+    }
+
+    /// Length of `max_words` for `buckets` buckets.
+    pub fn max_len(buckets: usize) -> usize {
+        8 * buckets + 4 + 2 * (1 + LocalReport::VALUES)
+    }
+
+    /// The summary of all-reduced words (element-wise wrapping sums of `sum_words`, maxima of
+    /// `max_words`).
+    pub fn from_words(buckets: usize, sum: &[u64], max: &[u64]) -> Summary {
+        assert_eq!((sum.len(), max.len()), (Summary::sum_len(buckets), Summary::max_len(buckets)));
+        let mut s = Summary::empty(buckets);
+        s.nan.copy_from_slice(&sum[..buckets]);
+        s.inf.copy_from_slice(&sum[buckets..2 * buckets]);
+        let mut si = sum[2 * buckets..].chunks_exact(3 + ExactSum::WORDS);
+        let mut mi = max.chunks_exact(2);
+        let mut agreed = || {
+            let w = mi.next().expect("max_len words");
+            Agreed { max: w[0], inv_min: w[1] }
+        };
+        for a in s.reduced.iter_mut().flatten() {
+            *a = agreed();
+        }
+        s.replica = agreed();
+        s.ops = agreed();
+        let stats: Vec<Stat> = (0..1 + LocalReport::VALUES)
+            .map(|_| {
+                let w = si.next().expect("sum_len words");
+                let m = agreed();
+                Stat {
+                    nan: w[0],
+                    pos_inf: w[1],
+                    neg_inf: w[2],
+                    sum: ExactSum::from_words(&w[3..]),
+                    max: m.max,
+                    inv_min: m.inv_min,
+                }
+            })
+            .collect();
+        s.loss = stats[0].clone();
+        s.values = std::array::from_fn(|i| stats[i + 1].clone());
+        s
+    }
+
+    fn stats(&self) -> impl Iterator<Item = &Stat> {
+        std::iter::once(&self.loss).chain(&self.values)
+    }
+}
+
+/// Health as 4 words: nan, inf, sumsq bits, first bad (or `u64::MAX`).
+fn health_words(h: &Health) -> [u64; 4] {
+    [h.nan, h.inf, h.sumsq.to_bits(), h.first_bad.unwrap_or(u64::MAX)]
+}
+
+fn health_of(w: &[u64]) -> Health {
+    Health { nan: w[0], inf: w[1], sumsq: f64::from_bits(w[2]), first_bad: (w[3] != u64::MAX).then_some(w[3]) }
+}
+
+/// Which way the agreement goes: the O(buckets) summary with the table only on an anomaly (the
+/// default), or always the full table (`GRADBUS_AGREEMENT=table`, to compare the two).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AgreementPath {
+    /// One all-reduce of the summary; the table only when the summary shows an anomaly.
+    #[default]
+    Summary,
+    /// Always gather the full per-rank table (today's path).
+    Table,
+}
+
+impl AgreementPath {
+    /// The environment variable that chooses the path.
+    pub const ENV: &'static str = "GRADBUS_AGREEMENT";
+
+    /// The path from `GRADBUS_AGREEMENT` (`summary` or `table`; unset: `summary`).
+    pub fn from_env() -> Result<AgreementPath, crate::Error> {
+        match std::env::var(AgreementPath::ENV) {
+            Err(_) => Ok(AgreementPath::Summary),
+            Ok(v) => match v.as_str() {
+                "" | "summary" => Ok(AgreementPath::Summary),
+                "table" => Ok(AgreementPath::Table),
+                other => Err(crate::Error::Config {
+                    what: format!("{}={other:?} is not an agreement path", AgreementPath::ENV),
+                    hint: "use `summary` (the default) or `table`".into(),
+                }),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{Layout, ParamSpec};
+    use crate::verdict::{decide, HealthTable, History, Policy, StepId};
+    use gradbus_kernels::rng::Rng;
+
+    /// Shewchuk's exact partials with a correctly rounded result (Python's `math.fsum`): an
+    /// independent oracle for `ExactSum::round` (valid while no partial overflows).
+    fn fsum(xs: &[f64]) -> f64 {
+        let mut partials: Vec<f64> = Vec::new();
+        for &x0 in xs {
+            let mut x = x0;
+            let mut i = 0;
+            for j in 0..partials.len() {
+                let mut y = partials[j];
+                if x.abs() < y.abs() {
+                    std::mem::swap(&mut x, &mut y);
+                }
+                let hi = x + y;
+                let lo = y - (hi - x);
+                if lo != 0.0 {
+                    partials[i] = lo;
+                    i += 1;
+                }
+                x = hi;
+            }
+            partials.truncate(i);
+            partials.push(x);
+        }
+        let mut n = partials.len();
+        if n == 0 {
+            return 0.0;
+        }
+        n -= 1;
+        let mut hi = partials[n];
+        let mut lo = 0.0;
+        while n > 0 {
+            let x = hi;
+            n -= 1;
+            let y = partials[n];
+            hi = x + y;
+            lo = y - (hi - x);
+            if lo != 0.0 {
+                break;
+            }
+        }
+        if n > 0 && ((lo < 0.0 && partials[n - 1] < 0.0) || (lo > 0.0 && partials[n - 1] > 0.0)) {
+            let y = lo * 2.0;
+            let x = hi + y;
+            if y == x - hi {
+                hi = x;
+            }
+        }
+        hi
+    }
+
+    fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, rng.below(i + 1));
+        }
+    }
+
+    fn exact(xs: &[f64]) -> f64 {
+        let mut s = ExactSum::default();
+        xs.iter().for_each(|&x| s.add(x));
+        s.round()
+    }
+
+    /// A random finite f64 with an exponent in `exp` (either sign, some subnormals and zeros).
+    fn value(rng: &mut Rng, exp: std::ops::Range<i32>) -> f64 {
+        let m = 1.0 + rng.uniform() as f64 + (rng.uniform() as f64) * 2f64.powi(-24);
+        let e = exp.start + rng.below((exp.end - exp.start) as usize) as i32;
+        let sign = if rng.uniform() < 0.5 { -1.0 } else { 1.0 };
+        match rng.below(20) {
+            0 => 0.0,
+            1 => sign * f64::from_bits(1 + rng.below(1 << 20) as u64), // subnormal
+            _ => sign * m * 2f64.powi(e),
+        }
+    }
+
+    #[test]
+    fn exact_sum_rounds_like_an_independent_correctly_rounded_sum() {
+        let mut rng = Rng::new(&[18, 1]);
+        for case in 0..3000 {
+            let n = 1 + rng.below(40);
+            let span = [4, 60, 400, 2000][case % 4];
+            let lo = -1000 + rng.below(2000 - span) as i32;
+            let xs: Vec<f64> = (0..n).map(|_| value(&mut rng, lo..lo + span as i32)).collect();
+            assert_eq!(exact(&xs).to_bits(), fsum(&xs).to_bits(), "case {case}: {xs:?}");
+        }
+    }
+
+    #[test]
+    fn exact_sum_edge_cases() {
+        let tiny = f64::from_bits(1);
+        assert_eq!(exact(&[]).to_bits(), (-0f64).to_bits(), "as Iterator::sum");
+        assert_eq!(exact(&[-0.0, -0.0]).to_bits(), (-0f64).to_bits());
+        assert_eq!(exact(&[-0.0, 0.0]).to_bits(), 0f64.to_bits());
+        assert_eq!(exact(&[-1.0, 1.0]).to_bits(), 0f64.to_bits());
+        assert_eq!(exact(&[0.1, 0.2]), 0.30000000000000004);
+        assert_eq!(exact(&[1e308, 1e308, -1e308]), 1e308, "no intermediate overflow");
+        assert_eq!(exact(&[f64::MAX, f64::MAX]), f64::INFINITY);
+        assert_eq!(exact(&[-f64::MAX, -f64::MAX]), f64::NEG_INFINITY);
+        assert_eq!(exact(&[f64::MAX, -f64::MAX, tiny]), tiny);
+        assert_eq!(exact(&[1.0, 2f64.powi(-53)]), 1.0, "a tie rounds to even (down)");
+        assert_eq!(exact(&[1.0 + f64::EPSILON, 2f64.powi(-53)]), 1.0 + 2.0 * f64::EPSILON, "a tie rounds to even (up)");
+        assert_eq!(exact(&[1.0, 2f64.powi(-53), tiny]), 1.0 + f64::EPSILON, "past the tie: up");
+        assert_eq!(exact(&[1e16, 1.0, -1e16]), 1.0, "the rank-ordered f64 sum says 0");
+        assert_eq!(exact(&[-0.5, 0.25]), -0.25);
+        assert_eq!(exact(&[tiny, tiny, -tiny]), tiny);
+        assert_eq!(exact(&[f64::MIN_POSITIVE, -tiny]).to_bits(), f64::MIN_POSITIVE.to_bits() - 1);
+    }
+
+    #[test]
+    fn exact_sums_do_not_depend_on_order_or_grouping() {
+        let mut rng = Rng::new(&[18, 2]);
+        for _ in 0..200 {
+            let xs: Vec<f64> = (0..64).map(|_| value(&mut rng, -300..300)).collect();
+            let whole = exact(&xs);
+            let mut shuffled = xs.clone();
+            shuffle(&mut rng, &mut shuffled);
+            // Grouped into random partial sums, merged in another order.
+            let mut parts: Vec<ExactSum> = shuffled
+                .chunks(1 + rng.below(9))
+                .map(|c| {
+                    let mut s = ExactSum::default();
+                    c.iter().for_each(|&x| s.add(x));
+                    s
+                })
+                .collect();
+            shuffle(&mut rng, &mut parts);
+            let mut total = ExactSum::default();
+            parts.iter().for_each(|p| total.merge(p));
+            assert_eq!(total.round().to_bits(), whole.to_bits());
+            assert_eq!(total, {
+                let mut s = ExactSum::default();
+                xs.iter().for_each(|&x| s.add(x));
+                s
+            });
+        }
+    }
+
+    /// Why the seed case's metrics do not move: f32 values summed in f64 in rank order are summed
+    /// exactly while their exponents span few binades, and an exact sum rounds to itself.
+    #[test]
+    fn rank_ordered_sums_of_nearby_f32_values_are_exact_so_both_definitions_agree() {
+        let mut rng = Rng::new(&[18, 3]);
+        for _ in 0..2000 {
+            let n = 1 + rng.below(16);
+            let xs: Vec<f64> = (0..n).map(|_| value(&mut rng, -12..8) as f32 as f64).collect();
+            let ordered: f64 = xs.iter().sum();
+            assert_eq!(exact(&xs).to_bits(), ordered.to_bits(), "{xs:?}");
+        }
+    }
+
+    #[test]
+    fn stats_follow_ieee_for_non_finite_values_and_fold_for_extremes() {
+        let stat = |xs: &[f64]| {
+            let mut s = Stat::default();
+            xs.iter().for_each(|&x| s.add(x));
+            s
+        };
+        let fold_max = |xs: &[f64]| xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let fold_min = |xs: &[f64]| xs.iter().copied().fold(f64::INFINITY, f64::min);
+        for xs in [
+            vec![1.0, f64::NAN, 3.0],
+            vec![f64::INFINITY, 1.0],
+            vec![f64::NEG_INFINITY, 1.0],
+            vec![f64::INFINITY, f64::NEG_INFINITY],
+            vec![f64::NAN],
+            vec![],
+            vec![-2.5, 7.0, 1e-300],
+        ] {
+            let s = stat(&xs);
+            let ordered: f64 = xs.iter().sum();
+            assert_eq!(s.sum().is_nan(), ordered.is_nan(), "{xs:?}");
+            if !ordered.is_nan() {
+                assert_eq!(s.sum(), ordered, "{xs:?}");
+            }
+            assert_eq!(s.max().to_bits(), fold_max(&xs).to_bits(), "{xs:?}");
+            assert_eq!(s.min().to_bits(), fold_min(&xs).to_bits(), "{xs:?}");
+            assert_eq!(s.all_finite(), xs.iter().all(|x| x.is_finite()));
+        }
+    }
+
+    /// A random health table of `world` ranks over `layout`, some cells, reduced buckets or
+    /// reports made non-finite or inconsistent with probability `p_bad` each.
+    fn random_rows(
+        rng: &mut Rng,
+        layout: &Layout,
+        world: usize,
+        p_bad: f32,
+    ) -> (Vec<Vec<Health>>, Vec<Health>, Vec<LocalReport>) {
+        let nb = layout.buckets.len();
+        let bad = |rng: &mut Rng| rng.uniform() < p_bad;
+        let health = |rng: &mut Rng, bucket: usize| {
+            let mut h = Health { sumsq: value(rng, -40..40).abs(), ..Health::default() };
+            if bad(rng) {
+                h.nan = rng.below(3) as u64;
+                h.inf = rng.below(3) as u64;
+                if h.nan + h.inf > 0 {
+                    h.first_bad = Some(rng.below(layout.buckets[bucket].range.len()) as u64);
+                }
+            }
+            h
+        };
+        let rows: Vec<Vec<Health>> = (0..world).map(|_| (0..nb).map(|b| health(rng, b)).collect()).collect();
+        let reduced: Vec<Health> = (0..nb).map(|b| health(rng, b)).collect();
+        let replica = 0x1234_5678_9abc_def0;
+        let reports = (0..world)
+            .map(|_| {
+                let mut r = LocalReport {
+                    loss: value(rng, -8..3) as f32 as f64,
+                    values: std::array::from_fn(|_| value(rng, -20..20)),
+                    replica,
+                };
+                if bad(rng) {
+                    r.loss = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY][rng.below(3)];
+                }
+                if bad(rng) {
+                    r.values[rng.below(LocalReport::VALUES)] = f64::NAN;
+                }
+                if bad(rng) {
+                    r.replica ^= 1 << rng.below(64);
+                }
+                r
+            })
+            .collect();
+        (rows, reduced, reports)
+    }
+
+    /// An all-reduce of the contributions in a random order: wrapping sums and maxima of words.
+    fn allreduce(rng: &mut Rng, parts: &[Summary]) -> Summary {
+        let nb = parts[0].buckets();
+        let mut order: Vec<usize> = (0..parts.len()).collect();
+        shuffle(rng, &mut order);
+        let (mut s, mut m) = (vec![0u64; Summary::sum_len(nb)], vec![0u64; Summary::max_len(nb)]);
+        for &k in &order {
+            for (a, b) in s.iter_mut().zip(parts[k].sum_words()) {
+                *a = a.wrapping_add(b);
+            }
+            for (a, b) in m.iter_mut().zip(parts[k].max_words()) {
+                *a = (*a).max(b);
+            }
+        }
+        Summary::from_words(nb, &s, &m)
+    }
+
+    #[test]
+    fn the_summary_path_gives_the_table_paths_summary_verdict_and_metrics_bit_for_bit() {
+        let specs: Vec<ParamSpec> = (0..9).map(|i| ParamSpec::new(format!("p{i}"), 10 + 37 * i)).collect();
+        let layout = Layout::new(&specs, 600);
+        let mut rng = Rng::new(&[18, 4]);
+        let at = StepId { step: 3, minibatch: 1, attempt: 0 };
+        let (mut healthy, mut anomalous) = (0, 0);
+        for case in 0..600 {
+            let world = 1 + rng.below(12);
+            let p_bad = [0.0, 0.02, 0.2][case % 3];
+            let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, p_bad);
+            let nb = layout.buckets.len();
+            let local = (0..nb).flat_map(|b| rows.iter().map(move |r| r[b])).collect();
+            let table = HealthTable::detailed(world, local, reduced.clone(), reports.clone(), Some(7));
+            // Every rank a reducer, as in the flat MPI transport.
+            let parts: Vec<Summary> = (0..world)
+                .map(|k| {
+                    let mut s = Summary::of_rank(&rows[k], Some(&reduced), &reports[k]);
+                    s.ops.add(7);
+                    s
+                })
+                .collect();
+            let summary = allreduce(&mut rng, &parts);
+            assert_eq!(summary, table.summary, "case {case}");
+            let finite = table.all_finite() && table.loss_finite() && table.summary.values.iter().all(Stat::all_finite);
+            let same_replica = reports.iter().all(|r| r.replica == reports[0].replica);
+            assert_eq!(summary.anomaly().is_none(), finite && same_replica, "case {case}");
+            if summary.anomaly().is_some() {
+                anomalous += 1;
+                continue;
+            }
+            healthy += 1;
+            let small = HealthTable::summarized(world, summary).unwrap();
+            assert!(!small.is_detailed());
+            assert_eq!(small.reduced, table.reduced);
+            assert_eq!(small.grad_norm().to_bits(), table.grad_norm().to_bits());
+            assert_eq!(small.mean_loss().to_bits(), table.mean_loss().to_bits());
+            for k in 0..LocalReport::VALUES {
+                assert_eq!(small.mean_value(k).to_bits(), table.mean_value(k).to_bits());
+                assert_eq!(small.summary.values[k].max().to_bits(), table.summary.values[k].max().to_bits());
+            }
+            assert!(small.nonfinite_ranks().is_empty() && table.nonfinite_ranks().is_empty());
+            let policy = Policy::Skip { max_consecutive: 2, max_fraction: 0.5, window: 8 };
+            let h = History::default();
+            assert_eq!(decide(&small, &layout, &policy, &h, at), decide(&table, &layout, &policy, &h, at));
+        }
+        assert!(healthy > 150 && anomalous > 150, "both paths exercised: {healthy} healthy, {anomalous} not");
+    }
+
+    #[test]
+    fn a_node_summary_merged_with_other_nodes_is_the_merge_of_every_rank() {
+        // The hierarchical transport: leaders contribute their node's summary, the others nothing.
+        let layout = Layout::new(&[ParamSpec::new("a", 100), ParamSpec::new("b", 50)], 0);
+        let mut rng = Rng::new(&[18, 5]);
+        for _ in 0..100 {
+            let world = 2 + rng.below(10);
+            let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, 0.1);
+            let per_rank: Vec<Summary> =
+                (0..world).map(|k| Summary::of_rank(&rows[k], Some(&reduced), &reports[k])).collect();
+            let cut = 1 + rng.below(world - 1);
+            let mut nodes = Vec::new();
+            for range in [0..cut, cut..world] {
+                let mut node = Summary::empty(2);
+                for k in range {
+                    node.merge(&Summary::of_rank(&rows[k], None, &reports[k]));
+                }
+                node.set_reduced(&reduced);
+                nodes.push(node);
+            }
+            nodes.push(Summary::empty(2)); // a non-leader
+            assert_eq!(allreduce(&mut rng, &nodes), allreduce(&mut rng, &per_rank));
+        }
+    }
+
+    #[test]
+    fn disagreeing_reducers_replicas_or_collectives_are_anomalies() {
+        let h = [Health { sumsq: 2.0, ..Health::default() }];
+        let r = LocalReport { loss: 1.0, ..LocalReport::default() };
+        let mut a = Summary::of_rank(&h, Some(&h), &r);
+        assert_eq!(a.anomaly(), None);
+        let mut b = a.clone();
+        b.merge(&Summary::of_rank(&h, Some(&[Health { sumsq: 2.5, ..Health::default() }]), &r));
+        assert_eq!(b.anomaly(), Some(Anomaly::Reducers));
+        let mut c = a.clone();
+        c.merge(&Summary::of_rank(&h, None, &LocalReport { replica: 9, ..r }));
+        assert_eq!(c.anomaly(), Some(Anomaly::Replicas));
+        assert_eq!(c.replica.range(), Some((0, 9)));
+        a.ops.add(1);
+        a.ops.add(2);
+        assert_eq!(a.anomaly(), Some(Anomaly::Collectives));
+        assert_eq!(Summary::of_rank(&h, None, &r).anomaly(), Some(Anomaly::Reducers), "no reducer at all");
+    }
+}

@@ -1,0 +1,429 @@
+//! `ShmBus`: one rank's handle on the segment, the bucket reduce and broadcast between two
+//! barriers, and the agreement that reads the double-buffered health table (see the invariants in
+//! the module above).
+
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use gradbus_kernels::{reduce_in_place, reduce_plain, reduce_to_one, Health};
+use memmap2::MmapRaw;
+
+use super::liveness::{monotonic_ns, self_start_time, thread_cpu_time};
+use super::segment::REPORT_BYTES;
+use super::segment::{
+    attach, check_job_id, create, load_health, store_health, BusConfig, Geometry, HealthCell, RankCell,
+};
+use super::{FAIL_MARKED, ST_ATTACHED, ST_DEPARTED};
+use crate::agreement::{AgreementPath, Summary};
+use crate::layout::{chunk_range, Layout, ALIGN_FLOATS};
+use crate::transport::{Progress, Transport};
+use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::Error;
+
+/// The shared-memory bus of one rank.
+pub struct ShmBus {
+    pub(super) cfg: BusConfig,
+    pub(super) path: PathBuf,
+    pub(super) geo: Geometry,
+    pub(super) map: MmapRaw,
+    /// Kept open: its inode tells our segment apart from a later one with the same name.
+    pub(super) file: File,
+    pub(super) creator: bool,
+    /// Whether this rank's cell is ours (claimed); Drop marks only a claimed cell departed.
+    pub(super) claimed: bool,
+    /// Barriers entered so far (this rank's arrival counter).
+    pub(super) barriers: u64,
+    /// `agree` calls so far: the update number, whose parity picks the table buffer.
+    pub(super) update: u64,
+    /// Summary first, or always the table (`GRADBUS_AGREEMENT`).
+    pub(super) agreement: AgreementPath,
+    /// Thread CPU time of this rank's last reduce phase (between the two barriers; no waiting in
+    /// it), for the benchmark: unlike wall time it does not count preemption by other processes.
+    pub(crate) last_reduce_cpu: Duration,
+    /// Called inside every bucket reduce, after every rank entered it and before the sum is
+    /// written (the fault plan's `reduce` phase: a rank that dies here dies mid-collective).
+    pub(super) inside_reduce: Option<Box<dyn FnMut(StepId, usize) + Send + Sync>>,
+}
+
+impl ShmBus {
+    /// The segment of a job on a node: `{shm_dir}/gradbus-{job_id}-n{node_id}`.
+    pub fn segment_path(shm_dir: &Path, job_id: &str, node_id: usize) -> PathBuf {
+        shm_dir.join(format!("gradbus-{job_id}-n{node_id}"))
+    }
+
+    /// Open the bus: local rank 0 creates the segment (replacing a stale one), the others attach
+    /// when it is initialised; then every local rank meets at the `attach` barrier. Fails within
+    /// `cfg.timeout` if a rank does not come.
+    pub fn open(cfg: BusConfig) -> Result<ShmBus, Error> {
+        check_job_id(&cfg.shm_dir, &cfg.job_id)?;
+        let agreement = AgreementPath::from_env()?;
+        if cfg.local_size == 0 || cfg.local_rank >= cfg.local_size {
+            return Err(Error::BadSegment {
+                path: ShmBus::segment_path(&cfg.shm_dir, &cfg.job_id, cfg.node_id).display().to_string(),
+                reason: format!("local rank {} of {} ranks", cfg.local_rank, cfg.local_size),
+                hint: "local_rank must be below local_size".into(),
+            });
+        }
+        let path = ShmBus::segment_path(&cfg.shm_dir, &cfg.job_id, cfg.node_id);
+        let geo = Geometry::new(cfg.local_size, cfg.layout.buckets.len(), cfg.layout.len);
+        let start = Instant::now();
+        let (file, map, creator) = if cfg.local_rank == 0 {
+            let (f, m) = create(&cfg, &path, &geo)?;
+            (f, m, true)
+        } else {
+            let (f, m) = attach(&cfg, &path, &geo, start)?;
+            (f, m, false)
+        };
+        let mut bus = ShmBus {
+            cfg,
+            path,
+            geo,
+            map,
+            file,
+            creator,
+            claimed: false,
+            barriers: 0,
+            update: 0,
+            agreement,
+            last_reduce_cpu: Duration::ZERO,
+            inside_reduce: None,
+        };
+        bus.claim_cell()?;
+        bus.barrier("attach", StepId::default())?;
+        Ok(bus)
+    }
+
+    /// The segment's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// True for the rank that created (and will unlink) the segment.
+    pub fn is_creator(&self) -> bool {
+        self.creator
+    }
+
+    pub(super) fn cell(&self, k: usize) -> &RankCell {
+        assert!(k < self.geo.n);
+        // SAFETY: cell k lies in [cells, table) inside the mapping (Geometry), at an offset that is a
+        // multiple of 128 (its alignment); it holds only atomics (plus padding never read).
+        unsafe { &*self.map.as_ptr().add(self.geo.cells + k * size_of::<RankCell>()).cast::<RankCell>() }
+    }
+
+    pub(super) fn entry(&self, parity: u64, bucket: usize, reducer: usize) -> (&AtomicU64, &[HealthCell]) {
+        let g = &self.geo;
+        assert!(bucket < g.buckets && reducer < g.n);
+        let idx = (parity as usize * g.buckets + bucket) * g.n + reducer;
+        // SAFETY: entry idx < 2 * buckets * n lies in [table, reports) (Geometry); it is 64-byte
+        // aligned and holds a stamp word then n + 2 cells of 4 words, all atomics.
+        unsafe {
+            let p = self.map.as_ptr().add(g.table + idx * g.entry);
+            (&*p.cast::<AtomicU64>(), std::slice::from_raw_parts(p.add(8).cast::<HealthCell>(), g.n + 2))
+        }
+    }
+
+    pub(super) fn report_cell(&self, parity: u64, k: usize) -> &[AtomicU64; 8] {
+        assert!(k < self.geo.n);
+        // SAFETY: report (parity, k) lies in [reports, grads) (Geometry), 8-byte aligned, 8 atomics.
+        unsafe { &*self.map.as_ptr().add(self.geo.reports + (parity as usize * self.geo.n + k) * REPORT_BYTES).cast() }
+    }
+
+    fn read_report(&self, parity: u64, k: usize) -> LocalReport {
+        let w = self.report_cell(parity, k);
+        LocalReport::from_words(&std::array::from_fn::<u64, { LocalReport::WORDS }, _>(|i| {
+            w[i].load(Ordering::Relaxed)
+        }))
+    }
+
+    /// Local rank `k`'s health per bucket in the last agreed update (its cells of every reducer's
+    /// chunk, merged in chunk order). Valid until the next `agree`: the buffer of that update is
+    /// rewritten only two updates later, after barriers this rank has not passed.
+    pub fn last_local_row(&self, k: usize) -> Vec<Health> {
+        let (n, parity) = (self.geo.n, (self.update + 1) % 2);
+        (0..self.geo.buckets)
+            .map(|b| {
+                let len = self.cfg.layout.buckets[b].range.len();
+                let mut h = Health::default();
+                for r in 0..n {
+                    let (stamp, cells) = self.entry(parity, b, r);
+                    if stamp.load(Ordering::Relaxed) == self.update {
+                        h.merge(&load_health(&cells[k]), chunk_range(len, n, r, ALIGN_FLOATS).start as u64);
+                    }
+                }
+                h
+            })
+            .collect()
+    }
+
+    /// Start of rank k's gradient slot.
+    pub(super) fn slot_ptr(&self, k: usize) -> *mut f32 {
+        assert!(k < self.geo.n);
+        // SAFETY: slot k lies in [grads + k * stride, grads + (k + 1) * stride) inside the mapping.
+        unsafe { self.map.as_mut_ptr().add(self.geo.grads + k * self.geo.slot_stride).cast::<f32>() }
+    }
+
+    pub(super) fn claim_cell(&mut self) -> Result<(), Error> {
+        let me = std::process::id() as u64;
+        let c = self.cell(self.cfg.local_rank);
+        if let Err(other) = c.pid.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire) {
+            return Err(Error::BadSegment {
+                path: self.path.display().to_string(),
+                reason: format!("local rank {} is already attached by pid {other}", self.cfg.local_rank),
+                hint: "two processes were given the same local rank; check the launch".into(),
+            });
+        }
+        c.start_time.store(self_start_time(), Ordering::Relaxed);
+        c.heartbeat_ns.store(monotonic_ns(), Ordering::Relaxed);
+        c.state.store(ST_ATTACHED, Ordering::Release);
+        self.claimed = true;
+        Ok(())
+    }
+
+    /// The all-reduce of one bucket; `validate` = false skips the health tallies (for the benchmark's
+    /// measurement of what validation costs).
+    pub(crate) fn allreduce_bucket_with(&mut self, at: StepId, bucket: usize, validate: bool) -> Result<(), Error> {
+        self.reduce_bucket(at, bucket, validate, None)
+    }
+
+    /// The first half of a hierarchical all-reduce: the same validated, rank-ordered reduce as
+    /// `allreduce_bucket` (same tallies, so `agree` reports every local rank's health), but the sum
+    /// is written into `root`'s slot only; the other slots keep their local gradients. After it
+    /// returns, no peer touches `root`'s slot until the next collective, so `root` may work on its
+    /// bucket (e.g. all-reduce it between nodes) and then `broadcast_bucket` it.
+    pub fn reduce_bucket_to(&mut self, at: StepId, bucket: usize, root: usize) -> Result<(), Error> {
+        assert!(root < self.geo.n, "root {root} of {} local ranks", self.geo.n);
+        self.reduce_bucket(at, bucket, true, Some(root))
+    }
+
+    /// Copy one bucket of `root`'s slot into every local slot: barrier; rank `r` copies chunk `r`
+    /// of the bucket from `root`'s slot into the other slots; barrier. The second half of a
+    /// hierarchical all-reduce (after `reduce_bucket_to` and the exchange between nodes).
+    pub fn broadcast_bucket(&mut self, at: StepId, bucket: usize, root: usize) -> Result<(), Error> {
+        let n = self.geo.n;
+        assert!(root < n, "root {root} of {n} local ranks");
+        let me = self.cfg.local_rank;
+        let range = self.cfg.layout.buckets[bucket].range.clone();
+        let chunk = chunk_range(range.len(), n, me, ALIGN_FLOATS);
+        self.barrier_tagged("bcast", at, Some(bucket))?;
+        let lo = range.start + chunk.start;
+        // SAFETY: as in `reduce_bucket`: between these two barriers every rank is inside this call
+        // (no borrow of this bucket's range is alive), and elements `lo..lo + chunk.len()` of every slot are
+        // touched by this rank only (the chunks of `chunk_range` are disjoint). The source (root's
+        // slot) and the destinations are distinct slots, which do not overlap.
+        unsafe {
+            let src = std::slice::from_raw_parts(self.slot_ptr(root).add(lo), chunk.len());
+            for k in (0..n).filter(|&k| k != root) {
+                std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len()).copy_from_slice(src);
+            }
+        }
+        self.barrier_tagged("bcasted", at, Some(bucket))
+    }
+
+    /// Reduce one bucket: barrier, sum my chunk over every slot in rank order, write the sum into
+    /// every slot (`to` = None) or into slot `to` only, barrier.
+    pub(super) fn reduce_bucket(
+        &mut self,
+        at: StepId,
+        bucket: usize,
+        validate: bool,
+        to: Option<usize>,
+    ) -> Result<(), Error> {
+        let n = self.geo.n;
+        let me = self.cfg.local_rank;
+        let range = self.cfg.layout.buckets[bucket].range.clone();
+        let chunk = chunk_range(range.len(), n, me, ALIGN_FLOATS);
+        self.barrier_tagged("reduce", at, Some(bucket))?;
+        if let Some(hook) = self.inside_reduce.as_mut() {
+            hook(at, bucket);
+        }
+        let lo = range.start + chunk.start;
+        // SAFETY: every rank has entered this reduce (barrier above) and none leaves it before the
+        // barrier below, so no rank holds a borrow of this bucket's range (module invariants).
+        // Between the two barriers, elements
+        // `lo..lo + chunk.len()` of every slot are read and written by this rank only: the other
+        // reducers own the other chunks of `chunk_range`, which are disjoint. Slots are disjoint
+        // (`slot_stride >= len * 4`) and `range.end <= layout.len`, so the n slices do not overlap
+        // and lie inside the mapping, f32-aligned.
+        let mut slices: Vec<&mut [f32]> =
+            (0..n).map(|k| unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len()) }).collect();
+        let t0 = thread_cpu_time();
+        if validate {
+            let mut tally = vec![Health::default(); n];
+            let sum = match to {
+                None => reduce_in_place(&mut slices, &mut tally),
+                Some(root) => reduce_to_one(&mut slices, &mut tally, root),
+            };
+            drop(slices);
+            let (stamp, cells) = self.entry(self.update % 2, bucket, me);
+            let totals = Health {
+                nan: tally.iter().map(|h| h.nan).sum(),
+                inf: tally.iter().map(|h| h.inf).sum(),
+                ..Health::default()
+            };
+            for (cell, h) in cells.iter().zip(tally.iter().chain([&sum, &totals])) {
+                store_health(cell, h);
+            }
+            stamp.store(self.update + 1, Ordering::Relaxed);
+        } else {
+            reduce_plain(&mut slices);
+        }
+        self.last_reduce_cpu = thread_cpu_time().saturating_sub(t0);
+        self.barrier_tagged("reduced", at, Some(bucket))
+    }
+}
+
+// SAFETY: the slot lies in the mapping for the bus's lifetime; reduces and broadcasts slice only
+// their bucket's chunk (`reduce_bucket`, `broadcast_bucket`).
+unsafe impl Transport for ShmBus {
+    fn rank(&self) -> usize {
+        self.cfg.local_rank
+    }
+
+    fn world(&self) -> usize {
+        self.cfg.local_size
+    }
+
+    fn layout(&self) -> &Layout {
+        &self.cfg.layout
+    }
+
+    fn health_chunks(&self) -> usize {
+        self.cfg.local_size
+    }
+
+    fn grads_ptr(&mut self) -> *mut f32 {
+        // This rank's slot: `layout.len` f32s inside the mapping, page-aligned. Peers write into it
+        // only between the two barriers of a bucket reduce, and only that bucket's range, while
+        // this rank is inside `allreduce_bucket` too; see the module invariants.
+        self.slot_ptr(self.cfg.local_rank)
+    }
+
+    fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
+        self.allreduce_bucket_with(at, bucket, true)
+    }
+
+    fn set_inside_reduce_hook(&mut self, hook: Box<dyn FnMut(StepId, usize) + Send + Sync>) {
+        self.inside_reduce = Some(hook);
+    }
+
+    /// The node's agreement. Every rank reads, per bucket, each reducer's chunk of the reduced
+    /// health and its NaN/Inf totals (O(local ranks x buckets) words, not the O(local ranks^2 x
+    /// buckets) of the per-rank cells), and every rank's report; only when that summary shows an
+    /// anomaly (or `GRADBUS_AGREEMENT=table`) does it read every rank's cells too.
+    fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
+        let (n, me, parity) = (self.geo.n, self.cfg.local_rank, self.update % 2);
+        for (w, v) in self.report_cell(parity, me).iter().zip(local.to_words()) {
+            w.store(v, Ordering::Relaxed);
+        }
+        self.barrier_tagged("agree", at, None)?;
+        let nb = self.geo.buckets;
+        let mut summary = Summary::empty(nb);
+        let mut reduced = vec![Health::default(); nb];
+        for (b, red) in reduced.iter_mut().enumerate() {
+            let len = self.cfg.layout.buckets[b].range.len();
+            // Chunks in increasing offset order: a fixed order of the f64 sums on every rank.
+            for r in 0..n {
+                let (stamp, cells) = self.entry(parity, b, r);
+                if stamp.load(Ordering::Relaxed) != self.update + 1 {
+                    continue; // bucket not reduced in this update: nothing to report
+                }
+                let off = chunk_range(len, n, r, ALIGN_FLOATS).start as u64;
+                red.merge(&load_health(&cells[n]), off);
+                let totals = load_health(&cells[n + 1]);
+                summary.add_local(b, totals.nan, totals.inf);
+            }
+        }
+        summary.set_reduced(&reduced);
+        let reports: Vec<LocalReport> = (0..n).map(|k| self.read_report(parity, k)).collect();
+        for r in &reports {
+            summary.add_report(r);
+        }
+        self.update += 1;
+        if self.agreement == AgreementPath::Summary && summary.anomaly().is_none() {
+            return Ok(HealthTable::summarized(n, summary).expect("one reduced health per bucket"));
+        }
+        let local = (0..n).map(|k| self.last_local_row(k)).collect::<Vec<_>>();
+        let local = (0..nb).flat_map(|b| local.iter().map(move |row| row[b])).collect();
+        let table = HealthTable::detailed(n, local, reduced, reports, None);
+        debug_assert_eq!(table.summary, summary, "both paths agree on the summary");
+        Ok(table)
+    }
+
+    fn publish(&mut self, p: Progress) {
+        let c = self.cell(self.cfg.local_rank);
+        let s = c.seq.load(Ordering::Relaxed);
+        c.seq.store(s + 1, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        c.step.store(p.step, Ordering::Relaxed);
+        c.loss.store(p.loss.to_bits(), Ordering::Relaxed);
+        c.grad_norm.store(p.grad_norm.to_bits(), Ordering::Relaxed);
+        c.skipped.store(p.skipped, Ordering::Relaxed);
+        c.warnings.store(p.warnings, Ordering::Relaxed);
+        c.seq.store(s + 2, Ordering::Release);
+        c.heartbeat_ns.store(monotonic_ns(), Ordering::Relaxed);
+    }
+
+    fn mark_failed(&mut self) {
+        // It passed its last barrier; it will not pass the next one.
+        self.set_failed(FAIL_MARKED, self.barriers + 1, self.cfg.local_rank);
+    }
+}
+
+impl Drop for ShmBus {
+    fn drop(&mut self) {
+        // Peers still waiting for this rank fail at once instead of at the deadline.
+        if self.claimed {
+            self.cell(self.cfg.local_rank).state.store(ST_DEPARTED, Ordering::SeqCst);
+            self.wake_all();
+        }
+        if self.creator {
+            // Unlink only if the name still points at OUR segment (same inode).
+            let ours = self.file.metadata().ok().map(|m| (m.dev(), m.ino()));
+            let there = std::fs::metadata(&self.path).ok().map(|m| (m.dev(), m.ino()));
+            if ours.is_some() && ours == there {
+                if let Err(e) = std::fs::remove_file(&self.path) {
+                    log::warn!("{}: cannot remove the bus segment: {e}", self.path.display());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_reduce_matches_validated_reduce() {
+        let mut rng = gradbus_kernels::rng::Rng::new(&[1, 2]);
+        let mut a: Vec<Vec<f32>> = (0..3).map(|_| (0..2500).map(|_| rng.normal()).collect()).collect();
+        let mut b = a.clone();
+        let mut tally = vec![Health::default(); 3];
+        reduce_in_place(&mut a.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(), &mut tally);
+        reduce_plain(&mut b.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>());
+        let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b));
+    }
+
+    #[test]
+    fn reduce_to_one_matches_reduce_in_place_in_the_root_and_leaves_the_others() {
+        let mut rng = gradbus_kernels::rng::Rng::new(&[3, 4]);
+        let mut a: Vec<Vec<f32>> = (0..3).map(|_| (0..2500).map(|_| rng.normal()).collect()).collect();
+        a[2][1700] = f32::NAN;
+        let orig = a.clone();
+        let mut b = a.clone();
+        let (mut ta, mut tb) = (vec![Health::default(); 3], vec![Health::default(); 3]);
+        let sa = reduce_in_place(&mut a.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(), &mut ta);
+        let sb = reduce_to_one(&mut b.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>(), &mut tb, 1);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a[1]), bits(&b[1]), "the root holds the same sum");
+        assert_eq!(bits(&b[0]), bits(&orig[0]), "other slots keep their gradients");
+        assert_eq!(bits(&b[2]), bits(&orig[2]));
+        assert_eq!(ta, tb);
+        assert_eq!(format!("{sa:?}"), format!("{sb:?}"));
+        assert_eq!(tb[2].first_bad, Some(1700));
+    }
+}
