@@ -100,12 +100,16 @@ JobCompType=jobcomp/none
 SwitchType=switch/none
 MpiDefault=none
 SchedulerType=sched/builtin
+# Schedule a batch job at once, not on the next pass (3 s by default).
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=2
-MinJobAge=30
+# sbatch --wait polls every 2 s while 2 < MinJobAge/2 is false, else every 8 s and more; a finished
+# job stays visible to scontrol for these 5 s.
+MinJobAge=5
 InactiveLimit=0
 SlurmdTimeout=60
 MailProg=/bin/true
