@@ -22,6 +22,19 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
+# Slurm for tests/slurm.rs: a real one-node cluster (slurmctld, slurmd, munge) that
+# scripts/slurm-local.sh starts per test as root, state in a temp dir, on free ports. Installed when
+# missing (~15 s); as root with the packages in place the test must run, so GRADBUS_REQUIRE_SLURM=1
+# turns its "SKIPPED" into a failure.
+if [ "$(id -u)" = 0 ]; then
+  if ! command -v sbatch >/dev/null 2>&1 || ! [ -x /usr/sbin/slurmd ] || ! [ -x /usr/sbin/munged ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      slurmctld slurmd slurm-client munge >/dev/null
+  fi
+  export GRADBUS_REQUIRE_SLURM=1
+fi
+
 cargo test --workspace --release
 # The MPI transports (feature `mpi`: rsmpi, bindgen) under real `mpirun`s: only the `mpi` test targets
 # (collectives/tests/mpi.rs, tests/mpi.rs); the line above already ran everything else, and keeps the
