@@ -208,3 +208,39 @@ fn a_rank_killed_under_slurm_ends_the_step_with_no_process_or_segment_left() {
     let metrics_lines = metrics(&run_dir).len();
     assert!(metrics_lines >= 16 && metrics_lines < 50 * 16, "the job stopped at step 1: {metrics_lines} lines");
 }
+
+/// With the `mpi` feature under `srun --mpi=pmix`: the hierarchical transport (2 fake nodes, MPI
+/// between their leaders) opens only when `MPI_COMM_WORLD` agrees with Slurm's variables on the
+/// world size, every rank and the node layout (`gradbus_collectives::mpi` checks them and stops
+/// with exit 2 otherwise), and `PMIX_RANK` agrees with `SLURM_PROCID` (`gradbus_worker::rank`).
+#[cfg(feature = "mpi")]
+#[test]
+fn pmix_srun_with_the_mpi_transport_agrees_with_slurm() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(cluster) = Cluster::start("pmix_srun_with_the_mpi_transport_agrees_with_slurm") else {
+        return;
+    };
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("pmix");
+    let mut c = cluster.client("srun");
+    c.args(["--mpi=pmix", "--kill-on-bad-exit=1", "--time=5", "-n", "4"])
+        .args(worker_command())
+        .arg("--run-dir")
+        .arg(&dir)
+        .args(["examples/tiny.toml", "--set", "steps=2"])
+        .env("GRADBUS_TRANSPORT", "hier")
+        .env("GRADBUS_FAKE_NODES", "2");
+    let (code, out, err) = run_bounded(c);
+    if err.contains("Couldn't load specified plugin name for mpi/pmix") {
+        assert!(
+            !std::env::var("GRADBUS_REQUIRE_SLURM").is_ok_and(|v| v == "1"),
+            "GRADBUS_REQUIRE_SLURM=1 but Slurm cannot load PMIx (libpmix2 missing?)\n{err}"
+        );
+        eprintln!(
+            "SKIPPED: pmix_srun_with_the_mpi_transport_agrees_with_slurm: Slurm's mpi/pmix plugin cannot load\n{err}"
+        );
+        return;
+    }
+    assert_eq!(code, Some(0), "srun --mpi=pmix -n 4 worker (hier)\n--- stdout\n{out}\n--- stderr\n{err}");
+    assert_eq!(metrics(&dir).len(), 2 * 16, "2 steps x 16 updates");
+}
