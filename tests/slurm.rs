@@ -15,7 +15,7 @@ mod common;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::{gradbus, metrics, root, segments_left};
@@ -26,21 +26,27 @@ static ONE_CLUSTER: Mutex<()> = Mutex::new(());
 /// How long one Slurm job of these tests may take before the test kills it and fails.
 const JOB_DEADLINE: Duration = Duration::from_secs(180);
 
+/// The training run every comparison uses: `examples/tiny.toml`, two steps.
+const TWO_STEPS: [&str; 3] = ["examples/tiny.toml", "--set", "steps=2"];
+
 /// The worker's command line, program first: the one place that says how a worker is started by
 /// hand (it becomes `gradbus worker` when the worker binary turns into a subcommand).
 fn worker_command() -> Vec<OsString> {
     vec![env!("CARGO_BIN_EXE_gradbus-worker").into()]
 }
 
-/// A running one-node cluster; dropping it stops the daemons and removes its directory.
+/// A running one-node cluster; dropping it stops the daemons, removes its directory and lets the
+/// next test start its own.
 struct Cluster {
     dir: tempfile::TempDir,
+    _one: MutexGuard<'static, ()>,
 }
 
 impl Cluster {
     /// Starts the cluster, or returns why it cannot (after printing `SKIPPED: ...`); panics instead
     /// when `GRADBUS_REQUIRE_SLURM=1`.
     fn start(test: &str) -> Option<Cluster> {
+        let one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::Builder::new().prefix("gradbus-slurm").tempdir().expect("temp dir");
         let out = Command::new(root().join("scripts/slurm-local.sh"))
             .arg("start")
@@ -48,7 +54,7 @@ impl Cluster {
             .output()
             .expect("run scripts/slurm-local.sh");
         if out.status.success() {
-            return Some(Cluster { dir });
+            return Some(Cluster { dir, _one: one });
         }
         let why = format!(
             "scripts/slurm-local.sh start could not start a one-node Slurm ({:?}):\n{}",
@@ -124,21 +130,35 @@ fn sbatch(cluster: &Cluster, base: &Path, env: &[(&str, &str)], args: &[&str]) -
     (job, code, format!("--- sbatch stderr\n{err}\n--- job output\n{log}"))
 }
 
+/// `srun --kill-on-bad-exit=1 -n 4 EXTRA WORKER --run-dir DIR` [`TWO_STEPS`] with
+/// `env`; returns (exit code, stdout, stderr).
+fn srun_worker(cluster: &Cluster, extra: &[&str], dir: &Path, env: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let mut c = cluster.client("srun");
+    c.args(["--kill-on-bad-exit=1", "--time=5", "-n", "4"])
+        .args(extra)
+        .args(worker_command())
+        .arg("--run-dir")
+        .arg(dir)
+        .args(TWO_STEPS);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    run_bounded(c)
+}
+
 #[test]
 fn sbatch_and_srun_train_the_same_bits_as_the_local_launcher() {
-    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let Some(cluster) = Cluster::start("sbatch_and_srun_train_the_same_bits_as_the_local_launcher") else {
         return;
     };
     let d = tempfile::tempdir().unwrap();
     let local = d.path().join("local");
-    let set = ["--set", "steps=2"];
     let local_dir = local.to_str().unwrap();
-    gradbus(&["run", "--np", "4", "--run-dir", local_dir, "examples/tiny.toml", set[0], set[1]], &[]).expect_code(0);
+    gradbus(&[&["run", "--np", "4", "--run-dir", local_dir][..], &TWO_STEPS].concat(), &[]).expect_code(0);
     let want = metrics(&local);
     assert_eq!(want.len(), 2 * 16, "2 steps x 16 updates");
 
-    let (job, code, story) = sbatch(&cluster, d.path(), &[], &set);
+    let (job, code, story) = sbatch(&cluster, d.path(), &[], &TWO_STEPS[1..]);
     assert_eq!(code, Some(0), "sbatch examples/slurm.sbatch\n{story}");
     let run_dir = d.path().join(format!("slurm-{job}"));
     let launch = std::fs::read_to_string(run_dir.join("launch.json")).expect("launch.json");
@@ -147,14 +167,7 @@ fn sbatch_and_srun_train_the_same_bits_as_the_local_launcher() {
 
     // The bare form: every rank finds itself in the step's SLURM_* variables, no launcher involved.
     let bare = d.path().join("bare");
-    let mut c = cluster.client("srun");
-    c.args(["--kill-on-bad-exit=1", "--time=5", "-n", "4"])
-        .args(worker_command())
-        .arg("--run-dir")
-        .arg(&bare)
-        .arg("examples/tiny.toml")
-        .args(set);
-    let (code, out, err) = run_bounded(c);
+    let (code, out, err) = srun_worker(&cluster, &[], &bare, &[]);
     assert_eq!(code, Some(0), "srun -n 4 worker\n--- stdout\n{out}\n--- stderr\n{err}");
     assert_eq!(metrics(&bare), want, "srun -n 4 worker vs gradbus run --np 4");
 }
@@ -174,7 +187,6 @@ fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {
 
 #[test]
 fn a_rank_killed_under_slurm_ends_the_step_with_no_process_or_segment_left() {
-    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let test = "a_rank_killed_under_slurm_ends_the_step_with_no_process_or_segment_left";
     let Some(cluster) = Cluster::start(test) else {
         return;
@@ -216,21 +228,13 @@ fn a_rank_killed_under_slurm_ends_the_step_with_no_process_or_segment_left() {
 #[cfg(feature = "mpi")]
 #[test]
 fn pmix_srun_with_the_mpi_transport_agrees_with_slurm() {
-    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let Some(cluster) = Cluster::start("pmix_srun_with_the_mpi_transport_agrees_with_slurm") else {
         return;
     };
     let d = tempfile::tempdir().unwrap();
     let dir = d.path().join("pmix");
-    let mut c = cluster.client("srun");
-    c.args(["--mpi=pmix", "--kill-on-bad-exit=1", "--time=5", "-n", "4"])
-        .args(worker_command())
-        .arg("--run-dir")
-        .arg(&dir)
-        .args(["examples/tiny.toml", "--set", "steps=2"])
-        .env("GRADBUS_TRANSPORT", "hier")
-        .env("GRADBUS_FAKE_NODES", "2");
-    let (code, out, err) = run_bounded(c);
+    let env = [("GRADBUS_TRANSPORT", "hier"), ("GRADBUS_FAKE_NODES", "2")];
+    let (code, out, err) = srun_worker(&cluster, &["--mpi=pmix"], &dir, &env);
     if err.contains("Couldn't load specified plugin name for mpi/pmix") {
         assert!(
             !std::env::var("GRADBUS_REQUIRE_SLURM").is_ok_and(|v| v == "1"),
