@@ -41,7 +41,7 @@ cargo test --workspace --release
 # default build (no MPI) tested. Costs the feature's build (~2-3 min on 2 cores) and ~40 s of tests.
 cargo test --workspace --release --features mpi --test mpi
 # Slurm's `srun --mpi=pmix` with the MPI transport (tests/slurm.rs, the `pmix_` test only; ~20 s).
-cargo test --release --features mpi --test slurm pmix_
+cargo test --workspace --release --features mpi --test slurm pmix_
 
 # The `cuda` feature builds without CUDA (cudarc loads libcuda/libnvrtc/libnccl at run time), so CI
 # keeps it compiling; on this GPU-less machine its GPU tests print "SKIPPED: no CUDA driver" and the
