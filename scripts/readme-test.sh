@@ -37,6 +37,8 @@ esac
 # Command (exactly as in the README, without its trailing comment) -> why it is not run here.
 declare -A SKIP=(
   ["scripts/test.sh"]="runs every test and then this README test: it is the command that runs this (CI: .ci/run)"
+  ["sbatch examples/slurm.sbatch --set steps=50"]="needs a Slurm cluster; tests/slurm.rs runs this script on a one-node Slurm it starts"
+  ["srun --kill-on-bad-exit=1 -n 4 gradbus worker --run-dir runs/s examples/tiny.toml"]="needs a Slurm allocation; tests/slurm.rs runs a bare srun of the worker on a one-node Slurm it starts"
   ["scripts/gpu-check.sh"]="needs an NVIDIA GPU with its driver (CI has none)"
   ["scripts/gpu-check.sh --prepare target/gpu-check"]="builds test binaries for the GPU machine only; scripts/test.sh builds and runs the same cuda test targets here (their GPU parts print SKIPPED)"
   ["scripts/gpu-check.sh --prebuilt target/gpu-check"]="needs an NVIDIA GPU and the binaries of --prepare"

@@ -63,6 +63,16 @@ probe_netns() {
   [ $ok = 1 ]
 }
 if probe_netns; then require+=(netns); fi
+# slurm: a real one-node cluster (slurmctld, slurmd, munge) that scripts/slurm-local.sh starts per
+# test as root, state in a temp dir, on free ports (tests/slurm.rs). Installed when missing (~15 s).
+if [ "$(id -u)" = 0 ]; then
+  if ! has sbatch || ! [ -x /usr/sbin/slurmd ] || ! [ -x /usr/sbin/munged ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      slurmctld slurmd slurm-client munge >/dev/null
+  fi
+  require+=(slurm)
+fi
 # cuda: a GPU that the driver lists (kernels/tests/cuda.rs, collectives/tests/nccl.rs).
 if has nvidia-smi && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then require+=(cuda); fi
 GRADBUS_REQUIRE=$(IFS=,; echo "${require[*]}")
@@ -107,6 +117,8 @@ run cargo test --workspace --release
 # (collectives/tests/mpi.rs, tests/mpi.rs); the line above already ran everything else, and keeps the
 # default build (no MPI) tested. Costs the feature's build (~2-3 min on 2 cores) and ~40 s of tests.
 run cargo test --workspace --release --features mpi --test mpi
+# Slurm's `srun --mpi=pmix` with the MPI transport (tests/slurm.rs, the `pmix_` test only; ~20 s).
+run cargo test --workspace --release --features mpi --test slurm pmix_
 
 # The `cuda` feature builds without CUDA (cudarc loads libcuda/libnvrtc/libnccl at run time), so CI
 # keeps it compiling; on this GPU-less machine its GPU tests print "SKIPPED: no CUDA driver" and the

@@ -13,7 +13,7 @@
 //! - [`bench`](mod@crate::bench) is `gradbus bench allreduce`: N supervised copies of the launcher's own executable
 //!   (hidden subcommand `__bench-rank`) run the collectives' benchmark; rank 0's result is relayed.
 //! - [`report`] is `gradbus report`: the summary of a run directory and its `report.svg`.
-//! - [`mpirun`] builds the `mpirun` command line; [`shm`] sweeps a job's leftover shared memory
+//! - [`mpirun`] and [`srun`] build the `mpirun` and `srun` command lines; [`shm`] sweeps a job's leftover shared memory
 //!   and the stale segments of dead launchers;
 //!   [`progress`] is the hook for a progress display; [`signals`] counts SIGINT/SIGTERM/SIGHUP.
 //!
@@ -32,6 +32,7 @@ pub mod report;
 pub mod run;
 pub mod shm;
 pub mod signals;
+pub mod srun;
 pub mod supervise;
 pub mod usage;
 

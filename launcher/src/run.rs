@@ -2,7 +2,7 @@
 //!
 //! Stages, each of which can only fail with a usage error (exit 2) before anything is started:
 //! parse the flags ([`parse`]) -> check the config file exists -> build and validate the
-//! [`LaunchPlan`] -> find the worker (or `mpirun`) -> create the run directory and record the launch
+//! [`LaunchPlan`] -> find the worker (or `mpirun`, `srun`) -> create the run directory and record the launch
 //! in `RUN_DIR/launch.json`. Then stale segments of dead launchers are swept ([`shm::sweep_stale`]),
 //! the job runs under [`supervise`] with a [`ShmProgress`] display, the job's leftover
 //! shared-memory segments are removed after the last process is gone, the root-cause summary is
@@ -27,6 +27,7 @@ use crate::plan::LaunchPlan;
 use crate::progress::{Progress, ShmProgress};
 use crate::shm;
 use crate::signals;
+use crate::srun::{self, SrunSpec};
 use crate::supervise::{self, Options, Outcome, ProcSpec};
 use crate::usage::{lex, Parsed};
 use crate::Error;
@@ -42,7 +43,8 @@ OPTIONS:
     --np N                 number of ranks (default: all slots of the hostfile, else 1)
     --hostfile FILE        Open MPI/DeepSpeed hostfile: `host slots=N [max_slots=M]` per line
     --oversubscribe        allow more ranks than slots (dealt round-robin, capped by max_slots)
-    --launcher KIND        local (default: spawn the workers here) or mpirun
+    --launcher KIND        local (default: spawn the workers here), mpirun, or srun (inside a
+                           Slurm allocation; --np defaults to the allocation's SLURM_NTASKS)
     --run-dir DIR          where logs, metrics and checkpoints go (default: runs/<job id>)
     --resume RUN_DIR       continue the run in RUN_DIR from its last checkpoint
     --grace SECONDS        time between SIGTERM and SIGKILL at teardown (default: 3)
@@ -64,6 +66,19 @@ pub enum LauncherKind {
     Local,
     /// One `mpirun` that starts the workers on the hostfile's machines.
     Mpirun,
+    /// One `srun` that starts the workers as a step of the Slurm allocation.
+    Srun,
+}
+
+impl LauncherKind {
+    /// Its name on the command line and in `launch.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LauncherKind::Local => "local",
+            LauncherKind::Mpirun => "mpirun",
+            LauncherKind::Srun => "srun",
+        }
+    }
 }
 
 /// The validated command line of `gradbus run`.
@@ -121,10 +136,11 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<RunArgs>, Error> {
                 launcher = match v.to_str() {
                     Some("local") => LauncherKind::Local,
                     Some("mpirun") => LauncherKind::Mpirun,
+                    Some("srun") => LauncherKind::Srun,
                     _ => {
                         return Err(Error::usage(
                             format!("--launcher {}: unknown launcher", v.to_string_lossy()),
-                            "use --launcher local or --launcher mpirun",
+                            "use --launcher local, mpirun or srun",
                         ))
                     }
                 };
@@ -355,12 +371,39 @@ pub fn supervise_job(
     Ok(outcome)
 }
 
+/// The specs of the one child process that starts every rank (`mpirun`, `srun`): it gets the job
+/// id and run directory in its environment and logs to `RUN_DIR/<name>.log`.
+fn launcher_spec(argv: Vec<OsString>, name: &str, job_id: &str, run_dir: &Path) -> Vec<ProcSpec> {
+    let mut argv = argv.into_iter();
+    let program = PathBuf::from(argv.next().unwrap_or_default());
+    vec![ProcSpec {
+        label: name.into(),
+        program,
+        args: argv.collect(),
+        env: vec![(env::JOB_ID.into(), job_id.into()), (env::RUN_DIR.into(), run_dir.into())],
+        log: Some(run_dir.join(format!("{name}.log"))),
+    }]
+}
+
+/// The plan of `--launcher srun`: Slurm places the ranks, so the plan is only the world size (one
+/// node, this one, whose segment the progress display reads); a hostfile is an error.
+fn srun_plan(args: &RunArgs) -> Result<LaunchPlan, Error> {
+    if let Some(h) = &args.hostfile {
+        return Err(Error::usage(
+            format!("--hostfile {} with --launcher srun: Slurm places the ranks", h.display()),
+            "drop --hostfile; the allocation's nodes are in SLURM_JOB_NODELIST",
+        ));
+    }
+    LaunchPlan::local(srun::np(args.np, |k| std::env::var(k).ok().filter(|v| !v.is_empty()))?)
+}
+
 /// Executes `gradbus run`.
 pub fn execute(args: RunArgs) -> Result<Code, Error> {
     let config = check_config(&args.config)?;
-    let plan = match &args.hostfile {
-        Some(path) => LaunchPlan::from_hosts(&hostfile::read(path)?, args.np, args.oversubscribe)?,
-        None => LaunchPlan::local(args.np.unwrap_or(1))?,
+    let plan = match (&args.hostfile, args.launcher) {
+        (_, LauncherKind::Srun) => srun_plan(&args)?,
+        (Some(path), _) => LaunchPlan::from_hosts(&hostfile::read(path)?, args.np, args.oversubscribe)?,
+        (None, _) => LaunchPlan::local(args.np.unwrap_or(1))?,
     };
     // The worker's own checks, once, before any rank starts: a bad config is one message and exit 2
     // (the workers check again for a bare mpirun). Memory is this machine's only for a local launch.
@@ -371,21 +414,23 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         cfg.check_memory(local, plan.world_size > 1, &gradbus_worker::config::Machine::probe())?;
     }
     let worker = worker_command()?;
-    let mpirun = match args.launcher {
+    let path = std::env::var_os("PATH");
+    let starter = match args.launcher {
         LauncherKind::Local => {
             plan.require_local(args.hostfile.as_deref())?;
             None
         }
-        LauncherKind::Mpirun => {
-            Some(mpirun::find_on_path("mpirun", std::env::var_os("PATH").as_deref()).ok_or(Error::MpirunMissing)?)
-        }
+        LauncherKind::Mpirun => Some(mpirun::find_on_path("mpirun", path.as_deref()).ok_or(Error::MpirunMissing)?),
+        LauncherKind::Srun => Some(mpirun::find_on_path("srun", path.as_deref()).ok_or_else(|| {
+            Error::usage("srun is not on PATH", "run inside a Slurm allocation (sbatch, salloc) on a Slurm client")
+        })?),
     };
     let job_id = new_job_id();
     let run_dir = prepare_run_dir(&args, &job_id)?;
     let resume = args.resume.is_some();
     let record = LaunchRecord {
         job_id: &job_id,
-        launcher: if mpirun.is_some() { "mpirun" } else { "local" },
+        launcher: args.launcher.name(),
         config: &config,
         sets: &args.sets,
         resume,
@@ -406,9 +451,8 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
     );
 
     let wargs = worker.args(worker_args(&run_dir, resume, &config, &args.sets));
-    let specs = match mpirun {
-        None => local_specs(&plan, &worker.program, &wargs, &job_id, &run_dir),
-        Some(mpirun) => {
+    let specs = match (args.launcher, starter) {
+        (LauncherKind::Mpirun, Some(mpirun)) => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             let hostfile = args.hostfile.as_ref().map(|h| std::path::absolute(h).unwrap_or(h.clone()));
             let spec = MpirunSpec {
@@ -423,16 +467,14 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
                 worker: worker.program,
                 worker_args: wargs,
             };
-            let mut argv = mpirun::command_line(&spec).into_iter();
-            let program = PathBuf::from(argv.next().unwrap_or_default());
-            vec![ProcSpec {
-                label: "mpirun".into(),
-                program,
-                args: argv.collect(),
-                env: vec![(env::JOB_ID.into(), job_id.clone().into()), (env::RUN_DIR.into(), run_dir.clone().into())],
-                log: Some(run_dir.join("mpirun.log")),
-            }]
+            launcher_spec(mpirun::command_line(&spec), "mpirun", &job_id, &run_dir)
         }
+        (LauncherKind::Srun, Some(srun)) => {
+            let spec =
+                SrunSpec { srun, np: plan.world_size, overcommit: args.oversubscribe, worker: worker.program, worker_args: wargs };
+            launcher_spec(srun::command_line(&spec), "srun", &job_id, &run_dir)
+        }
+        _ => local_specs(&plan, &worker.program, &wargs, &job_id, &run_dir),
     };
     let opts = Options { grace: args.grace, ..Options::default() };
     // The bar's length comes from the config when the launcher can read it (the worker reports
@@ -502,6 +544,16 @@ mod tests {
             assert_eq!(e.code(), Code::Usage, "{bad:?}");
             assert!(e.to_string().contains("hint:"), "{bad:?}: {e}");
         }
+    }
+
+    #[test]
+    fn srun_launcher_parses_and_refuses_a_hostfile() {
+        let a = parse_run(&["--launcher", "srun", "--np", "3", "c.toml"]).unwrap();
+        assert_eq!((a.launcher, a.launcher.name()), (LauncherKind::Srun, "srun"));
+        assert_eq!(srun_plan(&a).unwrap().world_size, 3);
+        let e = srun_plan(&parse_run(&["--launcher", "srun", "--hostfile", "h", "c.toml"]).unwrap()).unwrap_err();
+        assert_eq!(e.code(), Code::Usage);
+        assert!(e.to_string().contains("--hostfile h with --launcher srun"), "{e}");
     }
 
     #[test]

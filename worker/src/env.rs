@@ -1,9 +1,11 @@
 //! The environment contract between the launcher and its workers, in one place.
 //!
 //! The launcher sets every `GRADBUS_*` variable below for each worker it spawns. Under a bare
-//! `mpirun`, the rank and sizes come from the MPI launcher's own variables instead (Open MPI's
-//! `OMPI_COMM_WORLD_*`, MPICH's `PMI_*`), and the job id from `GRADBUS_JOB_ID` if exported, else from
-//! the MPI job's identity.
+//! `mpirun` or `srun`, the rank and sizes come from that launcher's own variables instead (Open MPI's
+//! `OMPI_COMM_WORLD_*`, MPICH's `PMI_*`, Slurm's `SLURM_*` of a job step, checked against PMIx's
+//! `PMIX_RANK`), and the job id from `GRADBUS_JOB_ID` if exported, else from the launcher's job
+//! (Slurm: job id and step id). Which launcher wins when several left variables is `crate::rank`'s
+//! business; this file only names them.
 
 /// Global rank of this worker.
 pub const RANK: &str = "GRADBUS_RANK";
@@ -50,3 +52,35 @@ pub const PMI_SIZE: &str = "PMI_SIZE";
 pub const MPICH_LOCAL_RANK: &str = "MPI_LOCALRANKID";
 /// MPICH local size.
 pub const MPICH_LOCAL_SIZE: &str = "MPI_LOCALNRANKS";
+/// PMIx rank (set by `srun --mpi=pmix` and by Open MPI's own launcher beside their variables).
+pub const PMIX_RANK: &str = "PMIX_RANK";
+
+/// Slurm: global rank of this task in its job step.
+pub const SLURM_PROCID: &str = "SLURM_PROCID";
+/// Slurm: tasks in the job step (`srun` sets it for the step; in a batch script it is the job's).
+pub const SLURM_NTASKS: &str = "SLURM_NTASKS";
+/// Slurm: tasks in this job step (set by `srun` only).
+pub const SLURM_STEP_NUM_TASKS: &str = "SLURM_STEP_NUM_TASKS";
+/// Slurm: rank of this task among the step's tasks on its node.
+pub const SLURM_LOCALID: &str = "SLURM_LOCALID";
+/// Slurm: index of this node among the step's nodes.
+pub const SLURM_NODEID: &str = "SLURM_NODEID";
+/// Slurm: nodes of the step (set by `srun`).
+pub const SLURM_STEP_NUM_NODES: &str = "SLURM_STEP_NUM_NODES";
+/// Slurm: nodes of the job.
+pub const SLURM_NNODES: &str = "SLURM_NNODES";
+/// Slurm: tasks on each node of the step, compressed (`2(x3),1` = 2,2,2,1).
+pub const SLURM_STEP_TASKS_PER_NODE: &str = "SLURM_STEP_TASKS_PER_NODE";
+/// Slurm: tasks on each node of the job, same format.
+pub const SLURM_TASKS_PER_NODE: &str = "SLURM_TASKS_PER_NODE";
+/// Slurm: `--ntasks-per-node`, one number, when it was given.
+pub const SLURM_NTASKS_PER_NODE: &str = "SLURM_NTASKS_PER_NODE";
+/// Slurm: the job id.
+pub const SLURM_JOB_ID: &str = "SLURM_JOB_ID";
+/// Slurm: the step id; set for the tasks of an `srun` step, never in a batch script, which is how a
+/// rank tells a launch from the allocation it runs in.
+pub const SLURM_STEP_ID: &str = "SLURM_STEP_ID";
+
+/// The GPUs a process may use, renumbered from 0 by CUDA (Slurm sets it per job, or per task with
+/// `--gpus-per-task` / `--gpu-bind`).
+pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
