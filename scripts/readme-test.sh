@@ -146,11 +146,12 @@ for c in "${commands[@]}"; do
   fi
   tail -n 4 "$log" | sed 's/^/    /'
   echo "    ok: exit $rc in $(($(date +%s) - t0)) s"
-  # An install must put the one binary where the README says PATH finds it.
+  # An install must put the one binary, and nothing else, where the README says PATH finds it.
   if [[ $cmd == "cargo install"* ]]; then
     found=$(command -v gradbus || true)
-    if [ "$found" != "$CARGO_INSTALL_ROOT/bin/gradbus" ]; then
-      echo "readme-test: FAILED: after \`$cmd\`, gradbus on PATH is '${found}', not $CARGO_INSTALL_ROOT/bin/gradbus" >&2
+    bins=$(ls "$CARGO_INSTALL_ROOT/bin")
+    if [ "$found" != "$CARGO_INSTALL_ROOT/bin/gradbus" ] || [ "$bins" != gradbus ]; then
+      echo "readme-test: FAILED: after \`$cmd\`, gradbus on PATH is '$found' and $CARGO_INSTALL_ROOT/bin holds '$bins'; want the one binary gradbus there" >&2
       exit 1
     fi
   fi

@@ -1,8 +1,8 @@
 //! What every subcommand's parser shares: its outcome ([`Parsed`]: the arguments, or a help text to
 //! print) and the conversion of `lexopt`'s errors into usage errors (exit 2, with a hint).
 //!
-//! It sits below [`cli`](crate::cli) and the subcommand modules, so that they depend on it and
-//! `cli` depends on them, never the other way round: `cli` -> `run`, `bench` -> `usage`.
+//! It sits below `cli` and the subcommand modules: `cli` -> `run`, `bench` -> `usage`, and no
+//! subcommand module imports `cli` (the import graph of the launcher's command line has no cycle).
 
 use crate::Error;
 
