@@ -228,7 +228,8 @@ fn two_and_four_ranks_succeed_with_prefixed_output_and_rank_logs() {
             let log = std::fs::read_to_string(run_dir.join(format!("rank-{r}.log"))).unwrap();
             assert!(log.lines().any(|l| l == hello), "rank-{r}.log: {log}");
             assert!(log.lines().any(|l| l == format!("err from rank {r}")), "rank-{r}.log: {log}");
-            let args_line = format!("args: --run-dir {} {} --set seed=1", run_dir.display(), d.join("c.toml").display());
+            let args_line =
+                format!("args: --run-dir {} {} --set seed=1", run_dir.display(), d.join("c.toml").display());
             assert!(log.lines().any(|l| l == args_line), "rank-{r}.log lacks {args_line:?}: {log}");
             assert!(!log.contains("[rank"), "log lines must be unprefixed: {log}");
         }
