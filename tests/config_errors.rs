@@ -171,6 +171,30 @@ fn every_config_key_refuses_wrong_type_boundary_and_absurd_values_once_before_an
     assert!(failures.is_empty(), "{} of {} cases:\n{}", failures.len(), BAD_VALUES.len() * 3, failures.join("\n"));
 }
 
+/// A worker started without the launcher (as by a bare mpirun) runs the same checks: exit 2, the
+/// key named, no panic (the model's shape used to be checked by an `expect` in `Gpt::new`).
+#[test]
+fn a_bare_worker_refuses_a_bad_config_without_panicking() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (set, key) in [("model.heads=3", "model.heads"), ("model.channels=100000", "model.channels")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_gradbus-worker"))
+            .current_dir(root())
+            .args(["--run-dir", tmp.path().to_str().unwrap(), "examples/tiny.toml", "--set", set])
+            .env("GRADBUS_RANK", "0")
+            .env("GRADBUS_LOCAL_RANK", "0")
+            .env("GRADBUS_WORLD_SIZE", "1")
+            .env("GRADBUS_LOCAL_SIZE", "1")
+            .env("GRADBUS_NODE_ID", "0")
+            .env("GRADBUS_JOB_ID", format!("bareworker{}", std::process::id()))
+            .env_remove("GRADBUS_FAULTS")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--set {set}: {err}");
+        assert!(err.contains(key) && err.contains("hint:") && !err.contains("panicked"), "--set {set}: {err}");
+    }
+}
+
 #[test]
 fn resume_without_checkpoint_and_replay_of_a_missing_dump_are_clear_errors() {
     let tmp = tempfile::tempdir().unwrap();

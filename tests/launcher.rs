@@ -208,7 +208,7 @@ fn signal(pid: u32, sig: i32) {
 fn two_and_four_ranks_succeed_with_prefixed_output_and_rank_logs() {
     for np in [2usize, 4] {
         let job = Job::new("exit 0");
-        let mut args = vec!["run", "--run-dir", "run", "c.toml", "--set", "a.b=1"];
+        let mut args = vec!["run", "--run-dir", "run", "c.toml", "--set", "seed=1"];
         let np_s = np.to_string();
         if np == 2 {
             args.extend(["--np", &np_s]);
@@ -228,7 +228,8 @@ fn two_and_four_ranks_succeed_with_prefixed_output_and_rank_logs() {
             let log = std::fs::read_to_string(run_dir.join(format!("rank-{r}.log"))).unwrap();
             assert!(log.lines().any(|l| l == hello), "rank-{r}.log: {log}");
             assert!(log.lines().any(|l| l == format!("err from rank {r}")), "rank-{r}.log: {log}");
-            let args_line = format!("args: --run-dir {} {} --set a.b=1", run_dir.display(), d.join("c.toml").display());
+            let args_line =
+                format!("args: --run-dir {} {} --set seed=1", run_dir.display(), d.join("c.toml").display());
             assert!(log.lines().any(|l| l == args_line), "rank-{r}.log lacks {args_line:?}: {log}");
             assert!(!log.contains("[rank"), "log lines must be unprefixed: {log}");
         }

@@ -2,7 +2,8 @@
 //!
 //! Stages, each of which can only fail with a usage error (exit 2) before anything is started:
 //! parse the flags ([`parse`]) -> check the config file exists -> build and validate the
-//! [`LaunchPlan`] -> find the worker (or `mpirun`, `srun`) -> create the run directory and record the launch
+//! [`LaunchPlan`] -> check the config's values and the job's memory with the worker crate's own
+//! code (`gradbus_worker::config`) -> find the worker (or `mpirun`, `srun`) -> create the run directory and record the launch
 //! in `RUN_DIR/launch.json`. Then stale segments of dead launchers are swept ([`shm::sweep_stale`]),
 //! the job runs under [`supervise`] with a [`ShmProgress`] display, the job's leftover
 //! shared-memory segments are removed after the last process is gone, the root-cause summary is

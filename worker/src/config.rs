@@ -28,7 +28,7 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The file is not valid TOML (its line and column are in the message).
-    #[error("{path}: {message}")]
+    #[error("{path}: {message}\n  hint: fix the TOML syntax there; examples/tiny.toml shows every key")]
     Invalid {
         /// The file.
         path: String,
