@@ -1,7 +1,7 @@
 //! Forensics: the trace that names the first non-finite tensor of an update, and the one-process
 //! replay of a failure dump.
 //!
-//! Invariants: replay runs the very code path of the step loop (`train::compute_gradients`) on the
+//! Invariants: replay runs the very code path of the step loop (`gradients::compute_gradients`) on the
 //! dumped weights and mini-batch, so its gradients are bit for bit those of the failing rank; it
 //! proves that by comparing each bucket's health (NaN and Inf counts, first bad index, and the bits
 //! of the f64 sum of squares) with the health the rank recorded. The trace only observes.
@@ -14,11 +14,12 @@ use gradbus_collectives::transport::bucket_health;
 use gradbus_collectives::{Layout, ParamGrads};
 
 use crate::config::Config;
+use crate::failure::health_json;
+use crate::gradients;
 use crate::model::{self, Gpt};
 use crate::probe::{ExpOp, Phase, Probe};
 use crate::task::Batch;
 use crate::tensorfile;
-use crate::train::{self, health_json};
 
 /// The first non-finite value of an update, in execution order.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -228,9 +229,9 @@ pub fn replay(path: &Path, trace: bool) -> Result<Replay, String> {
     let mut probe = Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
     let g = &mut ParamGrads::new(&mut grads, &layout);
     let stats = if trace {
-        train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut probe)
+        gradients::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut probe)
     } else {
-        train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut crate::probe::NoProbe)
+        gradients::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut crate::probe::NoProbe)
     };
     let chunks = meta["health_chunks"].as_u64().unwrap_or(1).max(1) as usize;
     let buckets: Vec<serde_json::Value> =

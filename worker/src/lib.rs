@@ -5,18 +5,24 @@
 //! exit codes of [`exit::Code`].
 
 pub mod bench;
+pub mod checkpoint;
 pub mod config;
 pub mod env;
 pub mod exit;
+pub mod failure;
 pub mod faults;
 pub mod forensics;
+pub mod gradients;
 pub mod loss;
+pub mod metrics;
 pub mod model;
 pub mod probe;
 pub mod rank;
+pub mod rollout;
 pub mod task;
 pub mod tensorfile;
 pub mod train;
+pub mod update;
 
 use std::path::PathBuf;
 
@@ -161,7 +167,7 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     match trainer.run() {
         Ok(Outcome::Done) => Ok(Code::Done),
         Ok(Outcome::Aborted(report)) => {
-            eprintln!("rank {}: ABORT: {}", trainer.info.rank, train::describe(&report));
+            eprintln!("rank {}: ABORT: {}", trainer.info.rank, failure::describe(&report));
             Ok(Code::NonFinite)
         }
         Err(e) => {
