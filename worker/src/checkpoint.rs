@@ -1,14 +1,16 @@
 //! Checkpoints: `RUN_DIR/checkpoints/step-N/` with `state.bin` (weights, Adam moments, rollout
 //! weights, step, skip history) and a `DONE` marker, written by rank 0 (replicas are identical).
+//! The formats are in [`crate::artifacts`].
 //!
-//! Invariant: `state.bin` is renamed into place before `DONE` is written, so a crash leaves at most
-//! a directory without `DONE`, which `--resume` never loads.
+//! Invariants: `state.bin` is renamed into place before `DONE` (which holds its checksum) is
+//! written, so a crash leaves at most a directory without `DONE`. `--resume` loads the newest
+//! checkpoint that is complete and verifies, warns about each newer one that does not (file,
+//! expected and found checksum), and stops with exit 2 naming every file when none verifies:
+//! corrupt state is never loaded.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use serde_json::json;
-
-use crate::tensorfile;
+use crate::artifacts::{self, CheckpointMeta, SavedHistory};
 use crate::train::{checksum, Trainer};
 use crate::WorkerError;
 
@@ -23,89 +25,73 @@ impl Trainer {
             return Ok(());
         }
         let dir = self.checkpoint_dir().join(format!("step-{:06}", self.step));
-        std::fs::create_dir_all(&dir).map_err(|e| WorkerError::io(&dir.display().to_string(), e))?;
-        let meta = json!({
-            "step": self.step,
-            "adam_t": self.adam_t,
-            "config_hash": format!("{:016x}", self.config_hash),
-            "layout_hash": format!("{:016x}", self.layout().hash()),
-            "spikes": self.spikes,
-            "warnings": self.warnings,
-            "history": {
-                "consecutive_skips": self.history.consecutive_skips,
-                "skipped": self.history.skipped,
-                "recent": self.history.recent,
-                "suspects": self.history.suspects,
+        let meta = CheckpointMeta {
+            step: self.step,
+            adam_t: self.adam_t,
+            config_hash: self.config_hash,
+            layout_hash: self.layout().hash(),
+            spikes: self.spikes.clone(),
+            warnings: self.warnings,
+            history: SavedHistory {
+                consecutive_skips: self.history.consecutive_skips,
+                skipped: self.history.skipped,
+                recent: self.history.recent.clone(),
+                suspects: self.history.suspects.clone(),
             },
-        });
-        let bytes = tensorfile::encode(
-            &meta,
-            &[("params", &self.params), ("m", &self.m), ("v", &self.v), ("rollout", &self.rollout)],
-        );
-        let state = dir.join("state.bin");
-        let tmp = dir.join("state.bin.tmp");
-        let io = |e| WorkerError::io(&state.display().to_string(), e);
-        std::fs::write(&tmp, &bytes).map_err(io)?;
-        self.faults.at_checkpoint(self.step);
-        std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io)?;
-        std::fs::rename(&tmp, &state).map_err(io)?;
-        tensorfile::write_atomic(&dir.join("DONE"), format!("{:016x}\n", checksum(&self.params)).as_bytes())
-            .map_err(io)?;
+        };
+        let tensors: [(&str, &[f32]); 4] =
+            [("params", &self.params), ("m", &self.m), ("v", &self.v), ("rollout", &self.rollout)];
+        let (faults, step) = (&self.faults, self.step);
+        artifacts::save_checkpoint(&dir, &meta, &tensors, checksum(&self.params), || faults.at_checkpoint(step))?;
         log::info!("checkpoint {}", dir.display());
         Ok(())
     }
 
-    /// Load the latest complete checkpoint (one with its DONE marker).
+    /// Load the newest checkpoint that is complete and verifies.
     pub(crate) fn resume(&mut self) -> Result<(), WorkerError> {
-        let Some(dir) = latest_checkpoint(&self.checkpoint_dir()) else {
-            return Err(WorkerError::Usage(format!(
-                "--resume: no complete checkpoint under {} (hint: checkpoints are written every `checkpoint.every` steps)",
-                self.checkpoint_dir().display()
-            )));
-        };
-        let l = tensorfile::load(&dir.join("state.bin")).map_err(WorkerError::Usage)?;
-        let want = format!("{:016x}", self.layout().hash());
-        if l.meta["layout_hash"].as_str() != Some(want.as_str()) {
+        let root = self.checkpoint_dir();
+        let (dir, l, refused) = artifacts::newest_intact_checkpoint(&root).map_err(|refused| {
+            let why: Vec<String> = refused.iter().map(|e| format!("\n  {e}")).collect();
+            WorkerError::Usage(format!(
+                "--resume: no complete checkpoint under {} verifies{} (hint: checkpoints are written every `checkpoint.every` steps)",
+                root.display(),
+                if why.is_empty() { " (there is none)".to_string() } else { format!(":{}", why.concat()) }
+            ))
+        })?;
+        if self.info.rank == 0 {
+            for e in &refused {
+                eprintln!("warning: --resume skips a checkpoint: {e}");
+            }
+        }
+        let meta = &l.meta;
+        if meta.layout_hash != self.layout().hash() {
             return Err(WorkerError::Usage(format!("{}: saved for a different model or bucket layout", dir.display())));
         }
-        let get = |n: &str| {
-            l.get(n).map(<[f32]>::to_vec).ok_or_else(|| WorkerError::Usage(format!("{}: no tensor {n}", dir.display())))
-        };
-        self.params = get("params")?;
-        self.m = get("m")?;
-        self.v = get("v")?;
-        self.rollout = get("rollout")?;
-        self.step = l.meta["step"].as_u64().unwrap_or(0);
-        self.adam_t = l.meta["adam_t"].as_u64().unwrap_or(0);
-        let h = &l.meta["history"];
-        self.history.consecutive_skips = h["consecutive_skips"].as_u64().unwrap_or(0) as u32;
-        self.history.skipped = h["skipped"].as_u64().unwrap_or(0);
-        self.history.recent = h["recent"]
-            .as_array()
-            .map(|a| a.iter().map(|b| b.as_bool().unwrap_or(false)).collect())
-            .unwrap_or_default();
-        self.history.suspects = h["suspects"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|b| b.as_u64()).map(|b| b as usize).collect())
-            .unwrap_or_default();
-        if let Ok(spikes) = serde_json::from_value(l.meta["spikes"].clone()) {
-            self.spikes = spikes;
+        self.params = l.get("params")?.to_vec();
+        self.m = l.get("m")?.to_vec();
+        self.v = l.get("v")?.to_vec();
+        self.rollout = l.get("rollout")?.to_vec();
+        let n = self.layout().len;
+        for (name, t) in [("params", &self.params), ("m", &self.m), ("v", &self.v), ("rollout", &self.rollout)] {
+            if t.len() != n {
+                return Err(WorkerError::Usage(format!(
+                    "{}: tensor `{name}` has {} elements, the model has {n}",
+                    dir.join("state.bin").display(),
+                    t.len()
+                )));
+            }
         }
-        self.warnings = l.meta["warnings"].as_u64().unwrap_or(0) as u32;
+        self.step = meta.step;
+        self.adam_t = meta.adam_t;
+        self.history.consecutive_skips = meta.history.consecutive_skips;
+        self.history.skipped = meta.history.skipped;
+        self.history.recent = meta.history.recent.clone();
+        self.history.suspects = meta.history.suspects.clone();
+        self.spikes = meta.spikes.clone();
+        self.warnings = meta.warnings;
         if self.info.rank == 0 {
             eprintln!("resumed from {} at step {}", dir.display(), self.step);
         }
         Ok(())
     }
-}
-
-/// The newest `step-N` directory that has its DONE marker.
-pub fn latest_checkpoint(dir: &Path) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("DONE").exists() && p.join("state.bin").exists())
-        .collect();
-    dirs.sort();
-    dirs.pop()
 }

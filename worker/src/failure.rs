@@ -7,11 +7,10 @@
 use serde_json::json;
 
 use gradbus_collectives::{HealthTable, ParamGrads, Report};
-use gradbus_kernels::Health;
 
+use crate::artifacts::{self, DumpMeta, HealthRecord};
 use crate::gradients::compute_gradients;
 use crate::task::Batch;
-use crate::tensorfile;
 use crate::train::Trainer;
 use crate::WorkerError;
 
@@ -40,7 +39,7 @@ impl Trainer {
         )
         .expect("json")
             + "\n";
-        tensorfile::write_atomic(&p, text.as_bytes()).map_err(|e| WorkerError::io(&p.display().to_string(), e))
+        artifacts::write_atomic(&p, text.as_bytes()).map_err(|e| WorkerError::io(&p.display().to_string(), e))
     }
 
     /// On abort: every rank dumps the state at the start of the failing update and its mini-batch;
@@ -49,68 +48,45 @@ impl Trainer {
         let dumps = self.run_dir.join("dumps");
         std::fs::create_dir_all(&dumps).map_err(|e| WorkerError::io(&dumps.display().to_string(), e))?;
         let rank = self.info.rank;
-        let local: Vec<_> = (0..table.buckets).map(|b| health_json(table.cell(b, rank))).collect();
         let f32s = |v: &[u32]| v.iter().map(|&t| t as f32).collect::<Vec<f32>>();
-        let meta = json!({
-            "config": self.config_text,
-            "rank": rank,
-            "world": self.info.world,
-            "step": report.step,
-            "minibatch": report.minibatch,
-            "attempt": report.attempt,
-            "b": mb.b,
-            "t": mb.t,
-            "loss": table.reports[rank].loss,
-            "local_health": local,
-            "health_chunks": self.bus.health_chunks(),
-            "report": report,
-        });
+        let meta = DumpMeta {
+            config: self.config_text.clone(),
+            rank,
+            world: self.info.world,
+            step: report.step,
+            minibatch: report.minibatch,
+            attempt: report.attempt,
+            b: mb.b,
+            t: mb.t,
+            loss: table.reports[rank].loss,
+            local_health: (0..table.buckets).map(|b| HealthRecord::from(table.cell(b, rank))).collect(),
+            health_chunks: self.bus.health_chunks(),
+            report: report.clone(),
+        };
         let (inputs, targets) = (f32s(&mb.inputs), f32s(&mb.targets));
         let path = dumps.join(format!("rank-{rank}.bin"));
-        tensorfile::save(
-            &path,
-            &meta,
-            &[
-                ("params", &self.params),
-                ("inputs", &inputs),
-                ("targets", &targets),
-                ("mask", &mb.mask),
-                ("reward", &mb.reward),
-                ("adv", &mb.adv),
-                ("old_logp", &mb.old_logp),
-                ("ref_logp", &mb.ref_logp),
-            ],
-        )
-        .map_err(|e| WorkerError::io(&path.display().to_string(), e))?;
+        let tensors: [(&str, &[f32]); 8] = [
+            ("params", &self.params),
+            ("inputs", &inputs),
+            ("targets", &targets),
+            ("mask", &mb.mask),
+            ("reward", &mb.reward),
+            ("adv", &mb.adv),
+            ("old_logp", &mb.old_logp),
+            ("ref_logp", &mb.ref_logp),
+        ];
+        artifacts::write_atomic(&path, &artifacts::encode(&meta, &tensors))
+            .map_err(|e| WorkerError::io(&path.display().to_string(), e))?;
         if rank == 0 {
             let p = self.run_dir.join("report.json");
-            let text = serde_json::to_string_pretty(report).expect("json") + "\n";
-            tensorfile::write_atomic(&p, text.as_bytes()).map_err(|e| WorkerError::io(&p.display().to_string(), e))?;
+            artifacts::write_atomic(&p, artifacts::report_text(report).as_bytes())
+                .map_err(|e| WorkerError::io(&p.display().to_string(), e))?;
         }
         Ok(())
     }
 }
 
-/// JSON of a health cell, sums of squares as bits so replay can compare exactly.
-pub fn health_json(h: &Health) -> serde_json::Value {
-    json!({"nan": h.nan, "inf": h.inf, "sumsq_bits": format!("{:016x}", h.sumsq.to_bits()), "first_bad": h.first_bad})
-}
-
 /// One line about a non-finite report, the same on every rank.
 pub fn describe(r: &Report) -> String {
-    format!(
-        "non-finite gradients at step {} update {} (attempt {}): rank(s) {:?}, bucket #{}, param {} element {}, {} NaN, {} Inf, loss {}; verdict {:?}{}",
-        r.step,
-        r.minibatch,
-        r.attempt,
-        r.ranks,
-        r.bucket,
-        r.param,
-        r.element,
-        r.nan,
-        r.inf,
-        if r.loss_finite { "finite" } else { "NOT finite" },
-        r.verdict,
-        r.classification.as_ref().map(|c| format!(" ({c})")).unwrap_or_default()
-    )
+    format!("non-finite gradients at {r}")
 }

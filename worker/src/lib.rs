@@ -4,6 +4,7 @@
 //! The binary (`worker/src/main.rs`) is thin: it parses arguments and maps `WorkerError`s to the
 //! exit codes of [`exit::Code`].
 
+pub mod artifacts;
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
@@ -20,7 +21,6 @@ pub mod probe;
 pub mod rank;
 pub mod rollout;
 pub mod task;
-pub mod tensorfile;
 pub mod train;
 pub mod update;
 
@@ -54,6 +54,9 @@ pub enum WorkerError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// An artifact (checkpoint, dump, report, metrics) was refused or could not be written.
+    #[error(transparent)]
+    Artifact(#[from] artifacts::ArtifactError),
     /// Replicas diverged: the parameter checksums disagree.
     #[error("{0}")]
     Diverged(String),
@@ -70,6 +73,8 @@ impl WorkerError {
         use gradbus_collectives::Error as E;
         match self {
             WorkerError::Config(_) | WorkerError::Usage(_) => Code::Usage,
+            WorkerError::Artifact(artifacts::ArtifactError::Io { .. }) => Code::RankFailed,
+            WorkerError::Artifact(_) => Code::Usage,
             WorkerError::Bus(E::Timeout { .. }) => Code::Timeout,
             WorkerError::Bus(E::ShmFull { .. } | E::BadSegment { .. } | E::Mpi { .. }) => Code::Usage,
             WorkerError::Bus(_) | WorkerError::Io { .. } | WorkerError::Diverged(_) => Code::RankFailed,

@@ -12,7 +12,7 @@ use gradbus_collectives::{backward_and_reduce, decide, Action, HealthTable, Loca
 use crate::failure::describe;
 use crate::faults::FaultPhase;
 use crate::gradients::forward_loss;
-use crate::loss::LossStats;
+use crate::loss::{LossStats, EXP_OVERFLOW};
 use crate::metrics::{headroom, mean_loss};
 use crate::probe::NoProbe;
 use crate::task::Batch;
@@ -26,16 +26,16 @@ impl Trainer {
             let start = Instant::now();
             let pre_checksum = checksum(&self.params);
             let stats = self.forward_backward(mb, at)?;
-            let mut values = [0.0; 7];
-            values[slot::REWARD] = mean(&mb.reward) as f64;
-            values[slot::KL] = stats.kl as f64;
             self.warn_headroom(&stats, at);
-            values[slot::MAX_LR_RESPONSE] = stats.max_logratio_response as f64;
-            values[slot::MAX_LR_MASKED] = stats.max_logratio_masked as f64;
-            values[slot::MIN_LOGP] = stats.min_response_logp as f64;
-            values[slot::CHECKSUM_HI] = (pre_checksum >> 32) as f64;
-            values[slot::CHECKSUM_LO] = (pre_checksum & 0xffff_ffff) as f64;
-            let table = self.bus.agree(at, LocalReport { loss: stats.loss as f64, values })?;
+            let values = UpdateValues {
+                reward: mean(&mb.reward) as f64,
+                kl: stats.kl as f64,
+                max_logratio_response: stats.max_logratio_response as f64,
+                max_logratio_masked: stats.max_logratio_masked as f64,
+                min_response_logp: stats.min_response_logp as f64,
+                checksum: pre_checksum,
+            };
+            let table = self.bus.agree(at, LocalReport { loss: stats.loss as f64, values: values.to_wire() })?;
             check_replicas(&table, at)?;
             let policy = self.cfg.policy();
             let mut verdict = decide(&table, self.layout(), &policy, &self.history, at);
@@ -55,7 +55,7 @@ impl Trainer {
                 self.warnings += 1;
             }
             let world = table.world as f64;
-            let reward = table.reports.iter().map(|r| r.values[slot::REWARD]).sum::<f64>() / world;
+            let reward = UpdateValues::of(&table).iter().map(|v| v.reward).sum::<f64>() / world;
             self.last = [mean_loss(&table), reward, table.grad_norm() / world];
             self.write_metrics(&table, at, verdict.action, spike.as_deref(), lr, start)?;
             self.bus.publish(Progress {
@@ -177,26 +177,59 @@ impl Trainer {
     }
 }
 
-/// ln(f32::MAX): exp of anything larger is +inf (the same for bf16, whose exponent has 8 bits too).
-pub const EXP_OVERFLOW: f32 = 88.72284;
+/// What each rank contributes to the agreement besides its loss. It travels as
+/// `LocalReport::values` (seven f64s); `to_wire` and `from_wire` are the only places that know the
+/// order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UpdateValues {
+    /// Mean reward of the rank's mini-batch.
+    pub reward: f64,
+    /// The rank's KL estimate.
+    pub kl: f64,
+    /// Largest log-ratio of a response position fed to an exp.
+    pub max_logratio_response: f64,
+    /// Largest log-ratio of a masked position fed to an exp.
+    pub max_logratio_masked: f64,
+    /// Smallest log-prob of a response token.
+    pub min_response_logp: f64,
+    /// Checksum of the rank's weights before the update (replicas must agree).
+    pub checksum: u64,
+}
 
-/// Indices of `LocalReport::values`.
-pub(crate) mod slot {
-    pub const REWARD: usize = 0;
-    pub const KL: usize = 1;
-    pub const MAX_LR_RESPONSE: usize = 2;
-    pub const MAX_LR_MASKED: usize = 3;
-    pub const MIN_LOGP: usize = 4;
-    pub const CHECKSUM_HI: usize = 5;
-    pub const CHECKSUM_LO: usize = 6;
+impl UpdateValues {
+    /// The seven f64s of `LocalReport::values` (the checksum as two exact 32-bit halves).
+    pub fn to_wire(self) -> [f64; 7] {
+        [
+            self.reward,
+            self.kl,
+            self.max_logratio_response,
+            self.max_logratio_masked,
+            self.min_response_logp,
+            (self.checksum >> 32) as f64,
+            (self.checksum & 0xffff_ffff) as f64,
+        ]
+    }
+
+    /// Back from `LocalReport::values`.
+    pub fn from_wire(v: &[f64; 7]) -> UpdateValues {
+        UpdateValues {
+            reward: v[0],
+            kl: v[1],
+            max_logratio_response: v[2],
+            max_logratio_masked: v[3],
+            min_response_logp: v[4],
+            checksum: ((v[5] as u64) << 32) | v[6] as u64,
+        }
+    }
+
+    /// Every rank's values from the agreed table, in rank order.
+    pub fn of(table: &HealthTable) -> Vec<UpdateValues> {
+        table.reports.iter().map(|r| UpdateValues::from_wire(&r.values)).collect()
+    }
 }
 
 pub(crate) fn check_replicas(table: &HealthTable, at: StepId) -> Result<(), WorkerError> {
-    let sums: Vec<(u64, u64)> = table
-        .reports
-        .iter()
-        .map(|r| (r.values[slot::CHECKSUM_HI] as u64, r.values[slot::CHECKSUM_LO] as u64))
-        .collect();
+    let sums: Vec<u64> = UpdateValues::of(table).iter().map(|v| v.checksum).collect();
     if sums.iter().any(|s| *s != sums[0]) {
         let odd: Vec<usize> = (0..sums.len()).filter(|&r| sums[r] != sums[0]).collect();
         return Err(WorkerError::Diverged(format!(
