@@ -2,7 +2,13 @@
 """Run gradbus's fault matrix and print one table: fault, phase, ranks, expected, observed, seconds to
 end, leftovers. Every case launches the real `gradbus run` on examples/tiny.toml with a fault plan in
 GRADBUS_FAULTS (see worker/src/faults.rs) or a bad input, then checks the exit code, that no process of
-the job survives and that no /dev/shm segment of the job is left.
+the job survives and that no /dev/shm segment of the job is left. Then the corruption rows: damage
+an artifact of a finished run (a checkpoint's state.bin or DONE, a dump, report.json, a metrics
+line) and check that `--resume`, `gradbus replay` or `gradbus report` refuses it, naming the file.
+
+"data lost" is measured: where a fault should lose nothing (no fault, a transient NaN rerun, a kill
+during a checkpoint write then --resume, a corrupt newest checkpoint then --resume), the final
+weights' checksum (the last metrics.jsonl line) is compared with an uninterrupted run's.
 
     scripts/fault-matrix.py                           # builds release first; ~1-2 minutes on 2 cores
     scripts/fault-matrix.py --set 'overlap="on"'      # extra --set overrides for every case
@@ -29,6 +35,8 @@ CASES = [
     ("nan, policy skip", "backward", 4, ["--set", "policy=skip"], fault("nan"), 0),
     ("nan transient, policy rerun", "backward", 4, ["--set", "policy=rerun"], fault("nan", transient=True), 0),
     ("nan persistent, policy rerun", "backward", 4, ["--set", "policy=rerun"], fault("nan"), 3),
+    ("scale 1e300 on every rank (sum overflows)", "backward", 2, [], fault("scale", rank=0, factor=1e300) + fault("scale", rank=1, factor=1e300), 3),
+    ("scale 1e300 on one rank (f32 norm overflows)", "backward", 2, [], fault("scale", factor=1e300), 0),
     ("kill -9", "forward", 4, [], fault("kill", phase="forward"), 4),
     ("kill -9", "backward", 4, [], fault("kill", phase="backward"), 4),
     ("kill -9", "reduce", 4, [], fault("kill", phase="reduce"), 4),
@@ -85,15 +93,100 @@ def run_case(tmp, case):
         pass
     segs, procs = leftovers(job)
     ok = p.returncode == want and not segs and not procs
+    lost = "-"
+    if name == "none" or "transient" in name:
+        lost = data_lost(run_dir, np_)
+        ok = ok and lost == "none"
     extra_check = ""
     if "checkpoint" == phase:
         # A kill during a checkpoint write must not leave a checkpoint that --resume would load half-written.
         r = subprocess.run([GB, "run", "--np", str(np_), "--resume", run_dir, config] + SHORT, cwd=ROOT,
                            env=dict(os.environ, GRADBUS_FAULTS=""), capture_output=True, text=True, timeout=120)
         extra_check = f"; resume exit {r.returncode}"
-        ok = ok and r.returncode == 0
+        lost = data_lost(run_dir, np_)
+        ok = ok and r.returncode == 0 and lost == "none"
     last = (p.stderr.strip().splitlines() or [""])[-1][:70]
-    return name, phase, np_ or 2, want, p.returncode, secs, len(segs) + len(procs), ok, last + extra_check
+    return name, phase, np_ or 2, want, p.returncode, secs, len(segs) + len(procs), lost, ok, last + extra_check
+
+
+REFERENCE = {}
+
+
+def final_checksum(run_dir):
+    """The checksum of the weights after the last update, from the last metrics line."""
+    try:
+        lines = open(os.path.join(run_dir, "metrics.jsonl")).read().split("\n")
+        return json.loads([l for l in lines if l.strip()][-1])["checksum"]
+    except (OSError, ValueError, IndexError, KeyError):
+        return None
+
+
+def data_lost(run_dir, np_):
+    """'none' when the run ended with the weights of an uninterrupted run of the same size, else 'YES'."""
+    if np_ not in REFERENCE:
+        ref = tempfile.mkdtemp(prefix="gradbus-fm-ref-")
+        subprocess.run([GB, "run", "--np", str(np_), "--run-dir", ref, "examples/tiny.toml"] + SHORT, cwd=ROOT,
+                       env=dict(os.environ, GRADBUS_FAULTS=""), capture_output=True, text=True, timeout=120)
+        REFERENCE[np_] = final_checksum(ref)
+    got = final_checksum(run_dir)
+    return "none" if got is not None and got == REFERENCE[np_] else f"YES ({got} vs {REFERENCE[np_]})"
+
+
+def flip(path, at=None):
+    b = bytearray(open(path, "rb").read())
+    b[len(b) // 2 if at is None else at] ^= 0x10
+    open(path, "wb").write(bytes(b))
+
+
+def truncate(path):
+    b = open(path, "rb").read()
+    open(path, "wb").write(b[: len(b) - 7])
+
+
+def ckpt(run_dir, step, name):
+    return os.path.join(run_dir, "checkpoints", f"step-{step:06d}", name)
+
+
+# name, what is damaged, how, what reads it, expected exit, whether it should lose nothing
+CORRUPT = [
+    ("flipped byte", "newest checkpoint state.bin", lambda d: flip(ckpt(d, 2, "state.bin")), "resume", 0, True),
+    ("truncated", "newest checkpoint state.bin", lambda d: truncate(ckpt(d, 2, "state.bin")), "resume", 0, True),
+    ("flipped byte", "newest checkpoint DONE", lambda d: flip(ckpt(d, 2, "DONE"), 20), "resume", 0, True),
+    ("missing DONE", "newest checkpoint", lambda d: os.remove(ckpt(d, 2, "DONE")), "resume", 0, True),
+    ("flipped byte", "every checkpoint state.bin",
+     lambda d: [flip(ckpt(d, s, "state.bin")) for s in (1, 2)], "resume", 2, False),
+    ("flipped byte", "dumps/rank-1.bin", lambda d: flip(os.path.join(d, "dumps", "rank-1.bin")), "replay", 2, False),
+    ("flipped byte", "report.json", lambda d: flip(os.path.join(d, "report.json")), "report", 2, False),
+    ("flipped byte", "metrics.jsonl line 1", lambda d: flip(os.path.join(d, "metrics.jsonl"), 30), "report", 2, False),
+]
+
+
+def run_corrupt(tmp, case):
+    how, what, damage, reader, want, lossless = case
+    run_dir = os.path.join(tmp, "c" + str(abs(hash(how + what))))
+    np_ = 2
+    # A finished run to damage: 2 steps with a checkpoint after each, or an abort (for dump and report).
+    plan = fault("nan", step=1, minibatch=1) if reader in ("replay", "report") else ""
+    first = subprocess.run([GB, "run", "--np", str(np_), "--run-dir", run_dir, "examples/tiny.toml"] + SHORT
+                           + ["--set", "steps=2"], cwd=ROOT, env=dict(os.environ, GRADBUS_FAULTS=plan),
+                           capture_output=True, text=True, timeout=120)
+    damage(run_dir)
+    t0 = time.monotonic()
+    if reader == "resume":
+        args = [GB, "run", "--np", str(np_), "--resume", run_dir, "examples/tiny.toml"] + SHORT
+    elif reader == "replay":
+        args = [GB, "replay", os.path.join(run_dir, "dumps", "rank-1.bin")]
+    else:
+        args = [GB, "report", run_dir]
+    p = subprocess.run(args, cwd=ROOT, env=dict(os.environ, GRADBUS_FAULTS=""), capture_output=True, text=True,
+                       timeout=120)
+    secs = time.monotonic() - t0
+    out = p.stdout + p.stderr
+    named = [l for l in out.splitlines() if "checksum mismatch" in l or "truncated" in l or "no DONE" in l]
+    lost = data_lost(run_dir, np_) if lossless else "-"
+    ok = first.returncode in (0, 3) and p.returncode == want and bool(named) and lost in ("none", "-")
+    last = (named or [""])[0].split("] ")[-1].replace(run_dir, "RUN").replace("`", "'").strip()[:100]
+    return f"{how}: {what}", reader, np_, want, p.returncode, secs, 0, lost, ok, last
 
 
 def main():
@@ -101,15 +194,18 @@ def main():
     if sys.argv[1:]:
         print(f"every case with: {' '.join(sys.argv[1:])}\n")
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_case(tmp, c) for c in CASES]
-    print(f"| fault | phase | ranks | expected | observed | seconds to end | leftovers | ok | last line |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, phase, n, want, got, secs, left, ok, last in rows:
-        print(f"| {name} | {phase} | {n} | {want} | {got} | {secs:.1f} | {left} | {'yes' if ok else 'NO'} | `{last}` |")
-    survived = sum(r[7] for r in rows)
-    print(f"\nfaults tried: {len(rows)}, ended as expected with nothing left behind: {survived}, data lost: "
-          f"{'none' if survived == len(rows) else 'see rows marked NO'}")
-    return 0 if survived == len(rows) else 1
+        rows = [run_case(tmp, c) for c in CASES] + [run_corrupt(tmp, c) for c in CORRUPT]
+    print("| fault | phase / reader | ranks | expected | observed | seconds to end | leftovers | data lost | ok | last line |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, phase, n, want, got, secs, left, lost, ok, last in rows:
+        print(f"| {name} | {phase} | {n} | {want} | {got} | {secs:.1f} | {left} | {lost} | {'yes' if ok else 'NO'} | `{last}` |")
+    survived = sum(r[8] for r in rows)
+    measured = [r for r in rows if r[7] != "-"]
+    lost = [r for r in measured if r[7] != "none"]
+    print(f"\nfaults tried: {len(rows)}, ended as expected with nothing left behind: {survived}; data lost "
+          f"(final weights' checksum vs an uninterrupted run, {len(measured)} rows that should lose nothing): "
+          f"{'none' if not lost else f'{len(lost)} rows'}")
+    return 0 if survived == len(rows) and not lost else 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,10 @@ pub use overlap::{backward_and_reduce, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
 pub use spikes::{Spike, SpikeDetector};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
-pub use verdict::{decide, Action, HealthTable, History, LocalReport, Policy, Report, StepId, Verdict};
+pub use verdict::{
+    decide, Action, Cause, Classification, HealthTable, History, LocalReport, Policy, RankHealth, Report, StepId,
+    Verdict,
+};
 
 /// Errors of the collectives layer.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 
 use gradbus_kernels::Health;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::agreement::Summary;
 use crate::layout::Layout;
@@ -200,7 +200,7 @@ pub enum Policy {
 }
 
 /// The action every rank takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Action {
     /// Apply the update.
@@ -213,8 +213,54 @@ pub enum Action {
     Abort,
 }
 
+impl Action {
+    /// The word written in `metrics.jsonl` and `report.json`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Proceed => "proceed",
+            Action::Skip => "skip",
+            Action::Rerun => "rerun",
+            Action::Abort => "abort",
+        }
+    }
+}
+
+/// How a non-finite update was classified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Classification {
+    /// The rerun gave the same non-finite cells: the cause is in the data or the weights.
+    Deterministic,
+    /// The rerun differed (or came back finite): a transient fault.
+    Transient,
+    /// Skipping ran out of its budget (`skip.max_consecutive` or `skip.max_fraction`).
+    SkipBudget,
+}
+
+impl std::fmt::Display for Classification {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Classification::Deterministic => "deterministic",
+            Classification::Transient => "transient",
+            Classification::SkipBudget => "skip-budget",
+        })
+    }
+}
+
+/// Where the non-finite values of a report came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// Some rank's own gradients were non-finite (`ranks` names them).
+    LocalGradients,
+    /// Every rank's gradients were finite but their rank-ordered sum was not: `bucket`, `param`
+    /// and `element` say where the sum first went non-finite.
+    SumOverflow,
+}
+
 /// Per-rank non-finite counts in a report.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RankHealth {
     /// The rank.
     pub rank: usize,
@@ -227,7 +273,8 @@ pub struct RankHealth {
 }
 
 /// The report of a non-finite update: what Megatron's "iteration -1" message could not say.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Report {
     /// Optimizer step.
     pub step: u64,
@@ -237,24 +284,57 @@ pub struct Report {
     pub attempt: u32,
     /// The action taken.
     pub verdict: Action,
-    /// Ranks whose local gradients were non-finite, ascending.
+    /// Whether a rank's own gradients or only their sum went non-finite.
+    pub cause: Cause,
+    /// Ranks whose local gradients were non-finite, ascending (empty for a sum overflow).
     pub ranks: Vec<usize>,
-    /// The first bucket (in reduce order) with a non-finite value.
+    /// The first bucket (in reduce order) with a non-finite value (for a sum overflow: in the sum).
     pub bucket: usize,
-    /// The parameter holding the first non-finite element of that bucket on the lowest bad rank.
+    /// The parameter holding the first non-finite element of that bucket on the lowest bad rank (or
+    /// in the sum).
     pub param: String,
     /// Element index inside that parameter.
     pub element: usize,
-    /// NaN elements over all ranks' local gradients.
+    /// NaN elements over all ranks' local gradients (for a sum overflow: in the reduced sum).
     pub nan: u64,
-    /// Inf elements over all ranks' local gradients.
+    /// Inf elements over all ranks' local gradients (for a sum overflow: in the reduced sum).
     pub inf: u64,
     /// Per-rank detail.
     pub per_rank: Vec<RankHealth>,
     /// Whether every rank's loss was finite.
     pub loss_finite: bool,
     /// `deterministic` or `transient` after a rerun; `skip-budget` when skipping ran out.
-    pub classification: Option<String>,
+    #[serde(deserialize_with = "required")]
+    pub classification: Option<Classification>,
+}
+
+impl std::fmt::Display for Report {
+    /// The one abort line (the workers' log, `gradbus report`'s summary): step, update, attempt,
+    /// ranks (or the sum), bucket, parameter, element, NaN and Inf counts, the loss, the verdict.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self;
+        write!(f, "step {} update {} (attempt {}): ", r.step, r.minibatch, r.attempt)?;
+        let ranks: Vec<String> = r.ranks.iter().map(|k| k.to_string()).collect();
+        match r.cause {
+            Cause::LocalGradients => write!(f, "rank(s) [{}]", ranks.join(", "))?,
+            Cause::SumOverflow => write!(f, "the sum overflowed, every rank's gradients finite (rank(s) [])")?,
+        }
+        write!(
+            f,
+            ", bucket #{}, param {} element {}, {} NaN, {} Inf, loss {}; verdict {}",
+            r.bucket,
+            r.param,
+            r.element,
+            r.nan,
+            r.inf,
+            if r.loss_finite { "finite" } else { "NOT finite" },
+            r.verdict.as_str()
+        )?;
+        match r.classification {
+            Some(c) => write!(f, " ({c})"),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The verdict on one update.
@@ -293,25 +373,43 @@ fn report(table: &HealthTable, layout: &Layout, at: StepId, verdict: Action) -> 
             per_rank.push(RankHealth { rank, nan, inf, first_bucket });
         }
     }
-    let bucket = per_rank.iter().map(|r| r.first_bucket).min().unwrap_or(0);
-    let first_rank = per_rank.iter().find(|r| r.first_bucket == bucket).map_or(0, |r| r.rank);
-    let offset = table.cell(bucket, first_rank).first_bad.unwrap_or(0) as usize + layout.buckets[bucket].range.start;
+    // Every rank finite but some reduced bucket not: the rank-ordered sum overflowed. Name the first
+    // bucket (in reduce order) and element where the sum went non-finite.
+    let (cause, bucket, first_bad, nan, inf) = if per_rank.is_empty() {
+        let bucket = table.reduced.iter().position(|h| !h.is_finite()).unwrap_or(0);
+        let sum: Vec<&Health> = table.reduced.iter().filter(|h| !h.is_finite()).collect();
+        let (nan, inf) = (sum.iter().map(|h| h.nan).sum(), sum.iter().map(|h| h.inf).sum());
+        (Cause::SumOverflow, bucket, table.reduced[bucket].first_bad, nan, inf)
+    } else {
+        let bucket = per_rank.iter().map(|r| r.first_bucket).min().unwrap_or(0);
+        let first_rank = per_rank.iter().find(|r| r.first_bucket == bucket).map_or(0, |r| r.rank);
+        let (nan, inf) = (per_rank.iter().map(|r| r.nan).sum(), per_rank.iter().map(|r| r.inf).sum());
+        (Cause::LocalGradients, bucket, table.cell(bucket, first_rank).first_bad, nan, inf)
+    };
+    let offset = first_bad.unwrap_or(0) as usize + layout.buckets[bucket].range.start;
     let (param, element) = layout.locate(offset).map_or((String::from("?"), 0), |(s, i)| (s.name.clone(), i));
     Report {
         step: at.step,
         minibatch: at.minibatch,
         attempt: at.attempt,
         verdict,
+        cause,
         ranks: per_rank.iter().map(|r| r.rank).collect(),
         bucket,
         param,
         element,
-        nan: per_rank.iter().map(|r| r.nan).sum(),
-        inf: per_rank.iter().map(|r| r.inf).sum(),
+        nan,
+        inf,
         per_rank,
         loss_finite: table.loss_finite(),
         classification: None,
     }
+}
+
+/// Deserialize a field that must be present even though it may be null (serde would default a
+/// missing `Option` to `None`: a missing key must be an error, not a silent default).
+fn required<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+    T::deserialize(d)
 }
 
 /// The verdict on one update. Pure: the same table, policy and history give the same verdict.
@@ -321,7 +419,8 @@ pub fn decide(table: &HealthTable, layout: &Layout, policy: &Policy, history: &H
     if at.attempt > 0 && finite {
         let mut v = Verdict { action: Action::Proceed, report: None };
         if history.first_attempt.is_some() {
-            v.report = Some(Report { classification: Some("transient".into()), ..empty_report(at, Action::Proceed) });
+            v.report =
+                Some(Report { classification: Some(Classification::Transient), ..empty_report(at, Action::Proceed) });
         }
         return v;
     }
@@ -334,22 +433,22 @@ pub fn decide(table: &HealthTable, layout: &Layout, policy: &Policy, history: &H
         Policy::Rerun => {
             let same = history.first_attempt.as_ref() == Some(&table.fingerprint());
             if same {
-                (Action::Abort, Some("deterministic"))
+                (Action::Abort, Some(Classification::Deterministic))
             } else {
-                (Action::Skip, Some("transient"))
+                (Action::Skip, Some(Classification::Transient))
             }
         }
         Policy::Skip { max_consecutive, max_fraction, window } => {
             let in_window = history.recent.iter().rev().take(*window as usize - 1).filter(|&&s| s).count() + 1;
             if history.consecutive_skips + 1 > *max_consecutive || in_window as f64 > max_fraction * *window as f64 {
-                (Action::Abort, Some("skip-budget"))
+                (Action::Abort, Some(Classification::SkipBudget))
             } else {
                 (Action::Skip, None)
             }
         }
     };
     let mut r = report(table, layout, at, action);
-    r.classification = class.map(String::from);
+    r.classification = class;
     Verdict { action, report: Some(r) }
 }
 
@@ -359,6 +458,7 @@ fn empty_report(at: StepId, verdict: Action) -> Report {
         minibatch: at.minibatch,
         attempt: at.attempt,
         verdict,
+        cause: Cause::LocalGradients,
         ranks: Vec::new(),
         bucket: 0,
         param: String::new(),
@@ -386,7 +486,7 @@ impl History {
             Action::Proceed | Action::Abort => self.consecutive_skips = 0,
         }
         if let Some(r) = &verdict.report {
-            if r.classification.as_deref() == Some("transient") {
+            if r.classification == Some(Classification::Transient) {
                 let ranks = self.first_attempt.as_ref().map(|fp| suspects(fp, table.world)).unwrap_or_default();
                 for k in ranks {
                     if !self.suspects.contains(&k) {
@@ -505,7 +605,7 @@ mod tests {
         }
         assert_eq!(actions.last(), Some(&Action::Abort));
         assert_eq!(actions.iter().filter(|&&a| a == Action::Skip).count(), 2);
-        assert_eq!(decide(&bad, &l, &p, &h, AT).report.unwrap().classification.as_deref(), Some("skip-budget"));
+        assert_eq!(decide(&bad, &l, &p, &h, AT).report.unwrap().classification, Some(Classification::SkipBudget));
     }
 
     #[test]
@@ -520,7 +620,7 @@ mod tests {
         h.record(&bad, &v);
         let v = decide(&bad, &l, &Policy::Rerun, &h, rerun);
         assert_eq!(v.action, Action::Abort);
-        assert_eq!(v.report.unwrap().classification.as_deref(), Some("deterministic"));
+        assert_eq!(v.report.unwrap().classification, Some(Classification::Deterministic));
 
         let mut h = History::default();
         let v = decide(&bad, &l, &Policy::Rerun, &h, AT);
@@ -528,7 +628,7 @@ mod tests {
         let good = table(&[]);
         let v = decide(&good, &l, &Policy::Rerun, &h, rerun);
         assert_eq!(v.action, Action::Proceed);
-        assert_eq!(v.report.as_ref().unwrap().classification.as_deref(), Some("transient"));
+        assert_eq!(v.report.as_ref().unwrap().classification, Some(Classification::Transient));
         h.record(&good, &v);
         assert_eq!(h.suspects, vec![1], "the rank that was bad once is suspect");
 
@@ -538,7 +638,22 @@ mod tests {
         h.record(&bad, &v);
         let other = table(&[(2, 1, 0, false)]);
         let v = decide(&other, &l, &Policy::Rerun, &h, rerun);
-        assert_eq!((v.action, v.report.unwrap().classification.as_deref()), (Action::Skip, Some("transient")));
+        assert_eq!((v.action, v.report.unwrap().classification), (Action::Skip, Some(Classification::Transient)));
+    }
+
+    #[test]
+    fn a_sum_that_overflows_from_finite_gradients_names_the_sum_bucket_param_and_element() {
+        let l = layout();
+        let mut t = table(&[]);
+        // Every rank's gradients finite; the sum of bucket #1 (w1) overflowed at its element 6.
+        t.reduced[1] = Health { inf: 2, sumsq: 1.0, first_bad: Some(6), nan: 0 };
+        let r = decide(&t, &l, &Policy::Abort, &History::default(), AT).report.unwrap();
+        assert_eq!(r.cause, Cause::SumOverflow);
+        assert!(r.ranks.is_empty() && r.per_rank.is_empty());
+        assert_eq!((r.bucket, r.param.as_str(), r.element, r.inf), (1, "w1", 6, 2));
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(json.contains("\"cause\":\"sum_overflow\""), "{json}");
+        assert_eq!(serde_json::from_str::<Report>(&json).unwrap(), r);
     }
 
     #[test]

@@ -17,9 +17,9 @@ use gradbus_collectives::{
 };
 use gradbus_kernels::rng::Rng;
 
+mod common;
 #[path = "../../tests/common/skip.rs"]
 mod skip;
-mod common;
 use common::digest;
 
 const CHILD_ENV: &str = "GRADBUS_TEST_CHILD";

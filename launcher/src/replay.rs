@@ -43,8 +43,10 @@ pub fn execute(args: Vec<OsString>) -> Result<Code, Error> {
         }
     }
     let dump = dump.ok_or_else(|| usage("missing DUMP".into()))?;
-    let r = forensics::replay(&dump, trace)
-        .map_err(|message| Error::Usage { message, hint: "pass RUN_DIR or a file under RUN_DIR/dumps".into() })?;
+    let r = forensics::replay(&dump, trace).map_err(|e| Error::Usage {
+        message: e.to_string(),
+        hint: "pass RUN_DIR or a file under RUN_DIR/dumps".into(),
+    })?;
     if as_json {
         println!("{}", serde_json::to_string(&r).expect("json"));
         return Ok(Code::Done);
@@ -52,7 +54,8 @@ pub fn execute(args: Vec<OsString>) -> Result<Code, Error> {
     println!("replayed {} (rank {}, step {}, update {}) in one process", r.dump.display(), r.rank, r.step, r.minibatch);
     println!("loss: {} ({})", r.loss, if r.loss.is_finite() { "finite" } else { "NOT finite" });
     for (b, h) in r.buckets.iter().enumerate() {
-        println!("bucket #{b}: nan {} inf {} first_bad {}", h["nan"], h["inf"], h["first_bad"]);
+        let first = h.first_bad.map_or_else(|| "none".to_string(), |i| i.to_string());
+        println!("bucket #{b}: nan {} inf {} first_bad {first}", h.nan, h.inf);
     }
     println!(
         "reproduced bit for bit: {}",

@@ -15,10 +15,11 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use gradbus_collectives::spikes::{Spike, SpikeDetector, DEFAULT_WINDOW};
+use gradbus_collectives::Report;
+use gradbus_worker::artifacts::{self, ArtifactError, MetricsLine};
 use gradbus_worker::exit::Code;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
-use serde_json::Value;
 
 use crate::error::Error;
 
@@ -41,8 +42,8 @@ metrics (no times, no dates): the same run directory gives the same bytes.
                    the largest of the first 100 values - always applies.
 ";
 
-/// ln(f32::MAX): exp of a larger f32 overflows to +inf.
-pub const EXP_OVERFLOW: f64 = 88.72;
+/// ln(f32::MAX): exp of a larger f32 overflows to +inf (the worker's one definition).
+const EXP_OVERFLOW: f64 = gradbus_worker::loss::EXP_OVERFLOW as f64;
 
 /// Parsed options.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,7 +58,7 @@ pub struct Options {
     pub z_limit: f64,
 }
 
-/// One line of `metrics.jsonl`.
+/// What the report draws of one `metrics.jsonl` line (read as [`MetricsLine`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Update {
     /// Optimizer step.
@@ -80,80 +81,40 @@ pub struct Update {
     pub headroom: f64,
     /// proceed, skip, rerun or abort.
     pub verdict: String,
-    /// Why it was skipped, when it was (`skip_cause` if the metrics carry it, else inferred).
+    /// Why it was skipped, when it was (the line's `skip_cause`).
     pub skip_cause: Option<String>,
 }
 
-/// A number that may be written as a string ("NaN", "inf", "-inf") or be null.
-fn num(v: &Value) -> f64 {
-    match v {
-        Value::Number(n) => n.as_f64().unwrap_or(f64::NAN),
-        Value::String(s) => match s.trim().to_ascii_lowercase().as_str() {
-            "inf" | "+inf" | "infinity" => f64::INFINITY,
-            "-inf" | "-infinity" => f64::NEG_INFINITY,
-            other => other.parse().unwrap_or(f64::NAN),
-        },
-        _ => f64::NAN,
-    }
-}
-
-impl Update {
-    fn from_json(v: &Value) -> Result<Update, String> {
-        let int = |k: &str| v[k].as_u64().ok_or_else(|| format!("field `{k}` is missing or not an integer"));
-        let (step, minibatch) = (int("step")?, int("minibatch")?);
-        let verdict = v["verdict"].as_str().ok_or("field `verdict` is missing")?.to_string();
-        let nonfinite_ranks: Vec<u64> =
-            v["nonfinite_ranks"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default();
-        let attempt = v["attempt"].as_u64().unwrap_or(0);
-        let skip_cause = (verdict == "skip").then(|| match v["skip_cause"].as_str() {
-            Some(c) => c.to_string(),
-            None if attempt > 0 => "transient fault (the rerun differed)".to_string(),
-            None if !nonfinite_ranks.is_empty() => "non-finite gradients".to_string(),
-            None => "other".to_string(),
-        });
-        Ok(Update {
-            step,
-            minibatch,
-            attempt,
-            loss: num(&v["loss"]),
-            reward: num(&v["reward"]),
-            grad_norm: num(&v["grad_norm"]),
-            bucket_norms: v["bucket_norms"].as_array().map(|a| a.iter().map(num).collect()).unwrap_or_default(),
-            nonfinite_ranks,
-            headroom: num(&v["headroom"]),
-            verdict,
-            skip_cause,
-        })
+impl From<MetricsLine> for Update {
+    /// The fields the report draws, from the typed line (`gradbus_worker::artifacts::MetricsLine`).
+    fn from(m: MetricsLine) -> Update {
+        Update {
+            step: m.step,
+            minibatch: m.minibatch as u64,
+            attempt: m.attempt as u64,
+            loss: m.loss,
+            reward: m.reward,
+            grad_norm: m.grad_norm,
+            bucket_norms: m.bucket_norms,
+            nonfinite_ranks: m.nonfinite_ranks.iter().map(|&r| r as u64).collect(),
+            headroom: m.headroom,
+            verdict: m.verdict.as_str().to_string(),
+            skip_cause: m.skip_cause,
+        }
     }
 }
 
 /// The abort report (`report.json`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AbortReport {
-    /// The whole JSON object.
-    pub json: Value,
+    /// The report, as every rank agreed on it.
+    pub report: Report,
 }
 
 impl AbortReport {
     /// One line: step, update, ranks, bucket, param, element, NaN and Inf counts, loss finiteness.
     pub fn line(&self) -> String {
-        let j = &self.json;
-        let ranks: Vec<String> =
-            j["ranks"].as_array().map(|a| a.iter().map(|r| r.to_string()).collect()).unwrap_or_default();
-        let class = j["classification"].as_str().map(|c| format!(", {c}")).unwrap_or_default();
-        format!(
-            "step {} update {} (attempt {}): rank(s) [{}], bucket #{}, param {} element {}, {} NaN, {} Inf, loss {}{class}",
-            j["step"],
-            j["minibatch"],
-            j["attempt"].as_u64().unwrap_or(0),
-            ranks.join(", "),
-            j["bucket"],
-            j["param"].as_str().unwrap_or("?"),
-            j["element"],
-            j["nan"],
-            j["inf"],
-            if j["loss_finite"].as_bool().unwrap_or(false) { "finite" } else { "NOT finite" },
-        )
+        self.report.to_string()
     }
 }
 
@@ -168,41 +129,35 @@ pub struct RunData {
     pub has_dumps: bool,
 }
 
-/// Read `metrics.jsonl` and `report.json` of a run directory.
+/// Read `metrics.jsonl` and `report.json` of a run directory, each verified (checksum, format
+/// version, every key); an error names the file, line and key.
 pub fn load(run_dir: &Path) -> Result<RunData, Error> {
     let path = run_dir.join("metrics.jsonl");
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        Error::usage(
-            format!("cannot read {}: {e}", path.display()),
+    if !path.is_file() {
+        return Err(Error::usage(
+            format!("cannot read {}: no such file", path.display()),
             "pass the run directory of a `gradbus run` (its --run-dir) that has run at least one update",
-        )
-    })?;
-    let updates = parse_metrics(&text).map_err(|(line, m)| {
-        Error::usage(format!("{}:{line}: {m}", path.display()), "metrics.jsonl is written by `gradbus run`")
-    })?;
+        ));
+    }
+    let updates = artifacts::read_metrics(&path)
+        .map_err(|e| Error::usage(e.to_string(), "metrics.jsonl is written by `gradbus run`"))?
+        .into_iter()
+        .map(Update::from)
+        .collect();
     let rpath = run_dir.join("report.json");
-    let abort = match std::fs::read_to_string(&rpath) {
-        Ok(t) => Some(AbortReport {
-            json: serde_json::from_str(&t).map_err(|e| {
-                Error::usage(format!("{}: {e}", rpath.display()), "report.json is written by `gradbus run` on an abort")
-            })?,
+    let abort = match rpath.is_file() {
+        true => Some(AbortReport {
+            report: artifacts::read_report(&rpath)
+                .map_err(|e| Error::usage(e.to_string(), "report.json is written by `gradbus run` on an abort"))?,
         }),
-        Err(_) => None,
+        false => None,
     };
     Ok(RunData { updates, abort, has_dumps: run_dir.join("dumps").is_dir() })
 }
 
-/// Parse the lines of `metrics.jsonl` (blank lines skipped); errors carry the 1-based line.
-pub fn parse_metrics(text: &str) -> Result<Vec<Update>, (usize, String)> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let v: Value = serde_json::from_str(line).map_err(|e| (i + 1, e.to_string()))?;
-        out.push(Update::from_json(&v).map_err(|m| (i + 1, m))?);
-    }
-    Ok(out)
+/// Parse the lines of a `metrics.jsonl` (blank lines skipped); errors name `file:LINE` and the key.
+pub fn parse_metrics(text: &str, file: &Path) -> Result<Vec<Update>, ArtifactError> {
+    Ok(artifacts::parse_metrics(text, file)?.into_iter().map(Update::from).collect())
 }
 
 /// A spike and where it happened.
@@ -735,12 +690,8 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
     let abort_label = a.abort.map(|i| {
         let what = match &data.abort {
             Some(r) => format!(
-                "ABORT step {} update {}: rank(s) {} bucket #{} {}",
-                u[i].step,
-                u[i].minibatch,
-                r.json["ranks"],
-                r.json["bucket"],
-                r.json["param"].as_str().unwrap_or("?")
+                "ABORT step {} update {}: rank(s) {:?} bucket #{} {}",
+                u[i].step, u[i].minibatch, r.report.ranks, r.report.bucket, r.report.param
             ),
             None => format!("ABORT step {} update {}", u[i].step, u[i].minibatch),
         };
@@ -821,7 +772,7 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
             log: false,
             series: vec![("headroom".into(), LINE, pts(&|x| x.headroom))],
             hlines: vec![
-                (format!("exp overflow (log-ratio {EXP_OVERFLOW})"), ABORT, 0.0),
+                (format!("exp overflow (log-ratio {EXP_OVERFLOW:.2})"), ABORT, 0.0),
                 (format!("warning margin ({})", opts.margin), WARN, opts.margin),
             ],
             marks: head_marks,
@@ -926,10 +877,45 @@ pub fn execute(args: Vec<OsString>) -> Result<Code, Error> {
 mod tests {
     use super::*;
 
+    /// A sealed metrics line; numbers as text, `"NaN"`, `"inf"` and `"-inf"` for the non-finite.
     fn line(step: u64, mb: u64, attempt: u64, loss: &str, verdict: &str, headroom: &str, bad: &str) -> String {
-        format!(
-            r#"{{"step":{step},"minibatch":{mb},"attempt":{attempt},"loss":{loss},"reward":0.5,"kl":0.0,"grad_norm":0.3,"bucket_norms":[0.1,0.2],"nonfinite_ranks":[{bad}],"max_logratio_response":1.0,"max_logratio_masked":1.0,"headroom":{headroom},"min_response_logp":-3.0,"lr":0.001,"verdict":"{verdict}","skipped":0,"checksum":"00","time_update_ms":12.5}}"#
-        )
+        let num = |s: &str| match s.trim_matches('"') {
+            "NaN" => f64::NAN,
+            "inf" => f64::INFINITY,
+            "-inf" => f64::NEG_INFINITY,
+            x => x.parse().unwrap(),
+        };
+        let verdict: gradbus_collectives::Action = serde_json::from_value(serde_json::json!(verdict)).unwrap();
+        let skip_cause = (verdict == gradbus_collectives::Action::Skip).then(|| {
+            if attempt > 0 { "transient fault (the rerun differed)" } else { "non-finite gradients" }.to_string()
+        });
+        MetricsLine {
+            step,
+            minibatch: mb as u32,
+            attempt: attempt as u32,
+            loss: num(loss),
+            reward: 0.5,
+            kl: 0.0,
+            grad_norm: 0.3,
+            bucket_norms: vec![0.1, 0.2],
+            nonfinite_ranks: bad.split(',').filter(|b| !b.is_empty()).map(|b| b.parse().unwrap()).collect(),
+            max_logratio_response: 1.0,
+            max_logratio_masked: 1.0,
+            headroom: num(headroom),
+            spike: None,
+            skip_cause,
+            min_response_logp: -3.0,
+            lr: 0.001,
+            verdict,
+            skipped: 0,
+            checksum: 0,
+            time_update_ms: 12.5,
+        }
+        .to_line()
+    }
+
+    fn parse(lines: &[String]) -> Vec<Update> {
+        parse_metrics(&lines.join("\n"), Path::new("metrics.jsonl")).unwrap()
     }
 
     fn opts() -> Options {
@@ -1009,23 +995,26 @@ mod tests {
     }
 
     #[test]
-    fn parses_numbers_written_as_strings() {
-        let text = [
+    fn non_finite_numbers_are_null_and_a_missing_key_names_file_line_and_key() {
+        let lines = [
             line(0, 0, 0, "1.5", "proceed", "80.0", ""),
             line(0, 1, 0, "\"NaN\"", "skip", "\"-inf\"", "1"),
-            line(0, 1, 1, "1.0", "skip", "\"inf\"", ""),
             String::new(),
-        ]
-        .join("\n");
-        let u = parse_metrics(&text).unwrap();
-        assert_eq!(u.len(), 3);
-        assert!(u[1].loss.is_nan() && u[1].headroom == f64::NEG_INFINITY && u[2].headroom == f64::INFINITY);
+        ];
+        assert!(lines[1].contains("\"loss\":null") && lines[1].contains("\"headroom\":null"), "{}", lines[1]);
+        let u = parse(&lines);
+        assert_eq!(u.len(), 2);
+        assert!(u[1].loss.is_nan() && u[1].headroom.is_nan());
         assert_eq!(u[1].skip_cause.as_deref(), Some("non-finite gradients"));
-        assert_eq!(u[2].skip_cause.as_deref(), Some("transient fault (the rerun differed)"));
         assert_eq!(u[0].bucket_norms, vec![0.1, 0.2]);
-        let e = parse_metrics("{\"step\":1}\n").unwrap_err();
-        assert_eq!(e.0, 1);
-        assert!(e.1.contains("minibatch"), "{}", e.1);
+        let mut v: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+        let o = v.as_object_mut().unwrap();
+        o.remove("crc32c");
+        o.remove("format");
+        o.remove("minibatch");
+        let text = format!("{}\n{}", lines[0], artifacts::seal(artifacts::METRICS_FORMAT, &v, false));
+        let e = parse_metrics(&text, Path::new("run/metrics.jsonl")).unwrap_err().to_string();
+        assert!(e.starts_with("run/metrics.jsonl:2: ") && e.contains("missing field `minibatch`"), "{e}");
     }
 
     #[test]
@@ -1040,10 +1029,14 @@ mod tests {
         lines.push(line(5, 0, 0, "1.0", "rerun", "5.0", "0"));
         lines.push(line(5, 0, 1, "\"inf\"", "abort", "\"-inf\"", "0"));
         let data = RunData {
-            updates: parse_metrics(&lines.join("\n")).unwrap(),
+            updates: parse(&lines),
             abort: Some(AbortReport {
-                json: serde_json::json!({"step":5,"minibatch":0,"attempt":1,"verdict":"abort","ranks":[0],"bucket":0,
-                    "param":"head.w","element":7,"nan":3,"inf":1,"per_rank":[],"loss_finite":false,"classification":"deterministic"}),
+                report: serde_json::from_value(
+                    serde_json::json!({"step":5,"minibatch":0,"attempt":1,"verdict":"abort",
+                    "cause":"local_gradients","ranks":[0],"bucket":0,"param":"head.w","element":7,"nan":3,"inf":1,
+                    "per_rank":[],"loss_finite":false,"classification":"deterministic"}),
+                )
+                .unwrap(),
             }),
             has_dumps: true,
         };
@@ -1059,7 +1052,7 @@ mod tests {
         assert!(s.contains("reruns: 1 (step 5 update 0)"), "{s}");
         assert!(s.contains("first at step 3 update 0 (headroom 10.00), 5 update(s) before the abort"), "{s}");
         assert!(
-            s.contains("abort: step 5 update 0 (attempt 1): rank(s) [0], bucket #0, param head.w element 7, 3 NaN, 1 Inf, loss NOT finite, deterministic"),
+            s.contains("abort: step 5 update 0 (attempt 1): rank(s) [0], bucket #0, param head.w element 7, 3 NaN, 1 Inf, loss NOT finite; verdict abort (deterministic)"),
             "{s}"
         );
         assert!(s.contains("replay: gradbus replay runs/x --trace"), "{s}");
@@ -1071,7 +1064,7 @@ mod tests {
             .map(|i| line(i, 0, 0, &format!("{}", 1.0 + (i % 7) as f64 * 0.01), "proceed", "70.0", ""))
             .collect();
         lines.push(line(300, 0, 0, "50.0", "proceed", "70.0", ""));
-        let data = RunData { updates: parse_metrics(&lines.join("\n")).unwrap(), abort: None, has_dumps: false };
+        let data = RunData { updates: parse(&lines), abort: None, has_dumps: false };
         let a = analyze(&data, &opts());
         assert_eq!(a.loss_spikes.len(), 1);
         assert_eq!(a.loss_spikes[0].update, 300);
@@ -1092,16 +1085,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut lines: Vec<String> = (0..40).map(|i| line(i / 2, i % 2, 0, "1.0", "proceed", "30.0", "")).collect();
         lines.push(line(20, 0, 0, "1.0", "skip", "15.0", "1"));
-        let mut data = RunData { updates: parse_metrics(&lines.join("\n")).unwrap(), abort: None, has_dumps: false };
+        let mut data = RunData { updates: parse(&lines), abort: None, has_dumps: false };
         let o = Options { run_dir: dir.path().into(), ..opts() };
         let a = analyze(&data, &o);
         let (p1, p2) = (dir.path().join("a.svg"), dir.path().join("b.svg"));
         render_svg(&p1, &data, &a, &o).unwrap();
         // Different wall-clock fields change nothing.
         for l in lines.iter_mut() {
-            *l = l.replace("12.5", "99.0");
+            let mut m: MetricsLine = artifacts::unseal(l, artifacts::METRICS_FORMAT, "m").unwrap();
+            m.time_update_ms = 99.0;
+            *l = m.to_line();
         }
-        data.updates = parse_metrics(&lines.join("\n")).unwrap();
+        data.updates = parse(&lines);
         render_svg(&p2, &data, &a, &o).unwrap();
         let (s1, s2) = (std::fs::read(&p1).unwrap(), std::fs::read(&p2).unwrap());
         assert_eq!(s1, s2);

@@ -471,8 +471,13 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
             launcher_spec(mpirun::command_line(&spec), "mpirun", &job_id, &run_dir)
         }
         (LauncherKind::Srun, Some(srun)) => {
-            let spec =
-                SrunSpec { srun, np: plan.world_size, overcommit: args.oversubscribe, worker: worker.program, worker_args: wargs };
+            let spec = SrunSpec {
+                srun,
+                np: plan.world_size,
+                overcommit: args.oversubscribe,
+                worker: worker.program,
+                worker_args: wargs,
+            };
             launcher_spec(srun::command_line(&spec), "srun", &job_id, &run_dir)
         }
         _ => local_specs(&plan, &worker.program, &wargs, &job_id, &run_dir),

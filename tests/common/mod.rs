@@ -56,13 +56,14 @@ pub fn gradbus(args: &[&str], env: &[(&str, &str)]) -> Run {
     Run { cmd, out: c.output().expect("spawn gradbus") }
 }
 
-/// `RUN_DIR/metrics.jsonl` as JSON values with the wall-clock `time_*` fields removed.
+/// `RUN_DIR/metrics.jsonl` as JSON values without the wall-clock `time_*` fields and the line
+/// checksum (which covers them).
 pub fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
     text.lines()
         .map(|l| {
             let mut v: serde_json::Value = serde_json::from_str(l).expect("json line");
-            v.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time_"));
+            v.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time_") && k != "crc32c");
             v
         })
         .collect()

@@ -16,6 +16,10 @@ pub enum FaultKind {
     Nan,
     /// Write +Inf into this rank's local gradient.
     Inf,
+    /// Multiply this rank's gradient of `param` by `factor` (in f64, saturated to +-f32::MAX, so
+    /// every value stays finite): gradients that are finite on every rank but whose sum, or whose
+    /// norm in f32, overflows.
+    Scale,
     /// SIGKILL this rank.
     Kill,
     /// Sleep `seconds` (longer than the collective deadline to provoke a timeout).
@@ -59,7 +63,7 @@ pub struct Fault {
     /// For kill/stall/exit: where.
     #[serde(default)]
     pub phase: FaultPhase,
-    /// For nan/inf: the parameter (default: the last one, in bucket #0).
+    /// For nan/inf/scale: the parameter (default: the last one, in bucket #0).
     #[serde(default)]
     pub param: Option<String>,
     /// For nan/inf: element index in the parameter.
@@ -74,6 +78,13 @@ pub struct Fault {
     /// For stall: seconds.
     #[serde(default = "default_stall")]
     pub seconds: f64,
+    /// For scale: the factor.
+    #[serde(default = "default_factor")]
+    pub factor: f64,
+}
+
+fn default_factor() -> f64 {
+    1.0
 }
 
 fn default_code() -> i32 {
@@ -133,14 +144,14 @@ impl FaultPlan {
                     eprintln!("fault plan: exit {} at step {} update {} ({:?})", f.code, at.step, at.minibatch, phase);
                     std::process::exit(f.code);
                 }
-                FaultKind::Nan | FaultKind::Inf => {}
+                FaultKind::Nan | FaultKind::Inf | FaultKind::Scale => {}
             }
         }
     }
 
-    /// Plant the nan/inf faults of this update into parameter `param`'s final gradient `grad`.
+    /// Plant the nan/inf/scale faults of this update into parameter `param`'s final gradient `grad`.
     pub fn poison(&self, at: StepId, layout: &Layout, param: usize, grad: &mut [f32]) {
-        for f in self.matching(at).filter(|f| matches!(f.kind, FaultKind::Nan | FaultKind::Inf)) {
+        for f in self.matching(at).filter(|f| matches!(f.kind, FaultKind::Nan | FaultKind::Inf | FaultKind::Scale)) {
             if f.transient && at.attempt > 0 {
                 continue;
             }
@@ -148,7 +159,15 @@ impl FaultPlan {
                 Some(name) => layout.slot(name),
                 None => layout.slots.last(),
             };
-            if slot.is_some_and(|s| s.param == param) && !grad.is_empty() {
+            if !slot.is_some_and(|s| s.param == param) {
+                continue;
+            }
+            if f.kind == FaultKind::Scale {
+                let max = f32::MAX as f64;
+                for g in grad.iter_mut() {
+                    *g = (*g as f64 * f.factor).clamp(-max, max) as f32;
+                }
+            } else if !grad.is_empty() {
                 let i = f.element.min(grad.len() - 1);
                 grad[i] = if f.kind == FaultKind::Nan { f32::NAN } else { f32::INFINITY };
             }

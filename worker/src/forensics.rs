@@ -1,7 +1,7 @@
 //! Forensics: the trace that names the first non-finite tensor of an update, and the one-process
 //! replay of a failure dump.
 //!
-//! Invariants: replay runs the very code path of the step loop (`train::compute_gradients`) on the
+//! Invariants: replay runs the very code path of the step loop (`gradients::compute_gradients`) on the
 //! dumped weights and mini-batch, so its gradients are bit for bit those of the failing rank; it
 //! proves that by comparing each bucket's health (NaN and Inf counts, first bad index, and the bits
 //! of the f64 sum of squares) with the health the rank recorded. The trace only observes.
@@ -13,12 +13,12 @@ use serde::Serialize;
 use gradbus_collectives::transport::bucket_health;
 use gradbus_collectives::{Layout, ParamGrads};
 
+use crate::artifacts::{self, ArtifactError, DumpMeta, HealthRecord, Loaded};
 use crate::config::Config;
+use crate::gradients;
 use crate::model::{self, Gpt};
 use crate::probe::{ExpOp, Phase, Probe};
 use crate::task::Batch;
-use crate::tensorfile;
-use crate::train::{self, health_json};
 
 /// The first non-finite value of an update, in execution order.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -162,87 +162,99 @@ pub struct Replay {
     /// Step and update.
     pub step: u64,
     /// Update inside the step.
-    pub minibatch: u64,
+    pub minibatch: u32,
     /// The replayed loss.
     pub loss: f32,
     /// Per-bucket health of the replayed local gradients.
-    pub buckets: Vec<serde_json::Value>,
+    pub buckets: Vec<HealthRecord>,
     /// Whether every bucket's health equals the one the rank recorded (bitwise).
     pub identical: bool,
     /// The first non-finite op, with `--trace`.
     pub first: Option<Finding>,
 }
 
+/// Why a replay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The dump (or its directory) could not be found or read.
+    #[error("{0}")]
+    NotFound(String),
+    /// A dump was refused (checksum, truncation, version, missing key).
+    #[error(transparent)]
+    Artifact(#[from] ArtifactError),
+    /// The config embedded in the dump does not parse.
+    #[error("{0}")]
+    Config(#[from] crate::config::ConfigError),
+}
+
 /// The dump to replay: a file, or in a dumps directory the first rank the report names.
-fn pick_dump(path: &Path) -> Result<PathBuf, String> {
+fn pick_dump(path: &Path) -> Result<(PathBuf, Loaded<DumpMeta>), ReplayError> {
     if !path.is_dir() {
-        return Ok(path.to_path_buf());
+        return Ok((path.to_path_buf(), artifacts::load(path)?));
     }
     let dumps = if path.join("dumps").is_dir() { path.join("dumps") } else { path.to_path_buf() };
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dumps)
-        .map_err(|e| format!("{}: {e}", dumps.display()))?
+        .map_err(|e| ReplayError::NotFound(format!("{}: {e}", dumps.display())))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "bin"))
         .collect();
     files.sort();
-    for f in &files {
-        let l = tensorfile::load(f)?;
-        let rank = l.meta["rank"].as_u64();
-        if l.meta["report"]["ranks"].as_array().and_then(|r| r.first()).and_then(|r| r.as_u64()) == rank {
-            return Ok(f.clone());
+    let mut first = None;
+    for f in files {
+        let l: Loaded<DumpMeta> = artifacts::load(&f)?;
+        if l.meta.report.ranks.first() == Some(&l.meta.rank) {
+            return Ok((f, l));
         }
+        first.get_or_insert((f, l));
     }
-    files
-        .into_iter()
-        .next()
-        .ok_or_else(|| format!("{}: no dump files (hint: dumps are written when the job aborts)", dumps.display()))
+    first.ok_or_else(|| {
+        ReplayError::NotFound(format!(
+            "{}: no dump files (hint: dumps are written when the job aborts)",
+            dumps.display()
+        ))
+    })
 }
 
 /// Re-execute the dumped update in this process.
-pub fn replay(path: &Path, trace: bool) -> Result<Replay, String> {
-    let dump = pick_dump(path)?;
-    let l = tensorfile::load(&dump)?;
+pub fn replay(path: &Path, trace: bool) -> Result<Replay, ReplayError> {
+    let (dump, l) = pick_dump(path)?;
     let meta = &l.meta;
-    let text = meta["config"].as_str().ok_or_else(|| format!("{}: no config in the dump", dump.display()))?;
-    let (cfg, _, _) =
-        Config::from_toml(text, &format!("{} (embedded config)", dump.display()), &[]).map_err(|e| e.to_string())?;
+    let (cfg, _, _) = Config::from_toml(&meta.config, &format!("{} (embedded config)", dump.display()), &[])?;
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let gpt = Gpt::new(&cfg.model, &layout);
-    let get = |n: &str| l.get(n).ok_or_else(|| format!("{}: no tensor {n}", dump.display()));
-    let params = get("params")?.to_vec();
-    let toks = |n: &str| get(n).map(|v| v.iter().map(|&x| x as u32).collect::<Vec<u32>>());
-    let (b, t) = (meta["b"].as_u64().unwrap_or(0) as usize, meta["t"].as_u64().unwrap_or(0) as usize);
+    let params = l.get("params")?.to_vec();
+    let toks = |n: &str| l.get(n).map(|v| v.iter().map(|&x| x as u32).collect::<Vec<u32>>());
+    let (b, t) = (meta.b, meta.t);
     let mb = Batch {
         b,
         t,
         inputs: toks("inputs")?,
         targets: toks("targets")?,
-        mask: get("mask")?.to_vec(),
-        reward: get("reward")?.to_vec(),
-        adv: get("adv")?.to_vec(),
-        old_logp: get("old_logp")?.to_vec(),
-        ref_logp: get("ref_logp")?.to_vec(),
+        mask: l.get("mask")?.to_vec(),
+        reward: l.get("reward")?.to_vec(),
+        adv: l.get("adv")?.to_vec(),
+        old_logp: l.get("old_logp")?.to_vec(),
+        ref_logp: l.get("ref_logp")?.to_vec(),
     };
     let mut acts = model::Activations::new(&cfg.model, b, t);
     let mut grads = vec![0.0; layout.len];
     let mut probe = Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
     let g = &mut ParamGrads::new(&mut grads, &layout);
     let stats = if trace {
-        train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut probe)
+        gradients::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut probe)
     } else {
-        train::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut crate::probe::NoProbe)
+        gradients::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut crate::probe::NoProbe)
     };
-    let chunks = meta["health_chunks"].as_u64().unwrap_or(1).max(1) as usize;
-    let buckets: Vec<serde_json::Value> =
-        layout.buckets.iter().map(|bk| health_json(&bucket_health(&grads[bk.range.clone()], chunks))).collect();
-    let recorded = meta["local_health"].as_array().cloned().unwrap_or_default();
+    let chunks = meta.health_chunks.max(1);
+    let buckets: Vec<HealthRecord> =
+        layout.buckets.iter().map(|bk| HealthRecord::from(&bucket_health(&grads[bk.range.clone()], chunks))).collect();
     Ok(Replay {
+        identical: meta.local_health == buckets,
         dump,
-        rank: meta["rank"].as_u64().unwrap_or(0) as usize,
-        step: meta["step"].as_u64().unwrap_or(0),
-        minibatch: meta["minibatch"].as_u64().unwrap_or(0),
+        rank: meta.rank,
+        step: meta.step,
+        minibatch: meta.minibatch,
         loss: stats.loss,
-        identical: recorded == buckets,
         buckets,
         first: probe.first,
     })

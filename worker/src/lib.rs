@@ -4,20 +4,26 @@
 //! [`cli::main_with_args`] is the `gradbus worker` subcommand (the `gradbus` binary calls it): it
 //! parses arguments and maps `WorkerError`s to the exit codes of [`exit::Code`].
 
+pub mod artifacts;
 pub mod bench;
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod env;
 pub mod exit;
+pub mod failure;
 pub mod faults;
 pub mod forensics;
+pub mod gradients;
 pub mod loss;
+pub mod metrics;
 pub mod model;
 pub mod probe;
 pub mod rank;
+pub mod rollout;
 pub mod task;
-pub mod tensorfile;
 pub mod train;
+pub mod update;
 
 use std::path::PathBuf;
 
@@ -49,6 +55,9 @@ pub enum WorkerError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// An artifact (checkpoint, dump, report, metrics) was refused or could not be written.
+    #[error(transparent)]
+    Artifact(#[from] artifacts::ArtifactError),
     /// Replicas diverged: the parameter checksums disagree.
     #[error("{0}")]
     Diverged(String),
@@ -65,6 +74,8 @@ impl WorkerError {
         use gradbus_collectives::Error as E;
         match self {
             WorkerError::Config(_) | WorkerError::Usage(_) => Code::Usage,
+            WorkerError::Artifact(artifacts::ArtifactError::Io { .. }) => Code::RankFailed,
+            WorkerError::Artifact(_) => Code::Usage,
             WorkerError::Bus(E::Timeout { .. }) => Code::Timeout,
             WorkerError::Bus(E::ShmFull { .. } | E::BadSegment { .. } | E::Mpi { .. } | E::Config { .. }) => {
                 Code::Usage
@@ -87,19 +98,49 @@ pub struct WorkerArgs {
     pub resume: bool,
 }
 
+/// The multi-rank transports a worker can pick (a world of one uses `Solo`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// The shared-memory bus: one node.
+    Shm,
+    /// Flat `MPI_Allreduce`: one rank per node (feature `mpi`).
+    Mpi,
+    /// Shm inside each node, MPI among the node leaders (feature `mpi`).
+    Hier,
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = WorkerError;
+    fn from_str(s: &str) -> Result<TransportKind, WorkerError> {
+        match s {
+            "shm" => Ok(TransportKind::Shm),
+            "mpi" => Ok(TransportKind::Mpi),
+            "hier" => Ok(TransportKind::Hier),
+            other => Err(WorkerError::Usage(format!("{}={other:?}: expected shm, mpi or hier", env::TRANSPORT))),
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Mpi => "mpi",
+            TransportKind::Hier => "hier",
+        })
+    }
+}
+
 /// The transport for this rank: solo for a world of one, the shared-memory bus inside a node, MPI
 /// between nodes (feature `mpi`); `GRADBUS_TRANSPORT` = shm | mpi | hier overrides the choice.
 fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result<Box<dyn Transport>, WorkerError> {
     let forced = std::env::var(env::TRANSPORT).ok().filter(|v| !v.is_empty());
     let kind = match forced.as_deref() {
         None if info.world == 1 => return Ok(Box::new(Solo::new(layout))),
-        Some(k @ ("shm" | "mpi" | "hier")) => k,
-        Some(other) => {
-            return Err(WorkerError::Usage(format!("{}={other:?}: expected shm, mpi or hier", env::TRANSPORT)))
-        }
-        None if info.nodes > 1 && info.local_size == 1 => "mpi",
-        None if info.nodes > 1 => "hier",
-        None => "shm",
+        Some(k) => k.parse()?,
+        None if info.nodes > 1 && info.local_size == 1 => TransportKind::Mpi,
+        None if info.nodes > 1 => TransportKind::Hier,
+        None => TransportKind::Shm,
     };
     let bus = gradbus_collectives::shm::BusConfig {
         shm_dir: PathBuf::from("/dev/shm"),
@@ -111,7 +152,7 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
         layout,
         timeout: std::time::Duration::from_secs_f64(cfg.collective_timeout_s),
     };
-    if kind == "shm" {
+    if kind == TransportKind::Shm {
         if info.nodes > 1 {
             return Err(WorkerError::Usage(format!(
                 "{}=shm: the bus serves one node, this job has {}",
@@ -126,21 +167,21 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
 
 #[cfg(feature = "mpi")]
 fn mpi_transport(
-    kind: &str,
+    kind: TransportKind,
     info: &RankInfo,
     bus: gradbus_collectives::shm::BusConfig,
 ) -> Result<Box<dyn Transport>, WorkerError> {
     use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
     let expect = Expect { rank: info.rank, world: info.world, source: info.source.into(), timeout: bus.timeout };
     Ok(match kind {
-        "mpi" => Box::new(MpiTransport::open(expect, bus.layout, bus.config_hash)?),
+        TransportKind::Mpi => Box::new(MpiTransport::open(expect, bus.layout, bus.config_hash)?),
         _ => Box::new(HierTransport::open(expect, bus)?),
     })
 }
 
 #[cfg(not(feature = "mpi"))]
 fn mpi_transport(
-    kind: &str,
+    kind: TransportKind,
     info: &RankInfo,
     _bus: gradbus_collectives::shm::BusConfig,
 ) -> Result<Box<dyn Transport>, WorkerError> {
@@ -168,7 +209,7 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     match trainer.run() {
         Ok(Outcome::Done) => Ok(Code::Done),
         Ok(Outcome::Aborted(report)) => {
-            eprintln!("rank {}: ABORT: {}", trainer.info.rank, train::describe(&report));
+            eprintln!("rank {}: ABORT: {}", trainer.info.rank, failure::describe(&report));
             Ok(Code::NonFinite)
         }
         Err(e) => {

@@ -48,6 +48,10 @@ impl Default for LossConfig {
     }
 }
 
+/// ln(f32::MAX): exp of anything larger is +inf (the same for bf16, whose exponent has 8 bits too).
+/// The one definition; `gradbus report` and the headroom warnings use it.
+pub const EXP_OVERFLOW: f32 = 88.72284;
+
 /// Bound of the k3 value (both styles, as ROLL and verl).
 pub const K3_CLAMP: f32 = 10.0;
 /// Bound of a log-ratio before its exp in the safe style.

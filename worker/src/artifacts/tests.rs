@@ -1,0 +1,278 @@
+//! Every artifact kind against every damage: a flipped byte at every position, a truncation at
+//! every length, a missing key, an unknown format version, a missing `DONE`.
+
+use super::*;
+use gradbus_collectives::{Cause, Classification, RankHealth};
+
+fn report() -> Report {
+    Report {
+        step: 3,
+        minibatch: 1,
+        attempt: 1,
+        verdict: Action::Abort,
+        cause: Cause::LocalGradients,
+        ranks: vec![1],
+        bucket: 0,
+        param: "head.weight".into(),
+        element: 5,
+        nan: 1,
+        inf: 0,
+        per_rank: vec![RankHealth { rank: 1, nan: 1, inf: 0, first_bucket: 0 }],
+        loss_finite: true,
+        classification: Some(Classification::Deterministic),
+    }
+}
+
+fn line() -> MetricsLine {
+    MetricsLine {
+        step: 2,
+        minibatch: 1,
+        attempt: 0,
+        loss: f64::NAN,
+        reward: 0.25,
+        kl: 1e-3,
+        grad_norm: f64::INFINITY,
+        bucket_norms: vec![0.5, f64::NAN],
+        nonfinite_ranks: vec![1],
+        max_logratio_response: 3.5,
+        max_logratio_masked: -1.0,
+        headroom: 85.2,
+        spike: None,
+        skip_cause: Some("non-finite gradients".into()),
+        min_response_logp: -7.0,
+        lr: 1e-3,
+        verdict: Action::Skip,
+        skipped: 1,
+        checksum: 0x0123_4567_89ab_cdef,
+        time_update_ms: 12.5,
+    }
+}
+
+fn checkpoint_meta() -> CheckpointMeta {
+    CheckpointMeta {
+        step: 4,
+        adam_t: 16,
+        config_hash: 7,
+        layout_hash: 9,
+        spikes: [SpikeDetector::new(8, 6.0), SpikeDetector::new(8, 6.0)],
+        warnings: 2,
+        history: SavedHistory { consecutive_skips: 1, skipped: 3, recent: [true, false].into(), suspects: vec![2] },
+    }
+}
+
+fn dump_meta() -> DumpMeta {
+    DumpMeta {
+        config: "seed = 1\n".into(),
+        rank: 1,
+        world: 2,
+        step: 3,
+        minibatch: 1,
+        attempt: 0,
+        b: 2,
+        t: 3,
+        loss: 0.5,
+        local_health: vec![HealthRecord { nan: 1, inf: 0, sumsq_bits: 2.5f64.to_bits(), first_bad: Some(5) }],
+        health_chunks: 1,
+        report: report(),
+    }
+}
+
+const A: [f32; 5] = [1.0, f32::NAN, -0.0, 1e-41, 3.0];
+const B: [f32; 3] = [0.5, -2.0, 7.0];
+
+/// Every single-byte change (XOR 1) of `good` is refused by `check`.
+fn every_flip_is_refused(good: &[u8], check: impl Fn(&[u8]) -> Result<(), ArtifactError>, what: &str) {
+    check(good).unwrap_or_else(|e| panic!("{what}: the intact artifact is refused: {e}"));
+    for i in 0..good.len() {
+        let mut bad = good.to_vec();
+        bad[i] ^= 1;
+        assert!(check(&bad).is_err(), "{what}: a flipped byte at {i} of {} was accepted", good.len());
+    }
+}
+
+/// Every proper prefix of `good` is refused.
+fn every_truncation_is_refused(good: &[u8], check: impl Fn(&[u8]) -> Result<(), ArtifactError>, what: &str) {
+    for n in 0..good.len() {
+        assert!(check(&good[..n]).is_err(), "{what}: truncated to {n} of {} bytes was accepted", good.len());
+    }
+}
+
+fn unseal_bytes<T: DeserializeOwned>(b: &[u8], format: u32) -> Result<T, ArtifactError> {
+    let text = std::str::from_utf8(b).map_err(|e| ArtifactError::Schema { file: "t".into(), what: e.to_string() })?;
+    unseal(text, format, "t")
+}
+
+#[test]
+fn sealed_json_round_trips_with_non_finite_numbers_as_null() {
+    let l = line();
+    let text = l.to_line();
+    assert!(text.starts_with("{\"format\":1,\"step\":2,") && text.contains("\"loss\":null"), "{text}");
+    assert!(!text.contains("NaN") && !text.contains("inf"), "{text}");
+    let back: MetricsLine = unseal(&text, METRICS_FORMAT, "m").unwrap();
+    assert!(back.loss.is_nan() && back.grad_norm.is_nan() && back.bucket_norms[1].is_nan());
+    assert_eq!((back.reward, back.checksum, back.verdict), (l.reward, l.checksum, l.verdict));
+    let r = report();
+    let text = report_text(&r);
+    assert_eq!(unseal::<Report>(text.trim_end(), REPORT_FORMAT, "r").unwrap(), r);
+}
+
+#[test]
+fn metrics_line_refuses_flips_truncation_missing_key_and_unknown_version() {
+    let good = line().to_line().into_bytes();
+    let check = |b: &[u8]| unseal_bytes::<MetricsLine>(b, METRICS_FORMAT).map(|_| ());
+    every_flip_is_refused(&good, check, "metrics line");
+    every_truncation_is_refused(&good, check, "metrics line");
+
+    let mut v = serde_json::to_value(line()).unwrap();
+    v.as_object_mut().unwrap().remove("spike");
+    let e = unseal::<MetricsLine>(&seal(METRICS_FORMAT, &v, false), METRICS_FORMAT, "metrics.jsonl:4").unwrap_err();
+    assert!(e.to_string().contains("metrics.jsonl:4") && e.to_string().contains("missing field `spike`"), "{e}");
+
+    let e = unseal::<MetricsLine>(&seal(99, &line(), false), METRICS_FORMAT, "m").unwrap_err();
+    assert!(matches!(e, ArtifactError::Version { found: 99, expected: 1, .. }), "{e}");
+
+    let mut v = serde_json::to_value(line()).unwrap();
+    v["loss"] = serde_json::json!("NaN");
+    let e = unseal::<MetricsLine>(&seal(METRICS_FORMAT, &v, false), METRICS_FORMAT, "m").unwrap_err();
+    assert!(e.to_string().contains("invalid type: string \"NaN\""), "a NaN string is not a number: {e}");
+}
+
+#[test]
+fn a_flipped_digit_is_a_checksum_mismatch_with_expected_and_found() {
+    let text = line().to_line().replace("\"reward\":0.25", "\"reward\":0.35");
+    let e = unseal::<MetricsLine>(&text, METRICS_FORMAT, "metrics.jsonl:1").unwrap_err();
+    let ArtifactError::Checksum { expected, found, .. } = e else { panic!("{e}") };
+    assert_ne!(expected, found);
+    assert!(e.to_string().contains(&format!("expected {expected:08x}, found {found:08x}")), "{e}");
+}
+
+#[test]
+fn report_refuses_flips_truncation_missing_key_and_unknown_version() {
+    let good = report_text(&report()).into_bytes();
+    let check = |b: &[u8]| {
+        let t = std::str::from_utf8(b).map_err(|e| ArtifactError::Schema { file: "t".into(), what: e.to_string() })?;
+        unseal::<Report>(t.trim_end_matches('\n'), REPORT_FORMAT, "t").map(|_| ())
+    };
+    // The final newline is not content: every other byte is.
+    every_flip_is_refused(&good[..good.len() - 1], check, "report.json");
+    every_truncation_is_refused(&good[..good.len() - 1], check, "report.json");
+    let mut v = serde_json::to_value(report()).unwrap();
+    v.as_object_mut().unwrap().remove("classification");
+    let e = unseal::<Report>(&seal(REPORT_FORMAT, &v, true), REPORT_FORMAT, "report.json").unwrap_err();
+    assert!(e.to_string().contains("missing field `classification`"), "{e}");
+    let e = unseal::<Report>(&seal(2, &report(), true), REPORT_FORMAT, "report.json").unwrap_err();
+    assert!(matches!(e, ArtifactError::Version { found: 2, .. }), "{e}");
+}
+
+#[test]
+fn container_round_trip_is_bitwise() {
+    let bytes = encode(&checkpoint_meta(), &[("a", &A), ("empty", &[]), ("b", &B)]);
+    let l: Loaded<CheckpointMeta> = decode(&bytes, "x").unwrap();
+    assert_eq!(l.meta, checkpoint_meta());
+    assert!(l.get("a").unwrap().iter().zip(&A).all(|(x, y)| x.to_bits() == y.to_bits()));
+    assert_eq!(l.get("empty").unwrap().len(), 0);
+    assert!(l.get("nope").unwrap_err().to_string().contains("missing tensor `nope`"));
+}
+
+#[test]
+fn checkpoint_state_and_dump_refuse_every_flip_and_truncation() {
+    let state = encode(&checkpoint_meta(), &[("params", &A), ("m", &B)]);
+    let check = |b: &[u8]| decode::<CheckpointMeta>(b, "state.bin").map(|_| ());
+    every_flip_is_refused(&state, check, "checkpoint state");
+    every_truncation_is_refused(&state, check, "checkpoint state");
+    let dump = encode(&dump_meta(), &[("params", &A), ("inputs", &B)]);
+    let check = |b: &[u8]| decode::<DumpMeta>(b, "rank-1.bin").map(|_| ());
+    every_flip_is_refused(&dump, check, "dump");
+    every_truncation_is_refused(&dump, check, "dump");
+    // A dump is not a checkpoint.
+    let e = decode::<CheckpointMeta>(&dump, "rank-1.bin").unwrap_err();
+    assert!(e.to_string().contains("a dump, not a checkpoint"), "{e}");
+}
+
+#[test]
+fn a_flipped_tensor_byte_names_the_tensor_with_expected_and_found() {
+    let mut state = encode(&checkpoint_meta(), &[("params", &A), ("m", &B)]);
+    let n = state.len();
+    state[n - 2] ^= 0x40;
+    let e = decode::<CheckpointMeta>(&state, "state.bin").unwrap_err();
+    assert!(matches!(&e, ArtifactError::Checksum { section, .. } if section == "tensor `m`"), "{e}");
+}
+
+#[derive(Serialize, Deserialize)]
+struct NoStep {
+    adam_t: u64,
+}
+impl Kind for NoStep {
+    const KIND: &'static str = "checkpoint";
+    const FORMAT: u32 = CHECKPOINT_FORMAT;
+}
+#[derive(Serialize, Deserialize)]
+struct NoB {
+    rank: usize,
+}
+impl Kind for NoB {
+    const KIND: &'static str = "dump";
+    const FORMAT: u32 = DUMP_FORMAT;
+}
+#[derive(Serialize, Deserialize)]
+struct Future(CheckpointMeta);
+impl Kind for Future {
+    const KIND: &'static str = "checkpoint";
+    const FORMAT: u32 = 7;
+}
+
+#[test]
+fn checkpoint_metadata_and_dump_refuse_a_missing_key_and_an_unknown_version() {
+    let e = decode::<CheckpointMeta>(&encode(&NoStep { adam_t: 3 }, &[]), "state.bin").unwrap_err();
+    assert!(e.to_string().contains("state.bin: header: missing field `step`"), "{e}");
+    let e = decode::<DumpMeta>(&encode(&NoB { rank: 1 }, &[]), "rank-1.bin").unwrap_err();
+    assert!(e.to_string().contains("rank-1.bin: header: missing field"), "{e}");
+    let e = decode::<CheckpointMeta>(&encode(&Future(checkpoint_meta()), &[]), "state.bin").unwrap_err();
+    assert!(matches!(e, ArtifactError::Version { what: "format", found: 7, expected: 1, .. }), "{e}");
+    let mut old = encode(&checkpoint_meta(), &[]);
+    old[4..8].copy_from_slice(&1u32.to_le_bytes());
+    let e = decode::<CheckpointMeta>(&old, "state.bin").unwrap_err();
+    assert!(e.to_string().contains("unknown container version 1, this build reads 2"), "{e}");
+}
+
+fn save(dir: &Path, step: u64) {
+    let mut meta = checkpoint_meta();
+    meta.step = step;
+    save_checkpoint(&dir.join(format!("step-{step:06}")), &meta, &[("params", &A)], 1, || {}).unwrap();
+}
+
+#[test]
+fn resume_takes_the_newest_intact_checkpoint_and_names_each_refused_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    for step in [2, 4, 6, 8] {
+        save(root, step);
+    }
+    assert_eq!(newest_intact_checkpoint(root).unwrap().1.meta.step, 8);
+    // step-8: no DONE (an interrupted write); step-6: a flipped byte in state.bin; step-4: DONE damaged.
+    std::fs::remove_file(root.join("step-000008/DONE")).unwrap();
+    let p = root.join("step-000006/state.bin");
+    let mut b = std::fs::read(&p).unwrap();
+    b[40] ^= 1;
+    std::fs::write(&p, &b).unwrap();
+    let p = root.join("step-000004/DONE");
+    let t = std::fs::read_to_string(&p).unwrap().replace("\"state_bytes\":", "\"state_bytes\": ");
+    std::fs::write(&p, t).unwrap();
+
+    let (dir, l, refused) = newest_intact_checkpoint(root).unwrap();
+    assert_eq!((dir.file_name().unwrap().to_str().unwrap(), l.meta.step), ("step-000002", 2));
+    let why: Vec<String> = refused.iter().map(|e| e.to_string()).collect();
+    assert_eq!(why.len(), 3, "{why:?}");
+    assert!(why[0].contains("step-000008/DONE") && why[0].contains("no DONE marker"), "{}", why[0]);
+    assert!(why[1].contains("step-000006/state.bin: checksum mismatch in whole file"), "{}", why[1]);
+    assert!(why[1].contains("expected") && why[1].contains("found"), "{}", why[1]);
+    assert!(why[2].contains("step-000004/DONE: checksum mismatch"), "{}", why[2]);
+
+    // A truncated state.bin of the last intact one: nothing left.
+    let p = root.join("step-000002/state.bin");
+    let b = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &b[..b.len() - 3]).unwrap();
+    let refused = newest_intact_checkpoint(root).unwrap_err();
+    assert_eq!(refused.len(), 4);
+    assert!(refused[3].to_string().contains("step-000002/state.bin: truncated"), "{}", refused[3]);
+}

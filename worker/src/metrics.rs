@@ -1,0 +1,100 @@
+//! `metrics.jsonl`: one line per optimizer update, written by rank 0 from the agreed table (the
+//! line's format is [`crate::artifacts::MetricsLine`]).
+//!
+//! Invariant: every field but the wall-clock `time_*` ones is a function of the agreed table, so two
+//! runs with the same seed and world size write the same lines (also after resume, which keeps the
+//! verified lines of the steps before the checkpoint and never a line it cannot verify).
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use gradbus_collectives::{Action, HealthTable, StepId};
+
+use crate::artifacts::{self, MetricsLine};
+use crate::loss::EXP_OVERFLOW;
+use crate::train::{checksum, Trainer};
+use crate::update::UpdateValues;
+use crate::WorkerError;
+
+impl Trainer {
+    pub(crate) fn write_metrics(
+        &mut self,
+        table: &HealthTable,
+        at: StepId,
+        action: Action,
+        spike: Option<&str>,
+        lr: f32,
+        start: Instant,
+    ) -> Result<(), WorkerError> {
+        let Some(f) = self.metrics.as_mut() else { return Ok(()) };
+        let world = table.world as f64;
+        let values = UpdateValues::agreed(table);
+        let line = MetricsLine {
+            step: at.step,
+            minibatch: at.minibatch,
+            attempt: at.attempt,
+            loss: table.mean_loss(),
+            reward: values.reward,
+            kl: values.kl,
+            grad_norm: table.grad_norm() / world,
+            bucket_norms: table.reduced.iter().map(|h| h.sumsq.sqrt() / world).collect(),
+            nonfinite_ranks: table.nonfinite_ranks(),
+            max_logratio_response: values.max_logratio_response,
+            max_logratio_masked: values.max_logratio_masked,
+            headroom: headroom(table),
+            spike: spike.map(String::from),
+            skip_cause: (action == Action::Skip).then(|| match (spike, at.attempt) {
+                (Some(s), _) => s.to_string(),
+                (None, 0) => "non-finite gradients".to_string(),
+                (None, _) => "transient fault (the rerun differed)".to_string(),
+            }),
+            min_response_logp: values.min_response_logp,
+            lr,
+            verdict: action,
+            skipped: self.history.skipped,
+            checksum: checksum(&self.params),
+            time_update_ms: start.elapsed().as_secs_f64() * 1e3,
+        };
+        writeln!(f, "{}", line.to_line()).map_err(|e| WorkerError::io("metrics.jsonl", e))
+    }
+}
+
+/// ln(f32::MAX) minus the largest log-ratio any rank fed to an exp of the loss.
+pub(crate) fn headroom(table: &HealthTable) -> f64 {
+    let v = UpdateValues::agreed(table);
+    EXP_OVERFLOW as f64 - v.max_logratio_response.max(v.max_logratio_masked)
+}
+
+/// Metrics file for rank 0; on resume keep only the lines of steps before `step`, each verified.
+/// A last line without its newline is a write the crash cut short: dropped, with a warning. Any
+/// other line that does not verify stops the resume (exit 2), naming the file and line.
+pub(crate) fn open_metrics(run_dir: &Path, step: u64) -> Result<std::fs::File, WorkerError> {
+    let path = run_dir.join("metrics.jsonl");
+    let io = |e| WorkerError::io(&path.display().to_string(), e);
+    let mut kept = String::new();
+    if step > 0 {
+        let text = match std::fs::read(&path) {
+            Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(io(e)),
+        };
+        let lines: Vec<&str> = text.split_inclusive('\n').collect();
+        for (i, raw) in lines.iter().enumerate() {
+            let torn = i + 1 == lines.len() && !raw.ends_with('\n');
+            let line = raw.trim_end_matches('\n');
+            if line.trim().is_empty() {
+                continue;
+            }
+            let file = format!("{}:{}", path.display(), i + 1);
+            match artifacts::unseal::<MetricsLine>(line, artifacts::METRICS_FORMAT, &file) {
+                Ok(m) if m.step < step => kept.push_str(&format!("{line}\n")),
+                Ok(_) => {}
+                Err(e) if torn => eprintln!("warning: dropping the last metrics line, cut short by the crash: {e}"),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    std::fs::write(&path, kept).map_err(io)?;
+    std::fs::OpenOptions::new().append(true).open(&path).map_err(io)
+}
