@@ -3,9 +3,9 @@
 //!
 //! Invariants: unknown keys and wrong types are errors that name the dotted key (never silently
 //! ignored: a typo in `rollout_sync_interval` must not quietly train on-policy), and every value is
-//! range-checked when the config is loaded, by rules that allocate nothing the config sizes, so no value however
-//! wrong reaches an `expect`, an overflow or an allocation abort. What needs the world size (a
-//! fault's rank) and the machine (the memory estimate) is checked by `check_world` and
+//! range-checked when the config is loaded, by rules that allocate nothing the config sizes, so no
+//! value however wrong reaches an `expect`, an overflow or an allocation abort. What needs the world
+//! size (a fault's rank) and the machine (the memory estimate) is checked by `check_world` and
 //! `check_memory`: `gradbus run` calls both once before it starts any rank, each worker again for a
 //! bare mpirun. The config hash is taken over the merged, canonical TOML, so two ranks with
 //! different configs refuse to share a bus.
