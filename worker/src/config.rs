@@ -1,9 +1,14 @@
 //! The job configuration: a TOML file plus `--set key=value` overrides with dotted keys, checked
 //! into one typed `Config`.
 //!
-//! Invariants: unknown keys and wrong types are errors that name the file and key (never silently
-//! ignored: a typo in `rollout_sync_interval` must not quietly train on-policy). The config hash is
-//! taken over the merged, canonical TOML, so two ranks with different configs refuse to share a bus.
+//! Invariants: unknown keys and wrong types are errors that name the dotted key (never silently
+//! ignored: a typo in `rollout_sync_interval` must not quietly train on-policy), and every value is
+//! range-checked when the config is loaded, by rules that allocate nothing the config sizes, so no
+//! value however wrong reaches an `expect`, an overflow or an allocation abort. What needs the world
+//! size (a fault's rank) and the machine (the memory estimate) is checked by `check_world` and
+//! `check_memory`: `gradbus run` calls both once before it starts any rank, each worker again for a
+//! bare mpirun. The config hash is taken over the merged, canonical TOML, so two ranks with
+//! different configs refuse to share a bus.
 
 use std::path::{Path, PathBuf};
 
@@ -401,13 +406,10 @@ pub const MAX_SECONDS: f64 = 86_400.0;
 pub const MAX_SPIKE_WINDOW: usize = 1_000_000;
 
 /// One range rule: (key, value as given, whether it holds, the requirement, an example value).
-fn r(
-    key: &str,
-    value: impl std::fmt::Display,
-    holds: bool,
-    why: &str,
-    example: &'static str,
-) -> (String, String, bool, String, &'static str) {
+type Rule = (String, String, bool, String, &'static str);
+
+/// A [`Rule`].
+fn rule(key: &str, value: impl std::fmt::Display, holds: bool, why: &str, example: &'static str) -> Rule {
     (key.to_string(), value.to_string(), holds, why.to_string(), example)
 }
 
@@ -519,57 +521,63 @@ impl Config {
         let per_rank = rl.prompts_per_rank.checked_mul(rl.group_size);
         let updates = rl.epochs.checked_mul(rl.minibatches);
         // (key, value, holds, requirement, example): in the order of examples/tiny.toml.
-        let mut rules: Vec<(String, String, bool, String, &str)> = vec![
-            r("steps", self.steps, self.steps >= 1, "must be at least 1", "20"),
-            r(
+        let mut rules: Vec<Rule> = vec![
+            rule("steps", self.steps, self.steps >= 1, "must be at least 1", "20"),
+            rule(
                 "rollout_sync_interval",
                 self.rollout_sync_interval,
                 self.rollout_sync_interval >= 1,
                 "must be at least 1 (1 = on-policy)",
                 "1",
             ),
-            r("bucket_bytes", self.bucket_bytes, self.bucket_bytes >= 4, "must be at least 4 (one f32)", "65536"),
-            r(
+            rule("bucket_bytes", self.bucket_bytes, self.bucket_bytes >= 4, "must be at least 4 (one f32)", "65536"),
+            rule(
                 "collective_timeout_s",
                 self.collective_timeout_s,
                 finite_pos(self.collective_timeout_s) && self.collective_timeout_s <= MAX_SECONDS,
                 &format!("must be > 0 and at most {MAX_SECONDS} seconds"),
                 "30",
             ),
-            r("model.vocab", m.vocab, m.vocab >= 4, "must be at least 4 (BOS, EOS, PAD and one content token)", "16"),
-            r(
+            rule(
+                "model.vocab",
+                m.vocab,
+                m.vocab >= 4,
+                "must be at least 4 (BOS, EOS, PAD and one content token)",
+                "16",
+            ),
+            rule(
                 "model.max_seq",
                 m.max_seq,
                 m.max_seq >= 3,
                 "must be at least 3 (a prompt [BOS, p] and one response token)",
                 "16",
             ),
-            r("model.channels", m.channels, m.channels >= 1, "must be at least 1", "64"),
-            r(
+            rule("model.channels", m.channels, m.channels >= 1, "must be at least 1", "64"),
+            rule(
                 "model.heads",
                 m.heads,
                 m.heads >= 1 && m.channels % m.heads == 0,
                 &format!("must be at least 1 and divide model.channels = {}", m.channels),
                 "4",
             ),
-            r("model.layers", m.layers, m.layers >= 1, "must be at least 1", "2"),
-            r("rl.prompts_per_rank", rl.prompts_per_rank, rl.prompts_per_rank >= 1, "must be at least 1", "2"),
-            r(
+            rule("model.layers", m.layers, m.layers >= 1, "must be at least 1", "2"),
+            rule("rl.prompts_per_rank", rl.prompts_per_rank, rl.prompts_per_rank >= 1, "must be at least 1", "2"),
+            rule(
                 "rl.group_size",
                 rl.group_size,
                 rl.group_size >= 2 && per_rank.is_some(),
                 "must be at least 2 (group-normalised advantages)",
                 "8",
             ),
-            r(
+            rule(
                 "rl.response_len",
                 rl.response_len,
                 rl.response_len >= 1 && rl.response_len.checked_add(2).is_some_and(|n| n <= m.max_seq),
                 &format!("must be at least 1 and 2 + rl.response_len <= model.max_seq = {}", m.max_seq),
                 "8",
             ),
-            r("rl.epochs", rl.epochs, rl.epochs >= 1, "must be at least 1", "4"),
-            r(
+            rule("rl.epochs", rl.epochs, rl.epochs >= 1, "must be at least 1", "4"),
+            rule(
                 "rl.minibatches",
                 rl.minibatches,
                 rl.minibatches >= 1 && updates.is_some() && per_rank.is_some_and(|n| n % rl.minibatches == 0),
@@ -579,56 +587,56 @@ impl Config {
                 ),
                 "4",
             ),
-            r("rl.temperature", rl.temperature, finite_pos(rl.temperature.into()), "must be finite and > 0", "1.0"),
-            r(
+            rule("rl.temperature", rl.temperature, finite_pos(rl.temperature.into()), "must be finite and > 0", "1.0"),
+            rule(
                 "loss.clip",
                 l.clip,
                 finite_pos(l.clip.into()),
                 "must be finite and > 0 (the PPO ratio is clipped to [1 - clip, 1 + clip])",
                 "0.2",
             ),
-            r("loss.kl_coef", l.kl_coef, finite_nonneg(l.kl_coef.into()), "must be finite and >= 0", "0.01"),
-            r("optim.lr", o.lr, finite_pos(o.lr.into()), "must be finite and > 0", "1e-3"),
-            r("optim.beta1", o.beta1, fraction(o.beta1.into()), "must be in [0, 1)", "0.9"),
-            r("optim.beta2", o.beta2, fraction(o.beta2.into()), "must be in [0, 1)", "0.999"),
-            r("optim.eps", o.eps, finite_pos(o.eps.into()), "must be finite and > 0", "1e-8"),
-            r(
+            rule("loss.kl_coef", l.kl_coef, finite_nonneg(l.kl_coef.into()), "must be finite and >= 0", "0.01"),
+            rule("optim.lr", o.lr, finite_pos(o.lr.into()), "must be finite and > 0", "1e-3"),
+            rule("optim.beta1", o.beta1, fraction(o.beta1.into()), "must be in [0, 1)", "0.9"),
+            rule("optim.beta2", o.beta2, fraction(o.beta2.into()), "must be in [0, 1)", "0.999"),
+            rule("optim.eps", o.eps, finite_pos(o.eps.into()), "must be finite and > 0", "1e-8"),
+            rule(
                 "optim.weight_decay",
                 o.weight_decay,
                 finite_nonneg(o.weight_decay.into()),
                 "must be finite and >= 0",
                 "0.0",
             ),
-            r(
+            rule(
                 "optim.grad_clip",
                 o.grad_clip,
                 finite_nonneg(o.grad_clip.into()),
                 "must be finite and >= 0 (0 = no clipping)",
                 "1.0",
             ),
-            r(
+            rule(
                 "skip.max_fraction",
                 self.skip.max_fraction,
                 (0.0..=1.0).contains(&self.skip.max_fraction),
                 "must be in [0, 1]",
                 "0.1",
             ),
-            r("skip.window", self.skip.window, self.skip.window >= 1, "must be at least 1", "100"),
-            r(
+            rule("skip.window", self.skip.window, self.skip.window >= 1, "must be at least 1", "100"),
+            rule(
                 "warn.headroom",
                 self.warn.headroom,
                 finite_nonneg(self.warn.headroom.into()),
                 "must be finite and >= 0 (nats below ln(f32::MAX) = 88.72)",
                 "20",
             ),
-            r(
+            rule(
                 "spike.window",
                 self.spike.window,
                 (2..=MAX_SPIKE_WINDOW).contains(&self.spike.window),
                 &format!("must be in 2..={MAX_SPIKE_WINDOW} updates"),
                 "128",
             ),
-            r(
+            rule(
                 "spike.z_limit",
                 self.spike.z_limit,
                 finite_nonneg(self.spike.z_limit),
@@ -644,24 +652,24 @@ impl Config {
             } else {
                 (self.steps.saturating_sub(1), "must be below steps (the fault would never fire)")
             };
-            rules.push(r(&key("step"), f.step, f.step <= last, last_why, "1"));
+            rules.push(rule(&key("step"), f.step, f.step <= last, last_why, "1"));
             let mb_ok =
                 if f.phase == FaultPhase::Checkpoint { f.minibatch == 0 } else { (f.minibatch as usize) < updates };
-            rules.push(r(
+            rules.push(rule(
                 &key("minibatch"),
                 f.minibatch,
                 mb_ok,
                 "must be below rl.epochs x rl.minibatches (0 for phase \"checkpoint\")",
                 "0",
             ));
-            rules.push(r(
+            rules.push(rule(
                 &key("seconds"),
                 f.seconds,
                 finite_nonneg(f.seconds) && f.seconds <= MAX_SECONDS,
                 &format!("must be in [0, {MAX_SECONDS}]"),
                 "3600",
             ));
-            rules.push(r(&key("code"), f.code, (0..=255).contains(&f.code), "must be an exit code in 0..=255", "1"));
+            rules.push(rule(&key("code"), f.code, (0..=255).contains(&f.code), "must be an exit code in 0..=255", "1"));
             if let Some(p) = &f.param {
                 rules.push((
                     key("param"),
