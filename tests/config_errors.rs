@@ -177,9 +177,9 @@ fn every_config_key_refuses_wrong_type_boundary_and_absurd_values_once_before_an
 fn a_bare_worker_refuses_a_bad_config_without_panicking() {
     let tmp = tempfile::tempdir().unwrap();
     for (set, key) in [("model.heads=3", "model.heads"), ("model.channels=100000", "model.channels")] {
-        let out = Command::new(env!("CARGO_BIN_EXE_gradbus-worker"))
+        let out = Command::new(env!("CARGO_BIN_EXE_gradbus"))
             .current_dir(root())
-            .args(["--run-dir", tmp.path().to_str().unwrap(), "examples/tiny.toml", "--set", set])
+            .args(["worker", "--run-dir", tmp.path().to_str().unwrap(), "examples/tiny.toml", "--set", set])
             .env("GRADBUS_RANK", "0")
             .env("GRADBUS_LOCAL_RANK", "0")
             .env("GRADBUS_WORLD_SIZE", "1")

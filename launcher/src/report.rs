@@ -976,7 +976,7 @@ mod tests {
                 line(i as u64 / 4, i as u64 % 4, 0, &l, "proceed", "60.0", "")
             })
             .collect();
-        let data = RunData { updates: parse_metrics(&lines.join("\n")).unwrap(), abort: None, has_dumps: false };
+        let data = RunData { updates: parse(&lines), abort: None, has_dumps: false };
         let o = Options { run_dir: dir.path().into(), ..opts() };
         let a = analyze(&data, &o);
         let path = dir.path().join("r.svg");
