@@ -423,18 +423,16 @@ fn help_and_bad_usage() {
 #[test]
 fn without_the_override_each_rank_is_the_launchers_own_worker_subcommand() {
     // No GRADBUS_WORKER_BIN: the launcher starts its own executable as `gradbus worker`, so there is
-    // no second binary to find. The real worker rejects this config at once, naming it.
+    // no second binary to find. The real worker of rank 1 runs the config (which the launcher has
+    // accepted) and meets a planned exit fault, which only a real worker knows how to read.
     let job = Job::new("exit 0");
-    // Not TOML: a real worker must reject it at once rather than train on defaults.
-    std::fs::write(job.path().join("bad.toml"), "this is [not toml\n").unwrap();
-    let mut cmd = job.gradbus(&["run", "--np", "2", "bad.toml"]);
-    cmd.env_remove("GRADBUS_WORKER_BIN");
+    let config = common::root().join("examples/tiny.toml");
+    let mut cmd = job.gradbus(&["run", "--np", "2", config.to_str().unwrap(), "--set", "steps=1"]);
+    cmd.env_remove("GRADBUS_WORKER_BIN")
+        .env("GRADBUS_FAULTS", "[[faults]]\nkind = \"exit\"\nrank = 1\nstep = 0\ncode = 7\n");
     let ran = run(cmd);
-    ran.assert_code(2);
-    for rank in 0..2 {
-        ran.assert_stderr(&format!("[rank {rank}] gradbus worker rank {rank}: error: "));
-    }
-    ran.assert_stderr("bad.toml");
+    ran.assert_code(4);
+    ran.assert_stderr("[rank 1] fault plan: exit 7 at step 0");
     assert!(!job.path().join("pid-0").exists(), "the override's script must not have run");
 }
 
