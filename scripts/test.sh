@@ -94,6 +94,8 @@ closing() {
   exit $rc
 }
 trap closing EXIT
+trap 'exit 130' INT HUP
+trap 'exit 143' TERM
 
 # `cargo test`'s output goes to the log too, for the closing list's totals.
 run() {
