@@ -88,9 +88,9 @@ closing() {
   echo "==================== test.sh: closing list ===================="
   if [ -s "$results" ]; then
     awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1); if ($i ~ /^ignored/) g += $(i-1) } n++ }
-         END { printf "tests: %d passed, %d failed, %d ignored, in %d test binaries\n", p, f, g, n }' "$results"
+         END { printf "tests: %d passed, %d failed, %d ignored (%d test harness runs)\n", p, f, g, n }' "$results"
     echo "ignored (#[ignore]: benchmarks and long runs, by hand):"
-    grep -E '^test .* \.\.\. ignored' "$results" | sed -E 's/^test (.*) \.\.\. ignored,? ?/  \1: /' | sort -u || echo "  none"
+    grep -E '^test .* \.\.\. ignored' "$results" | sed -E 's/^test (.*) \.\.\. ignored(, )?/  \1: /; s/: $//' | sort -u || echo "  none"
   fi
   echo "skipped (SKIPPED: the test or README command could not run here):"
   if [ -s "$GRADBUS_SKIP_LOG" ]; then
@@ -104,6 +104,8 @@ closing() {
   exit $rc
 }
 trap closing EXIT
+trap 'exit 130' INT HUP
+trap 'exit 143' TERM
 
 # `cargo test`'s output goes to the log too, for the closing list's totals.
 run() {

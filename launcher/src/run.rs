@@ -11,8 +11,8 @@
 //!
 //! The worker command line is `gradbus worker --run-dir DIR [--resume] CONFIG [--set key=value ...]`,
 //! `gradbus` being this very executable ([`worker_command`]), with the environment contract of
-//! `gradbus_worker::env` (rank, local rank, sizes, node id, job id, run directory). Paths handed to workers are absolute, so a worker's working directory does not
-//! matter.
+//! `gradbus_worker::env` (rank, local rank, sizes, node id, job id, run directory). Paths handed to
+//! workers are absolute, so a worker's working directory does not matter.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
