@@ -572,6 +572,55 @@ impl Kind for DumpMeta {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Traces (`trace-rank-K.json`, written for people and tests; gradbus never reads one back).
+
+/// The first non-finite value of an update, in execution order.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    /// The op that produced it, e.g. `loss.kl_exp` or `blocks.1.attn.softmax`.
+    pub op: String,
+    /// Block index, when the op belongs to one.
+    pub layer: Option<usize>,
+    /// `forward` or `backward`.
+    pub phase: &'static str,
+    /// Sample (row of the mini-batch), when the tensor is (B, T, ...).
+    pub sample: Option<usize>,
+    /// Token position, when the tensor is (B, T, ...).
+    pub token: Option<usize>,
+    /// The non-finite value.
+    pub value: f32,
+    /// For an exp: the log-ratio it was fed.
+    pub exp_input: Option<f32>,
+    /// For an exp: whether the position is masked out of the loss (prompt or padding).
+    pub masked: Option<bool>,
+    /// For an exp: how many positions of this op overflowed.
+    pub overflows: Option<usize>,
+}
+
+/// `trace-rank-K.json`: the first non-finite op of a rank's failing update.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TraceFile {
+    /// RL step of the failing update.
+    pub step: u64,
+    /// The update inside the step.
+    pub minibatch: u32,
+    /// The rank that traced it.
+    pub rank: usize,
+    /// The first non-finite op, if the recomputation found one.
+    pub first: Option<Finding>,
+}
+
+/// Format version of `trace-rank-K.json`.
+pub const TRACE_FORMAT: u32 = 1;
+
+impl TraceFile {
+    /// The file's text (pretty, sealed like every JSON artifact).
+    pub fn to_text(&self) -> String {
+        seal(TRACE_FORMAT, self, true) + "\n"
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Checkpoints.
 
 /// The verdict history a checkpoint keeps.
