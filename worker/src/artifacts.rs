@@ -168,7 +168,7 @@ pub fn unseal<T: DeserializeOwned>(text: &str, format: u32, file: &str) -> Resul
             }
         });
     };
-    let found = crc(text[..k].as_bytes());
+    let found = crc(&text.as_bytes()[..k]);
     if expected != found {
         return Err(ArtifactError::Checksum { file: file.into(), section: "content".into(), expected, found });
     }
@@ -180,7 +180,19 @@ pub fn unseal<T: DeserializeOwned>(text: &str, format: u32, file: &str) -> Resul
     if version != format as u64 {
         return Err(ArtifactError::Version { file: file.into(), what: "format", found: version, expected: format });
     }
-    serde_json::from_value(v).map_err(|e| schema(e.to_string()))
+    from_value(v).map_err(schema)
+}
+
+/// Deserialize a JSON value; an error names the key (`history.skipped: invalid type: ...`).
+fn from_value<T: DeserializeOwned>(v: serde_json::Value) -> Result<T, String> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            e.into_inner().to_string()
+        } else {
+            format!("key `{path}`: {}", e.into_inner())
+        }
+    })
 }
 
 /// Serde helpers for numbers that may be non-finite: written as `null` (serde_json's own choice
@@ -444,8 +456,8 @@ pub fn decode<M: Kind>(bytes: &[u8], file: &str) -> Result<Loaded<M>, ArtifactEr
         });
     }
     let hlen = u64::from_le_bytes(word(8, 8)?.try_into().expect("8 bytes"));
-    let hend = 16usize.checked_add(usize::try_from(hlen).unwrap_or(usize::MAX)).unwrap_or(usize::MAX);
-    if hend.checked_add(4).map_or(true, |end| end > bytes.len()) {
+    let hend = 16usize.saturating_add(usize::try_from(hlen).unwrap_or(usize::MAX));
+    if hend.saturating_add(4) > bytes.len() {
         return Err(truncated(format!("header of {hlen} bytes and its checksum, file of {} bytes", bytes.len())));
     }
     let header = &bytes[16..hend];
@@ -468,7 +480,7 @@ pub fn decode<M: Kind>(bytes: &[u8], file: &str) -> Result<Loaded<M>, ArtifactEr
         Some(None) => return Err(schema("header: key `format` is not an integer".into())),
         None => return Err(schema("header: missing key `format`".into())),
     }
-    let h: Header<M> = serde_json::from_value(raw).map_err(|e| schema(format!("header: {e}")))?;
+    let h: Header<M> = from_value(raw).map_err(|e| schema(format!("header: {e}")))?;
     let mut at = hend + 4;
     let mut tensors = Vec::with_capacity(h.tensors.len());
     for t in &h.tensors {
@@ -557,6 +569,55 @@ pub struct DumpMeta {
 impl Kind for DumpMeta {
     const KIND: &'static str = "dump";
     const FORMAT: u32 = DUMP_FORMAT;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Traces (`trace-rank-K.json`, written for people and tests; gradbus never reads one back).
+
+/// The first non-finite value of an update, in execution order.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    /// The op that produced it, e.g. `loss.kl_exp` or `blocks.1.attn.softmax`.
+    pub op: String,
+    /// Block index, when the op belongs to one.
+    pub layer: Option<usize>,
+    /// `forward` or `backward`.
+    pub phase: &'static str,
+    /// Sample (row of the mini-batch), when the tensor is (B, T, ...).
+    pub sample: Option<usize>,
+    /// Token position, when the tensor is (B, T, ...).
+    pub token: Option<usize>,
+    /// The non-finite value.
+    pub value: f32,
+    /// For an exp: the log-ratio it was fed.
+    pub exp_input: Option<f32>,
+    /// For an exp: whether the position is masked out of the loss (prompt or padding).
+    pub masked: Option<bool>,
+    /// For an exp: how many positions of this op overflowed.
+    pub overflows: Option<usize>,
+}
+
+/// `trace-rank-K.json`: the first non-finite op of a rank's failing update.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TraceFile {
+    /// RL step of the failing update.
+    pub step: u64,
+    /// The update inside the step.
+    pub minibatch: u32,
+    /// The rank that traced it.
+    pub rank: usize,
+    /// The first non-finite op, if the recomputation found one.
+    pub first: Option<Finding>,
+}
+
+/// Format version of `trace-rank-K.json`.
+pub const TRACE_FORMAT: u32 = 1;
+
+impl TraceFile {
+    /// The file's text (pretty, sealed like every JSON artifact).
+    pub fn to_text(&self) -> String {
+        seal(TRACE_FORMAT, self, true) + "\n"
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

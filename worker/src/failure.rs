@@ -4,11 +4,9 @@
 //! Invariant: the dump holds the weights at the start of the failing update and the rank's
 //! mini-batch, so `gradbus replay` recomputes exactly the failing gradients.
 
-use serde_json::json;
-
 use gradbus_collectives::{HealthTable, ParamGrads, Report};
 
-use crate::artifacts::{self, DumpMeta, HealthRecord};
+use crate::artifacts::{self, DumpMeta, HealthRecord, TraceFile};
 use crate::gradients::compute_gradients;
 use crate::task::Batch;
 use crate::train::Trainer;
@@ -34,11 +32,9 @@ impl Trainer {
             self.info.rank, report.step, report.minibatch
         );
         let p = self.run_dir.join(format!("trace-rank-{}.json", self.info.rank));
-        let text = serde_json::to_string_pretty(
-            &json!({"step": report.step, "minibatch": report.minibatch, "rank": self.info.rank, "first": trace.first}),
-        )
-        .expect("json")
-            + "\n";
+        let file =
+            TraceFile { step: report.step, minibatch: report.minibatch, rank: self.info.rank, first: trace.first };
+        let text = file.to_text();
         artifacts::write_atomic(&p, text.as_bytes()).map_err(|e| WorkerError::io(&p.display().to_string(), e))
     }
 

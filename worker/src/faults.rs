@@ -159,7 +159,7 @@ impl FaultPlan {
                 Some(name) => layout.slot(name),
                 None => layout.slots.last(),
             };
-            if !slot.is_some_and(|s| s.param == param) {
+            if slot.map(|s| s.param) != Some(param) {
                 continue;
             }
             if f.kind == FaultKind::Scale {

@@ -13,35 +13,13 @@ use serde::Serialize;
 use gradbus_collectives::transport::bucket_health;
 use gradbus_collectives::{Layout, ParamGrads};
 
+pub use crate::artifacts::Finding;
 use crate::artifacts::{self, ArtifactError, DumpMeta, HealthRecord, Loaded};
 use crate::config::Config;
 use crate::gradients;
 use crate::model::{self, Gpt};
 use crate::probe::{ExpOp, Phase, Probe};
 use crate::task::Batch;
-
-/// The first non-finite value of an update, in execution order.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Finding {
-    /// The op that produced it, e.g. `loss.kl_exp` or `blocks.1.attn.softmax`.
-    pub op: String,
-    /// Block index, when the op belongs to one.
-    pub layer: Option<usize>,
-    /// `forward` or `backward`.
-    pub phase: &'static str,
-    /// Sample (row of the mini-batch), when the tensor is (B, T, ...).
-    pub sample: Option<usize>,
-    /// Token position, when the tensor is (B, T, ...).
-    pub token: Option<usize>,
-    /// The non-finite value.
-    pub value: f32,
-    /// For an exp: the log-ratio it was fed.
-    pub exp_input: Option<f32>,
-    /// For an exp: whether the position is masked out of the loss (prompt or padding).
-    pub masked: Option<bool>,
-    /// For an exp: how many positions of this op overflowed.
-    pub overflows: Option<usize>,
-}
 
 /// A probe that keeps the first non-finite output it sees.
 #[derive(Debug, Default)]

@@ -134,7 +134,11 @@ fn metrics_line_refuses_flips_truncation_missing_key_and_unknown_version() {
     let mut v = serde_json::to_value(line()).unwrap();
     v["loss"] = serde_json::json!("NaN");
     let e = unseal::<MetricsLine>(&seal(METRICS_FORMAT, &v, false), METRICS_FORMAT, "m").unwrap_err();
-    assert!(e.to_string().contains("invalid type: string \"NaN\""), "a NaN string is not a number: {e}");
+    assert!(e.to_string().contains("key `loss`: invalid type: string \"NaN\""), "a NaN string is not a number: {e}");
+    let mut v = serde_json::to_value(line()).unwrap();
+    v["step"] = serde_json::json!(-1);
+    let e = unseal::<MetricsLine>(&seal(METRICS_FORMAT, &v, false), METRICS_FORMAT, "metrics.jsonl:9").unwrap_err();
+    assert!(e.to_string().starts_with("metrics.jsonl:9: key `step`: invalid value"), "{e}");
 }
 
 #[test]
@@ -224,9 +228,9 @@ impl Kind for Future {
 #[test]
 fn checkpoint_metadata_and_dump_refuse_a_missing_key_and_an_unknown_version() {
     let e = decode::<CheckpointMeta>(&encode(&NoStep { adam_t: 3 }, &[]), "state.bin").unwrap_err();
-    assert!(e.to_string().contains("state.bin: header: missing field `step`"), "{e}");
+    assert!(e.to_string().contains("state.bin: header: key `meta`: missing field `step`"), "{e}");
     let e = decode::<DumpMeta>(&encode(&NoB { rank: 1 }, &[]), "rank-1.bin").unwrap_err();
-    assert!(e.to_string().contains("rank-1.bin: header: missing field"), "{e}");
+    assert!(e.to_string().contains("rank-1.bin: header: key `meta`: missing field"), "{e}");
     let e = decode::<CheckpointMeta>(&encode(&Future(checkpoint_meta()), &[]), "state.bin").unwrap_err();
     assert!(matches!(e, ArtifactError::Version { what: "format", found: 7, expected: 1, .. }), "{e}");
     let mut old = encode(&checkpoint_meta(), &[]);
