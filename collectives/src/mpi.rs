@@ -677,6 +677,48 @@ pub(crate) fn bench_allreduce(
     (best, total)
 }
 
+/// The agreement benchmark's MPI side (`bench_agreement`): the average time of `iters`
+/// back-to-back calls of the table path's `MPI_Allgather` of one row per rank and of the summary
+/// path's all-reduce (`allreduce_summary`, decode included) over `buckets` buckets, best of
+/// `rounds`, rank 0's times shared with every rank, in microseconds.
+pub(crate) fn bench_agreement(
+    universe: &Universe,
+    buckets: usize,
+    warmup: usize,
+    iters: usize,
+    rounds: usize,
+) -> (f64, f64) {
+    let world = universe.world();
+    let n = world.size() as usize;
+    let mine = vec![1u64; 2 + 8 * buckets + LocalReport::WORDS];
+    let mut all = vec![0u64; n * mine.len()];
+    let mut contribution = Summary::of_rank(
+        &vec![Health::default(); buckets],
+        Some(&vec![Health { sumsq: 1.5, ..Health::default() }; buckets]),
+        &LocalReport { loss: 0.5, ..LocalReport::default() },
+    );
+    contribution.ops.add(1);
+    let time = |f: &mut dyn FnMut()| {
+        for _ in 0..warmup {
+            f();
+        }
+        let mut best = f64::INFINITY;
+        for _ in 0..rounds {
+            world.barrier();
+            let t0 = std::time::Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            best = best.min(t0.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64);
+        }
+        world.process_at_rank(0).broadcast_into(&mut best);
+        best
+    };
+    let gather = time(&mut || world.all_gather_into(&mine[..], &mut all[..]));
+    let summary = time(&mut || assert!(allreduce_summary(&world, &contribution).anomaly().is_none()));
+    (gather, summary)
+}
+
 /// `MPI_COMM_WORLD`'s size must be the benchmark's process count.
 pub(crate) fn check_bench_world(universe: &Universe, rank: usize, np: usize) -> Result<(), Error> {
     let expect = Expect { rank, world: np, source: "benchmark arguments".into(), timeout: Default::default() };
