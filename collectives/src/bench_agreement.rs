@@ -1,7 +1,7 @@
 //! The agreement benchmark: what one update's agreement costs on each path, as bytes (the cost
 //! model, `cost`) and as time (`rank_main`, under `mpirun`, feature `mpi`): the table path's
 //! `MPI_Allgather` of one row per rank against the summary path's all-reduce (two
-//! `MPI_Iallreduce`s started together) of `Summary` words, for each bucket count asked for.
+//! `MPI_Allreduce`s: integer sums, maxima) of `Summary` words, for each bucket count asked for.
 //!
 //! `mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 target/release/gradbus-worker
 //! --bench-allreduce --agreement --buckets 7,100,1750` (rank 0 prints one line per bucket count;
@@ -39,8 +39,8 @@ pub struct Cost {
     /// (ceil(log2 world) exchanges of the whole summary); a reduce-scatter + all-gather needs
     /// 2 (world - 1) / world of it.
     pub summary_bytes_in: usize,
-    /// Latency terms of either path: ceil(log2 world) exchanges (one collective); the failure path
-    /// pays the summary's and then the table's.
+    /// Latency terms of one collective: ceil(log2 world) exchanges. The table path is one
+    /// collective, the summary path two (sums, maxima); the failure path pays both paths.
     pub rounds: usize,
 }
 
