@@ -405,10 +405,7 @@ impl Summary {
     pub fn reduced(&self) -> Option<Vec<Health>> {
         self.reduced
             .iter()
-            .map(|a| {
-                let w: Option<Vec<u64>> = a.iter().map(Agreed::value).collect();
-                w.map(|w| health_of(&w))
-            })
+            .map(|a| Some(health_of(&[a[0].value()?, a[1].value()?, a[2].value()?, a[3].value()?])))
             .collect()
     }
 

@@ -9,6 +9,7 @@
 
 pub mod agreement;
 pub mod bench;
+pub mod bench_agreement;
 pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;

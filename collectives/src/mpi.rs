@@ -9,9 +9,13 @@
 //!  copy the sum back, scan its health    leaders: MPI_Allreduce(SUM) of the node sums
 //!                                        shm broadcast: leader's slot -> every local slot
 //!
-//!  agree (per update, both): ONE MPI_Allgather over the world of a fixed-size row per rank:
-//!    [op hash | local health per bucket | reduced health per bucket | LocalReport]
-//!  every rank builds the HealthTable from the same gathered bytes, so every table is identical.
+//!  agree (per update, both):
+//!    summary path: MPI_Allreduce(SUM) + MPI_Allreduce(MAX) of every rank's `Summary` words
+//!      (O(buckets), whatever the world; hier: the leaders contribute their node's summary)
+//!    only if it shows an anomaly (non-finite, replicas/reducers/collectives differ), or with
+//!    GRADBUS_AGREEMENT=table: ONE MPI_Allgather of a fixed-size row per rank:
+//!      [op hash | local health per bucket | reduced health per bucket | LocalReport]
+//!  every rank builds the HealthTable from the same reduced or gathered bytes: identical tables.
 //! ```
 //!
 //! Invariants and caveats:
@@ -276,18 +280,17 @@ fn agree_rows(
     Ok(HealthTable::detailed(n, local, reduced, reports, Some(ops)))
 }
 
-/// The summary path of the agreement: ONE all-reduce (two non-blocking `MPI_Iallreduce`s started
-/// together, integer sums and maxima; see `agreement`) of every rank's contribution. Exact integer
-/// operations: the same bits whatever order the library combines the ranks in.
+/// The summary path of the agreement: the all-reduce of every rank's contribution, as two
+/// `MPI_Allreduce`s (integer sums, then maxima; see `agreement`). Exact integer operations: the
+/// same bits whatever order the library combines the ranks in.
 fn allreduce_summary(comm: &SimpleCommunicator, mine: &Summary) -> Summary {
     let (s, m) = (mine.sum_words(), mine.max_words());
     let (mut rs, mut rm) = (vec![0u64; s.len()], vec![0u64; m.len()]);
-    ::mpi::request::scope(|scope| {
-        let a = comm.immediate_all_reduce_into(scope, &s[..], &mut rs[..], SystemOperation::sum());
-        let b = comm.immediate_all_reduce_into(scope, &m[..], &mut rm[..], SystemOperation::max());
-        a.wait();
-        b.wait();
-    });
+    // Two blocking calls rather than two `MPI_Iallreduce`s started together: Open MPI's
+    // non-blocking collectives (libnbc) took 1.7 ms where the blocking pair took 33 us (2 ranks,
+    // 1750 buckets, `--bench-allreduce --agreement`).
+    comm.all_reduce_into(&s[..], &mut rs[..], SystemOperation::sum());
+    comm.all_reduce_into(&m[..], &mut rm[..], SystemOperation::max());
     Summary::from_words(mine.buckets(), &rs, &rm)
 }
 
@@ -675,6 +678,48 @@ pub(crate) fn bench_allreduce(
     world.all_reduce_into(&wrong, &mut total, ::mpi::collective::SystemOperation::sum());
     world.process_at_rank(0).broadcast_into(&mut best);
     (best, total)
+}
+
+/// The agreement benchmark's MPI side (`bench_agreement`): the average time of `iters`
+/// back-to-back calls of the table path's `MPI_Allgather` of one row per rank and of the summary
+/// path's all-reduce (`allreduce_summary`, decode included) over `buckets` buckets, best of
+/// `rounds`, rank 0's times shared with every rank, in microseconds.
+pub(crate) fn bench_agreement(
+    universe: &Universe,
+    buckets: usize,
+    warmup: usize,
+    iters: usize,
+    rounds: usize,
+) -> (f64, f64) {
+    let world = universe.world();
+    let n = world.size() as usize;
+    let mine = vec![1u64; 2 + 8 * buckets + LocalReport::WORDS];
+    let mut all = vec![0u64; n * mine.len()];
+    let mut contribution = Summary::of_rank(
+        &vec![Health::default(); buckets],
+        Some(&vec![Health { sumsq: 1.5, ..Health::default() }; buckets]),
+        &LocalReport { loss: 0.5, ..LocalReport::default() },
+    );
+    contribution.ops.add(1);
+    let time = |f: &mut dyn FnMut()| {
+        for _ in 0..warmup {
+            f();
+        }
+        let mut best = f64::INFINITY;
+        for _ in 0..rounds {
+            world.barrier();
+            let t0 = std::time::Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            best = best.min(t0.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64);
+        }
+        world.process_at_rank(0).broadcast_into(&mut best);
+        best
+    };
+    let gather = time(&mut || world.all_gather_into(&mine[..], &mut all[..]));
+    let summary = time(&mut || assert!(allreduce_summary(&world, &contribution).anomaly().is_none()));
+    (gather, summary)
 }
 
 /// `MPI_COMM_WORLD`'s size must be the benchmark's process count.
