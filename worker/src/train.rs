@@ -18,6 +18,7 @@ use gradbus_collectives::{
     backward_and_reduce, decide, Action, HealthTable, History, Layout, LocalReport, ParamGrads, Progress, Report,
     StepId, Transport,
 };
+use gradbus_kernels::checksum::checksum;
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::Health;
 
@@ -93,15 +94,6 @@ pub fn forward_loss<P: Probe + ?Sized>(
     crate::loss::rl_loss(&cfg.loss, &logits, &inputs, cfg.model.vocab, probe)
 }
 
-/// A stable checksum of f32 bits (FNV-1a over 32-bit words).
-pub fn checksum(x: &[f32]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for v in x {
-        h = (h ^ v.to_bits() as u64).wrapping_mul(0x100_0000_01b3);
-    }
-    h
-}
-
 /// The whole state of one rank's training.
 pub struct Trainer {
     /// The config.
@@ -126,6 +118,9 @@ pub struct Trainer {
     pub v: Vec<f32>,
     /// Adam step counter.
     pub adam_t: u64,
+    /// `checksum(&params)`, kept up to date by whatever writes `params` (init, resume, the AdamW
+    /// pass, which hashes as it writes), so an update never re-reads the weights to hash them.
+    params_checksum: u64,
     /// The rollout engine's copy of the weights.
     pub rollout: Vec<f32>,
     /// The frozen reference policy.
@@ -179,6 +174,7 @@ impl Trainer {
             m: vec![0.0; layout.len],
             v: vec![0.0; layout.len],
             adam_t: 0,
+            params_checksum: checksum(&params),
             rollout: params.clone(),
             reference: params.clone(),
             params,
@@ -334,7 +330,7 @@ impl Trainer {
     fn update(&mut self, mb: &Batch, mut at: StepId) -> Result<Option<Report>, WorkerError> {
         loop {
             let start = Instant::now();
-            let pre_checksum = checksum(&self.params);
+            let pre_checksum = self.params_checksum;
             let stats = self.forward_backward(mb, at)?;
             let mut values = [0.0; 7];
             values[slot::REWARD] = mean(&mb.reward) as f64;
@@ -459,7 +455,7 @@ impl Trainer {
         }
         self.adam_t += 1;
         let o = &self.cfg.optim;
-        gradbus_kernels::ops::adamw::adamw_update(
+        self.params_checksum = gradbus_kernels::ops::adamw_update(
             &mut self.params,
             grads,
             &mut self.m,
@@ -520,7 +516,7 @@ impl Trainer {
             "lr": lr,
             "verdict": action,
             "skipped": self.history.skipped,
-            "checksum": format!("{:016x}", checksum(&self.params)),
+            "checksum": format!("{:016x}", self.params_checksum),
             "time_update_ms": start.elapsed().as_secs_f64() * 1e3,
         });
         writeln!(f, "{line}").map_err(|e| WorkerError::io("metrics.jsonl", e))
@@ -562,7 +558,7 @@ impl Trainer {
         self.faults.at_checkpoint(self.step);
         std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io)?;
         std::fs::rename(&tmp, &state).map_err(io)?;
-        tensorfile::write_atomic(&dir.join("DONE"), format!("{:016x}\n", checksum(&self.params)).as_bytes())
+        tensorfile::write_atomic(&dir.join("DONE"), format!("{:016x}\n", self.params_checksum).as_bytes())
             .map_err(io)?;
         log::info!("checkpoint {}", dir.display());
         Ok(())
@@ -585,6 +581,7 @@ impl Trainer {
             l.get(n).map(<[f32]>::to_vec).ok_or_else(|| WorkerError::Usage(format!("{}: no tensor {n}", dir.display())))
         };
         self.params = get("params")?;
+        self.params_checksum = checksum(&self.params);
         self.m = get("m")?;
         self.v = get("v")?;
         self.rollout = get("rollout")?;
