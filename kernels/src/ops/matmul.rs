@@ -40,24 +40,45 @@ pub fn matmul_forward(
     // with zeros to a multiple of 16 (the padding's results are dropped). fma(w, x, acc) is
     // fma(x, w, acc): the same chain, the same bits, as out = inp @ weight^T.
     let ld = bt.div_ceil(16) * 16;
-    let mut inp_t = vec![0.0f32; c * ld];
-    for (i, row) in inp[..bt * c].chunks_exact(c).enumerate() {
-        for (p, &x) in row.iter().enumerate() {
-            inp_t[p * ld + i] = x;
+    SCRATCH.with(|scratch| {
+        let (inp_t, out_t) = &mut *scratch.borrow_mut();
+        grow(inp_t, c * ld);
+        grow(out_t, oc * ld);
+        for (p, col) in inp_t[..c * ld].chunks_exact_mut(ld).enumerate() {
+            for (i, x) in col[..bt].iter_mut().enumerate() {
+                *x = inp[i * c + p];
+            }
+            col[bt..].fill(0.0);
         }
-    }
-    let mut out_t = vec![0.0f32; oc * ld];
-    if let Some(bias) = bias {
-        for (row, &b) in out_t.chunks_exact_mut(ld).zip(bias) {
-            row.fill(b);
+        let out_t = &mut out_t[..oc * ld];
+        match bias {
+            Some(bias) => {
+                for (row, &b) in out_t.chunks_exact_mut(ld).zip(bias) {
+                    row.fill(b);
+                }
+            }
+            None => out_t.fill(0.0),
         }
-    }
-    gemm_acc(oc, ld, c, weight, c, 1, &inp_t, ld, &mut out_t, ld);
-    // Written row by row (out's rows can be 4 KiB apart: column order would thrash the L1 sets).
-    for (i, row) in out[..bt * oc].chunks_exact_mut(oc).enumerate() {
-        for (o, x) in row.iter_mut().enumerate() {
-            *x = out_t[o * ld + i];
+        gemm_acc(oc, ld, c, weight, c, 1, inp_t, ld, out_t, ld);
+        // Written row by row (out's rows can be 4 KiB apart: column order would thrash the L1 sets).
+        for (i, row) in out[..bt * oc].chunks_exact_mut(oc).enumerate() {
+            for (o, x) in row.iter_mut().enumerate() {
+                *x = out_t[o * ld + i];
+            }
         }
+    });
+}
+
+thread_local! {
+    /// `matmul_forward`'s transposed input and output, kept between calls: allocating them per call
+    /// cost page faults and zeroing at every layer (per thread: the ops are single-threaded).
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Make `v` at least `n` long.
+fn grow(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
     }
 }
 
