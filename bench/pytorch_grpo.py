@@ -7,9 +7,12 @@ random streams and the floating-point order are PyTorch's own.
 Per RL step and rank (as worker/src/train.rs):
   1. rollout: copy the trainer weights into the rollout model every `rollout_sync_interval` steps,
      sample `prompts_per_rank x group_size` responses of `response_len` tokens with the rollout
-     weights (the prefix recomputed for every token, as gradbus does), PAD after EOS;
+     weights, one position at a time through a KV cache (the prompt first), as gradbus does, PAD
+     after EOS;
   2. rewards (task.rs), group-normalised advantages (r - mean) / (std + 1e-6), the mask;
-  3. old log-probs under the trainer weights and reference log-probs under the frozen initial weights;
+  3. old log-probs under the trainer weights (right after a sync, when the rollout weights are the
+     trainer's, the rollout's own logits, as gradbus does) and reference log-probs under the frozen
+     initial weights;
   4. epochs x minibatches updates on a fresh shuffle per epoch: forward (DDP), GRPO loss, backward
      (DDP's bucketed gloo all-reduce, mean over ranks), clip by global norm, AdamW.
 
@@ -94,11 +97,21 @@ class Block(nn.Module):
         self.fc = nn.Linear(c, 4 * c)
         self.fc_proj = nn.Linear(4 * c, c)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
+        """x: the positions after those in `cache` (a list [k, v], empty at first, extended here)."""
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
         q, k, v = (z.view(b, t, self.nh, c // self.nh).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        causal = True
+        if cache is not None:
+            if cache:
+                # SDPA's causal mask is aligned top-left: a cached step feeds one new query, which
+                # attends every key.
+                assert t == 1, "a KV-cached step feeds one position"
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+                causal = False
+            cache[:] = [k, v]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
@@ -124,11 +137,14 @@ class Gpt(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, proj_std if name.endswith("proj.weight") else 0.02)
 
-    def forward(self, tokens):
+    def forward(self, tokens, caches=None):
+        """tokens (B, T); with `caches` (one list per block, see Block.forward) the positions after
+        those already cached."""
         t = tokens.shape[1]
-        x = self.wte(tokens) + self.wpe.weight[:t]
-        for blk in self.blocks:
-            x = blk(x)
+        p0 = caches[0][0].shape[2] if caches and caches[0] else 0
+        x = self.wte(tokens) + self.wpe.weight[p0:p0 + t]
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, None if caches is None else caches[i])
         return self.head(self.ln_f(x))
 
 
@@ -206,8 +222,12 @@ def worker(rank, world, cfg, port, out):
             seqs = torch.full((b, r + 2), PAD, dtype=torch.long)
             seqs[:, 0] = BOS
             seqs[:, 1] = prompts.repeat_interleave(rl["group_size"])
+            caches = [[] for _ in rollout.blocks]
+            every = []  # the logits of every fed position, (B, T, V) once concatenated
             for t in range(2, r + 2):
-                logits = rollout(seqs[:, :t])[:, -1, :]
+                p0 = 0 if t == 2 else t - 1
+                every.append(rollout(seqs[:, p0:t], caches))
+                logits = every[-1][:, -1, :]
                 probs = torch.softmax(logits / rl["temperature"], dim=-1)
                 tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
                 if t > 2:
@@ -217,7 +237,7 @@ def worker(rank, world, cfg, port, out):
             # 2. rewards, advantages, mask
             inputs, targets, mask, reward, adv = batch_from_sequences(seqs, rl["group_size"], targets_of)
             # 3. old (trainer weights) and reference log-probs
-            old = target_logp(policy(inputs), targets)
+            old = target_logp(torch.cat(every, dim=1) if step % sync == 0 else policy(inputs), targets)
             ref = target_logp(reference(inputs), targets)
         # 4. epochs x minibatches updates
         for _epoch in range(rl["epochs"]):

@@ -4,7 +4,10 @@
 # bench/compare.py, which alternates the two sides for a few repetitions and prints tokens/s and the
 # ratio. PyTorch is a benchmark-only dependency: this script is the only thing that installs it.
 #
-# Usage: scripts/bench-workload.sh [--steps S] [--reps N] [--ranks 2,1] [--set key=value ...]
+# Usage: scripts/bench-workload.sh [--size tiny,3.2M] [--steps S] [--reps N] [--ranks 2,1] [--set key=value ...]
+#   --size  the model sizes, one comparison each (default tiny): tiny = examples/tiny.toml as it is
+#           (103,168 parameters); 3.2M = --set model.channels=256 --set model.layers=4 (3,171,840
+#           parameters), with --steps 8 unless --steps is given (an update is ~50x the tiny one's).
 # Env:   BENCH_PYTHON  a python that already has torch (default: /tmp/torchvenv if present, else
 #                      .venv-bench/, created here and git-ignored)
 #        BENCH_CONFIG  the config (default examples/tiny.toml)
@@ -35,7 +38,28 @@ if ! "$py" -c 'import torch, tomllib' 2>/dev/null; then
   .venv-bench/bin/pip install -q -r bench/requirements.txt
 fi
 
+sizes=tiny
+steps_given=0
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --size) sizes="$2"; shift 2 ;;
+    --size=*) sizes="${1#--size=}"; shift ;;
+    --steps|--steps=*) steps_given=1; args+=("$1"); shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+
 cargo build --release --quiet
 
-exec "$py" bench/compare.py --config "${BENCH_CONFIG:-examples/tiny.toml}" --python "$py" \
-  --gradbus target/release/gradbus --set loss.style=safe "$@"
+for size in ${sizes//,/ }; do
+  case "$size" in
+    tiny) extra=() ;;
+    3.2M) extra=(--set model.channels=256 --set model.layers=4)
+          [ "$steps_given" = 1 ] || extra+=(--steps 8) ;;
+    *) echo "--size: unknown size '$size' (hint: tiny, 3.2M or both, comma-separated)" >&2; exit 2 ;;
+  esac
+  echo "== size $size (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+  "$py" bench/compare.py --config "${BENCH_CONFIG:-examples/tiny.toml}" --python "$py" \
+    --gradbus "${CARGO_TARGET_DIR:-target}/release/gradbus" --set loss.style=safe "${extra[@]}" "${args[@]}"
+done

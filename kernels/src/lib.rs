@@ -8,6 +8,40 @@
 //! order; without the feature the module is a stub whose constructors return
 //! [`Error::NotCompiledWithCuda`].
 
+/// Call `$body($args)` through a copy compiled for AVX-512F, or AVX2, when the CPU has it, else the
+/// baseline build: the fastest code the machine runs, from one body. Only for bodies whose result
+/// cannot depend on the instruction set (integer arithmetic, elementwise IEEE operations without
+/// fused multiply-add: Rust never contracts `a * b + c`). Use it as the whole body of a function.
+macro_rules! simd_dispatch {
+    ($body:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            /// # Safety
+            /// The CPU must support AVX-512F.
+            #[target_feature(enable = "avx512f")]
+            unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                $body($($arg),*)
+            }
+            /// # Safety
+            /// The CPU must support AVX2.
+            #[target_feature(enable = "avx2")]
+            unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                $body($($arg),*)
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU supports AVX-512F (checked just above).
+                return unsafe { avx512($($arg),*) };
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                return unsafe { avx2($($arg),*) };
+            }
+        }
+        $body($($arg),*)
+    }};
+}
+
+pub mod checksum;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(not(feature = "cuda"))]
@@ -20,6 +54,7 @@ pub mod reduce;
 pub mod reference;
 pub mod rng;
 
+pub use checksum::{checksum, Checksum};
 pub use error::Error;
 pub use health::{health_scan, Health};
 pub use reduce::{reduce_in_place, reduce_plain, reduce_to_one};

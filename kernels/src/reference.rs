@@ -1,6 +1,7 @@
 //! Naive twins of the fast kernels: the plainest code that is obviously right, for the tests that
 //! compare each fast kernel against its twin on fresh random inputs.
 
+use crate::checksum::{fold, FNV_OFFSET, FNV_PRIME, LANES};
 use crate::health::Health;
 
 /// Sequential health scan: one element at a time, one f64 accumulator.
@@ -92,4 +93,13 @@ pub fn matmul_backward(
             }
         }
     }
+}
+
+/// Naive twin of `checksum::checksum`: word `i` into lane `i % LANES`, one word at a time.
+pub fn checksum(x: &[f32]) -> u64 {
+    let mut lanes: [u32; LANES] = std::array::from_fn(|l| FNV_OFFSET ^ l as u32);
+    for (i, v) in x.iter().enumerate() {
+        lanes[i % LANES] = (lanes[i % LANES] ^ v.to_bits()).wrapping_mul(FNV_PRIME);
+    }
+    fold(&lanes, x.len() as u64)
 }

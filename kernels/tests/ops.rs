@@ -60,6 +60,72 @@ fn matmul_matches_reference() {
     }
 }
 
+/// out = inp @ weight^T + bias as the kernel's contract says: one fma chain per element, in order.
+fn fma_chain_forward(inp: &[f32], w: &[f32], bias: Option<&[f32]>, bt: usize, c: usize, oc: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; bt * oc];
+    for i in 0..bt {
+        for o in 0..oc {
+            let init = bias.map_or(0.0, |b| b[o]);
+            out[i * oc + o] = (0..c).fold(init, |acc, p| inp[i * c + p].mul_add(w[o * c + p], acc));
+        }
+    }
+    out
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn gemm_rows_are_one_fma_chain_each() {
+    // Bitwise equal to a scalar fma loop at every shape (whole tiles, partial tiles, single columns,
+    // inner dimensions across several blocks): the kernel's bits do not depend on tiling, blocking or
+    // the instruction set.
+    let mut rng = Rng::new(&[7, 5]);
+    for &(bt, c, oc) in
+        &[(1, 1, 1), (5, 3, 7), (36, 64, 16), (36, 256, 768), (36, 1024, 256), (13, 300, 100), (50, 17, 83)]
+    {
+        let inp = randn(&mut rng, bt * c);
+        let w = randn(&mut rng, oc * c);
+        let bias = randn(&mut rng, oc);
+        let mut out = vec![f32::NAN; bt * oc];
+        matmul_forward(&mut out, &inp, &w, Some(&bias), bt, c, oc);
+        assert_eq!(bits(&out), bits(&fma_chain_forward(&inp, &w, Some(&bias), bt, c, oc)), "forward {bt}x{c}x{oc}");
+
+        let dout = randn(&mut rng, bt * oc);
+        let (dinp0, dw0) = (randn(&mut rng, bt * c), randn(&mut rng, oc * c));
+        let (mut dinp, mut dw) = (dinp0.clone(), dw0.clone());
+        matmul_backward(&mut dinp, &mut dw, None, &dout, &inp, &w, bt, c, oc);
+        for i in 0..bt {
+            for p in 0..c {
+                let want = (0..oc).fold(dinp0[i * c + p], |acc, o| dout[i * oc + o].mul_add(w[o * c + p], acc));
+                assert_eq!(dinp[i * c + p].to_bits(), want.to_bits(), "dinp[{i}, {p}] at {bt}x{c}x{oc}");
+            }
+        }
+        for o in 0..oc {
+            for p in 0..c {
+                let want = (0..bt).fold(dw0[o * c + p], |acc, i| dout[i * oc + o].mul_add(inp[i * c + p], acc));
+                assert_eq!(dw[o * c + p].to_bits(), want.to_bits(), "dweight[{o}, {p}] at {bt}x{c}x{oc}");
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_rows_do_not_depend_on_how_many_rows_run_together() {
+    // What the KV-cached forward relies on: one row alone gives the bits it has among 36.
+    let mut rng = Rng::new(&[7, 6]);
+    let (bt, c, oc) = (36, 256, 768);
+    let (inp, w, bias) = (randn(&mut rng, bt * c), randn(&mut rng, oc * c), randn(&mut rng, oc));
+    let mut all = vec![0.0; bt * oc];
+    matmul_forward(&mut all, &inp, &w, Some(&bias), bt, c, oc);
+    for (i, rows) in [(0, 1), (7, 1), (35, 1), (3, 16), (20, 16)] {
+        let mut part = vec![0.0; rows * oc];
+        matmul_forward(&mut part, &inp[i * c..(i + rows) * c], &w, Some(&bias), rows, c, oc);
+        assert_eq!(bits(&part), bits(&all[i * oc..(i + rows) * oc]), "rows {i}..{}", i + rows);
+    }
+}
+
 #[test]
 fn matmul_is_bitwise_repeatable() {
     let mut rng = Rng::new(&[7, 2]);

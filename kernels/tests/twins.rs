@@ -116,3 +116,64 @@ fn rng_streams_are_reproducible_and_distinct() {
     let mean: f64 = (0..10_000).map(|_| r.uniform() as f64).sum::<f64>() / 10_000.0;
     assert!((mean - 0.5).abs() < 0.02, "uniform mean {mean}");
 }
+
+#[test]
+fn checksum_matches_reference_in_any_pieces() {
+    use gradbus_kernels::checksum::{checksum, Checksum, LANES};
+    let mut rng = Rng::new(&[5]);
+    for &n in &[0, 1, LANES - 1, LANES, LANES + 1, 3 * LANES + 7, 100_003] {
+        let x = gradients(&mut rng, n, true);
+        let want = reference::checksum(&x);
+        assert_eq!(checksum(&x), want, "n={n}");
+        // The same value whatever the pieces the buffer arrives in.
+        let mut c = Checksum::new();
+        let mut at = 0;
+        while at < n {
+            let len = (rng.below(3 * LANES) + 1).min(n - at);
+            c.update(&x[at..at + len]);
+            at += len;
+        }
+        assert_eq!(c.finish(), want, "n={n} in random pieces");
+    }
+}
+
+#[test]
+fn checksum_sees_every_single_word_change_and_the_length() {
+    use gradbus_kernels::checksum::checksum;
+    let mut rng = Rng::new(&[6]);
+    let x = gradients(&mut rng, 4099, false);
+    let base = checksum(&x);
+    for i in [0, 1, 63, 64, 2048, 4098] {
+        for bit in [0, 13, 22, 31] {
+            let mut y = x.clone();
+            y[i] = f32::from_bits(y[i].to_bits() ^ (1 << bit));
+            assert_ne!(checksum(&y), base, "bit {bit} of word {i}");
+        }
+    }
+    // +0 and -0 are equal floats but different weights' bits; a zero appended changes the length.
+    assert_ne!(checksum(&[0.0]), checksum(&[-0.0]));
+    assert_ne!(checksum(&x[..4098]), checksum(&[&x[..4098], &[0.0]].concat()));
+    // Two words swapped between lanes.
+    let mut y = x.clone();
+    y.swap(3, 4);
+    assert_ne!(checksum(&y), base);
+}
+
+#[test]
+fn adamw_returns_the_checksum_of_the_weights_it_wrote() {
+    use gradbus_kernels::checksum::checksum;
+    use gradbus_kernels::ops::adamw_update;
+    let mut rng = Rng::new(&[8]);
+    for &n in &[0usize, 5, 8192, 20_001] {
+        let mut p = gradients(&mut rng, n, false);
+        let g = gradients(&mut rng, n, true);
+        let mut m = gradients(&mut rng, n, false);
+        let mut v: Vec<f32> = gradients(&mut rng, n, false).iter().map(|x| x * x).collect();
+        let before = checksum(&p);
+        let got = adamw_update(&mut p, &g, &mut m, &mut v, 1e-3, 0.9, 0.999, 1e-8, 0.01, 7);
+        assert_eq!(got, checksum(&p), "n={n}");
+        if n > 0 {
+            assert_ne!(got, before, "n={n}: the weights moved");
+        }
+    }
+}

@@ -42,7 +42,7 @@ impl Trainer {
         let tensors: [(&str, &[f32]); 4] =
             [("params", &self.params), ("m", &self.m), ("v", &self.v), ("rollout", &self.rollout)];
         let (faults, step) = (&self.faults, self.step);
-        artifacts::save_checkpoint(&dir, &meta, &tensors, checksum(&self.params), || faults.at_checkpoint(step))?;
+        artifacts::save_checkpoint(&dir, &meta, &tensors, self.params_checksum, || faults.at_checkpoint(step))?;
         log::info!("checkpoint {}", dir.display());
         Ok(())
     }
@@ -68,6 +68,7 @@ impl Trainer {
             return Err(WorkerError::Usage(format!("{}: saved for a different model or bucket layout", dir.display())));
         }
         self.params = l.get("params")?.to_vec();
+        self.params_checksum = checksum(&self.params);
         self.m = l.get("m")?.to_vec();
         self.v = l.get("v")?.to_vec();
         self.rollout = l.get("rollout")?.to_vec();

@@ -13,7 +13,7 @@ use gradbus_collectives::{Action, HealthTable, StepId};
 
 use crate::artifacts::{self, MetricsLine};
 use crate::loss::EXP_OVERFLOW;
-use crate::train::{checksum, Trainer};
+use crate::train::Trainer;
 use crate::update::UpdateValues;
 use crate::WorkerError;
 
@@ -53,7 +53,7 @@ impl Trainer {
             lr,
             verdict: action,
             skipped: self.history.skipped,
-            checksum: checksum(&self.params),
+            checksum: self.params_checksum,
             time_update_ms: start.elapsed().as_secs_f64() * 1e3,
         };
         writeln!(f, "{}", line.to_line()).map_err(|e| WorkerError::io("metrics.jsonl", e))

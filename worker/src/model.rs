@@ -133,6 +133,9 @@ pub struct Activations {
     v: usize,
     b: usize,
     t: usize,
+    /// The last forward was a KV-cached one: its activations cover only the new positions, so there
+    /// is nothing for backward.
+    cached: bool,
     tokens: Vec<u32>,  // (B, T)
     encoded: Vec<f32>, // (B, T, C)
     blocks: Vec<BlockActs>,
@@ -189,6 +192,7 @@ impl Activations {
             v,
             b: 0,
             t: 0,
+            cached: false,
             tokens: vec![0; bt],
             encoded: z(bt * c),
             blocks,
@@ -209,6 +213,32 @@ impl Activations {
     /// The logits of the last forward, (B, T, V).
     pub fn logits(&self) -> &[f32] {
         &self.logits[..self.b * self.t * self.v]
+    }
+}
+
+/// The q|k|v rows of every position fed so far, per layer, so that sampling one token at a time
+/// computes only the new position ([`Gpt::forward_cached`]) instead of the whole prefix again.
+pub struct KvCache {
+    b: usize,
+    cap: usize,
+    len: usize,
+    qkv: Vec<Vec<f32>>, // per layer (B, cap, 3C)
+}
+
+impl KvCache {
+    /// An empty cache for `b` sequences of up to `cap` positions.
+    pub fn new(cfg: &GptConfig, b: usize, cap: usize) -> KvCache {
+        KvCache { b, cap, len: 0, qkv: (0..cfg.layers).map(|_| vec![0.0; b * cap * 3 * cfg.channels]).collect() }
+    }
+
+    /// Positions fed so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Nothing fed yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -287,18 +317,60 @@ impl Gpt {
         acts: &'a mut Activations,
         probe: &mut P,
     ) -> &'a [f32] {
+        self.forward_impl(params, tokens, b, t, None, acts, probe)
+    }
+
+    /// Forward pass of the next `tn` positions of `b` sequences whose earlier positions are in
+    /// `cache` (empty: the first positions), which then holds these too. Every op but attention works
+    /// row by row, and the GEMM's bits of a row do not depend on the other rows, so the logits are
+    /// bit for bit those of [`forward`] over the whole prefix at these positions (the test
+    /// `kv_cached_forward_gives_the_full_forwards_bits` checks it). tokens: (B, TN); returns the
+    /// logits (B, TN, V). `acts` is scratch: no backward after this.
+    ///
+    /// [`forward`]: Gpt::forward
+    pub fn forward_cached<'a>(
+        &self,
+        params: &[f32],
+        tokens: &[u32],
+        b: usize,
+        tn: usize,
+        cache: &mut KvCache,
+        acts: &'a mut Activations,
+    ) -> &'a [f32] {
+        assert!(b == cache.b && cache.len + tn <= cache.cap, "forward_cached: ({b}, {tn}) past the cache");
+        self.forward_impl(params, tokens, b, tn, Some(cache), acts, &mut NoProbe)
+    }
+
+    /// `forward` (no cache) or `forward_cached`: the positions `kv.len..kv.len + t`.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_impl<'a, P: Probe + ?Sized>(
+        &self,
+        params: &[f32],
+        tokens: &[u32],
+        b: usize,
+        t: usize,
+        mut kv: Option<&mut KvCache>,
+        acts: &'a mut Activations,
+        probe: &mut P,
+    ) -> &'a [f32] {
         let GptConfig { vocab: v, channels: c, heads: nh, layers: nl, .. } = self.cfg;
-        assert!(b <= acts.cap.0 && t <= acts.cap.1 && t <= self.cfg.max_seq, "forward: (B, T) = ({b}, {t}) too large");
+        let pos0 = kv.as_ref().map_or(0, |k| k.len);
+        assert!(
+            b <= acts.cap.0 && t <= acts.cap.1 && pos0 + t <= self.cfg.max_seq,
+            "forward: (B, T) = ({b}, {t}) at position {pos0} too large"
+        );
         assert_eq!(tokens.len(), b * t, "forward: tokens are not (B, T)");
         let bt = b * t;
         let (n, n3, n4) = (bt * c, bt * 3 * c, bt * 4 * c);
         let a = acts;
         a.b = b;
         a.t = t;
+        a.cached = kv.is_some();
         a.tokens[..bt].copy_from_slice(tokens);
         let fwd = Phase::Forward;
 
-        encoder_forward(&mut a.encoded, tokens, self.w(params, WTE), self.w(params, WPE), b, t, c, v);
+        let wpe = &self.w(params, WPE)[pos0 * c..];
+        encoder_forward(&mut a.encoded, tokens, self.w(params, WTE), wpe, b, t, c, v);
         probe.check("encoder", None, fwd, &a.encoded[..n], &[b, t, c]);
         for l in 0..nl {
             let (done, rest) = a.blocks.split_at_mut(l);
@@ -310,7 +382,18 @@ impl Gpt {
             probe.check("ln1", lo, fwd, &k.ln1[..n], &[b, t, c]);
             matmul_forward(&mut k.qkv, &k.ln1, w(QKV_W), Some(w(QKV_B)), bt, c, 3 * c);
             probe.check("attn.qkv", lo, fwd, &k.qkv[..n3], &[b, t, 3 * c]);
-            attention_forward(&mut k.atty, &mut k.att, &k.qkv, b, t, c, nh);
+            match kv.as_deref_mut() {
+                None => attention_forward(&mut k.atty, &mut k.att, &k.qkv, b, t, c, nh),
+                Some(cache) => {
+                    let (c3, cap) = (3 * c, cache.cap);
+                    let rows = &mut cache.qkv[l];
+                    for (i, new) in k.qkv[..n3].chunks_exact(c3).enumerate() {
+                        let (bi, ti) = (i / t, i % t);
+                        rows[(bi * cap + pos0 + ti) * c3..][..c3].copy_from_slice(new);
+                    }
+                    attention_forward_rows(&mut k.atty, &mut k.att, rows, cap, b, pos0, pos0 + t, c, nh);
+                }
+            }
             probe.check("attn", lo, fwd, &k.atty[..n], &[b, t, c]);
             matmul_forward(&mut k.attproj, &k.atty, w(PROJ_W), Some(w(PROJ_B)), bt, c, c);
             probe.check("attn.proj", lo, fwd, &k.attproj[..n], &[b, t, c]);
@@ -333,6 +416,9 @@ impl Gpt {
         probe.check("ln_f", None, fwd, &a.lnf[..n], &[b, t, c]);
         matmul_forward(&mut a.logits, &a.lnf, self.w(params, bp(nl, 2)), None, bt, c, v);
         probe.check("head", None, fwd, &a.logits[..bt * v], &[b, t, v]);
+        if let Some(cache) = kv {
+            cache.len += t;
+        }
         &a.logits[..bt * v]
     }
 
@@ -353,6 +439,7 @@ impl Gpt {
         let (b, t) = (a.b, a.t);
         let bt = b * t;
         let (n, n3, n4) = (bt * c, bt * 3 * c, bt * 4 * c);
+        assert!(!a.cached, "backward: the last forward was KV-cached (it keeps no activations to differentiate)");
         assert_eq!(dlogits.len(), bt * v, "backward: dlogits are not (B, T, V) of the last forward");
         let bwd = Phase::Backward;
         let (lnf_w, lnf_b, head) = (bp(nl, 0), bp(nl, 1), bp(nl, 2));
@@ -482,6 +569,42 @@ mod tests {
         assert_eq!(layout.buckets[0].params[0], specs.len() - 1);
         let gpt = Gpt::new(&cfg, &layout);
         assert_eq!(gpt.param_range(specs.len() - 1), 0..16 * 64);
+    }
+
+    #[test]
+    fn kv_cached_forward_gives_the_full_forwards_bits() {
+        // Every position's logits, fed 2 (the prompt), then 1 at a time, or 3 then 2 at a time, are
+        // bit for bit the full forward's: the rollout samples exactly what it sampled before the cache.
+        for cfg in [GptConfig::default(), GptConfig { channels: 256, layers: 4, ..GptConfig::default() }] {
+            let layout = Layout::new(&param_specs(&cfg), 1 << 16);
+            let gpt = Gpt::new(&cfg, &layout);
+            let mut params = vec![0.0; layout.len];
+            let mut rng = Rng::new(&[11]);
+            gpt.init(&mut params, &mut rng);
+            for x in params.iter_mut() {
+                *x += 0.05 * rng.normal(); // break the init's symmetries (zero biases, unit norms)
+            }
+            let (b, t, v) = (5, 9, cfg.vocab);
+            let tokens: Vec<u32> = (0..b * t).map(|_| rng.below(v) as u32).collect();
+            let mut acts = Activations::new(&cfg, b, t);
+            let full = gpt.forward(&params, &tokens, b, t, &mut acts, &mut NoProbe).to_vec();
+            for steps in [vec![2, 1, 1, 1, 1, 1, 1, 1], vec![3, 2, 2, 2], vec![9]] {
+                let mut cache = KvCache::new(&cfg, b, t);
+                let mut got = vec![f32::NAN; b * t * v];
+                for tn in steps {
+                    let p0 = cache.len();
+                    let new: Vec<u32> = tokens.chunks_exact(t).flat_map(|s| s[p0..p0 + tn].iter().copied()).collect();
+                    let logits = gpt.forward_cached(&params, &new, b, tn, &mut cache, &mut acts);
+                    for (i, row) in logits.chunks_exact(v).enumerate() {
+                        let (bi, ti) = (i / tn, p0 + i % tn);
+                        got[(bi * t + ti) * v..][..v].copy_from_slice(row);
+                    }
+                }
+                assert_eq!(cache.len(), t);
+                let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&full), "C = {}", cfg.channels);
+            }
+        }
     }
 
     #[test]

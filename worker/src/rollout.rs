@@ -29,22 +29,35 @@ impl Trainer {
         }
         let mut rng = Rng::new(&[seed, purpose::SAMPLE, step, rank]);
         let len = r + 2;
+        // One position at a time through a KV cache (the prompt first). Positions 0..len-1 are fed (the
+        // batch's inputs); their logits are bit for bit those of a forward over the batch (model.rs).
+        let mut cache = crate::model::KvCache::new(&self.cfg.model, b, len - 1);
+        let mut all_logits = vec![0.0f32; b * (len - 1) * v];
         for t in 2..len {
-            // Recompute the prefix each token: the model is tiny and this keeps one forward path.
-            let prefix: Vec<u32> = seqs.chunks_exact(len).flat_map(|s| s[..t].iter().copied()).collect();
-            let logits = self.gpt.forward(&self.rollout, &prefix, b, t, &mut self.acts, &mut NoProbe);
+            let (p0, tn) = (cache.len(), t - cache.len());
+            let new: Vec<u32> = seqs.chunks_exact(len).flat_map(|s| s[p0..t].iter().copied()).collect();
+            let logits = self.gpt.forward_cached(&self.rollout, &new, b, tn, &mut cache, &mut self.acts);
+            for (j, row) in logits.chunks_exact(v).enumerate() {
+                all_logits[((j / tn) * (len - 1) + p0 + j % tn) * v..][..v].copy_from_slice(row);
+            }
             for i in 0..b {
                 let prev = seqs[i * len + t - 1];
                 seqs[i * len + t] = if t > 2 && (prev == task::EOS || prev == task::PAD) {
                     task::PAD
                 } else {
-                    let row = &logits[(i * t + t - 1) * v..(i * t + t) * v];
+                    let row = &logits[(i * tn + tn - 1) * v..(i * tn + tn) * v];
                     sample(row, rl.temperature, &mut rng)
                 };
             }
         }
         let mut batch = Batch::from_sequences(&seqs, b, rl.group_size, v);
-        batch.old_logp = self.logp(&batch, false);
+        // Right after a sync the rollout weights ARE the trainer's: the old log-probs are the
+        // rollout's own (the same bits as the forward `logp` would run).
+        batch.old_logp = if step % self.cfg.rollout_sync_interval == 0 {
+            crate::loss::target_logp(&all_logits, &batch.targets, v)
+        } else {
+            self.logp(&batch, false)
+        };
         batch.ref_logp = self.logp(&batch, true);
         Ok(batch)
     }

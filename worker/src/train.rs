@@ -21,14 +21,8 @@ use crate::rank::RankInfo;
 use crate::rollout::purpose;
 use crate::WorkerError;
 
-/// A stable checksum of f32 bits (FNV-1a over 32-bit words).
-pub fn checksum(x: &[f32]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for v in x {
-        h = (h ^ v.to_bits() as u64).wrapping_mul(0x100_0000_01b3);
-    }
-    h
-}
+/// The replica checksum of the weights (kernels/src/checksum.rs).
+pub use gradbus_kernels::checksum::checksum;
 
 /// The whole state of one rank's training.
 pub struct Trainer {
@@ -54,6 +48,9 @@ pub struct Trainer {
     pub v: Vec<f32>,
     /// Adam step counter.
     pub adam_t: u64,
+    /// `checksum(&params)`, kept up to date by whatever writes `params` (init, resume, the AdamW
+    /// pass, which hashes as it writes), so an update never re-reads the weights to hash them.
+    pub(crate) params_checksum: u64,
     /// The rollout engine's copy of the weights.
     pub rollout: Vec<f32>,
     /// The frozen reference policy.
@@ -107,6 +104,7 @@ impl Trainer {
             m: vec![0.0; layout.len],
             v: vec![0.0; layout.len],
             adam_t: 0,
+            params_checksum: checksum(&params),
             rollout: params.clone(),
             reference: params.clone(),
             params,

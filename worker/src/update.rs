@@ -16,7 +16,7 @@ use crate::loss::{LossStats, EXP_OVERFLOW};
 use crate::metrics::headroom;
 use crate::probe::NoProbe;
 use crate::task::Batch;
-use crate::train::{checksum, Trainer};
+use crate::train::Trainer;
 use crate::WorkerError;
 
 impl Trainer {
@@ -24,7 +24,7 @@ impl Trainer {
     pub(crate) fn update(&mut self, mb: &Batch, mut at: StepId) -> Result<Option<Report>, WorkerError> {
         loop {
             let start = Instant::now();
-            let pre_checksum = checksum(&self.params);
+            let pre_checksum = self.params_checksum;
             let stats = self.forward_backward(mb, at)?;
             self.warn_headroom(&stats, at);
             let values = UpdateValues {
@@ -148,7 +148,7 @@ impl Trainer {
         }
         self.adam_t += 1;
         let o = &self.cfg.optim;
-        gradbus_kernels::ops::adamw::adamw_update(
+        self.params_checksum = gradbus_kernels::ops::adamw_update(
             &mut self.params,
             grads,
             &mut self.m,

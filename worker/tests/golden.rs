@@ -76,7 +76,7 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 }
 
 // Tolerances. Both sides compute in f32 and differ only in the order of additions (PyTorch's GEMM
-// and reductions block differently from matrixmultiply and our loops). Each element's rounding
+// and reductions block differently from our GEMM and loops). Each element's rounding
 // error is then a few ulps of the magnitudes summed, carried through ~40 ops of forward and
 // backward: relative to a tensor's largest element that is ~1e-6. Measured (torch 2.15.0, printed
 // by the test): logits 5e-7, gradients 0.8e-6 .. 1.6e-6. The tolerances leave a ~10-20x margin for

@@ -6,7 +6,14 @@
 //! `p *= 1 - lr * wd` first, `m` by lerp, `v = beta2 v + (1 - beta2) g^2`, bias corrections in f64,
 //! `p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)`. `t` is the 1-based step count.
 
-/// params, grads, m, v: (N).
+use crate::checksum::Checksum;
+
+/// Elements per piece: 4 x 32 KiB of operands, within L2.
+const CHUNK: usize = 8192;
+
+/// The update, and the replica checksum of the updated parameters (`checksum::checksum`) computed in
+/// the same pass: each piece of `CHUNK` parameters is hashed right after its update, while it is in
+/// cache, so the weights are never read again to be hashed. params, grads, m, v: (N).
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_update(
     params: &mut [f32],
@@ -19,16 +26,33 @@ pub fn adamw_update(
     eps: f32,
     weight_decay: f32,
     t: u64,
-) {
+) -> u64 {
     let n = params.len();
     assert!(grads.len() == n && m.len() == n && v.len() == n, "adamw_update: length mismatch");
     let s = AdamwScalars::new(lr, beta1, beta2, weight_decay, t);
-    for i in 0..n {
-        let g = grads[i];
-        m[i] += (g - m[i]) * s.one_minus_beta1;
-        v[i] = v[i] * beta2 + s.one_minus_beta2 * g * g;
-        params[i] *= s.decay;
-        params[i] -= s.step_size * (m[i] / (v[i].sqrt() / s.bc2_sqrt + eps));
+    let mut sum = Checksum::new();
+    for start in (0..n).step_by(CHUNK) {
+        let r = start..(start + CHUNK).min(n);
+        let p = &mut params[r.clone()];
+        apply(p, &grads[r.clone()], &mut m[r.clone()], &mut v[r], &s, beta2, eps);
+        sum.update(p);
+    }
+    sum.finish()
+}
+
+/// The elementwise update with precomputed scalars, compiled for the widest vectors the CPU has
+/// (elementwise IEEE operations, no fused multiply-add: every variant gives the same bits).
+fn apply(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamwScalars, beta2: f32, eps: f32) {
+    simd_dispatch!(apply_body(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamwScalars, beta2: f32, eps: f32))
+}
+
+#[inline(always)]
+fn apply_body(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamwScalars, beta2: f32, eps: f32) {
+    for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
+        *m += (g - *m) * s.one_minus_beta1;
+        *v = *v * beta2 + s.one_minus_beta2 * g * g;
+        *p *= s.decay;
+        *p -= s.step_size * (*m / (v.sqrt() / s.bc2_sqrt + eps));
     }
 }
 

@@ -19,7 +19,7 @@ pub mod scale;
 pub mod softmax;
 
 pub use adamw::{adamw_update, AdamwScalars};
-pub use attention::{attention_backward, attention_forward};
+pub use attention::{attention_backward, attention_forward, attention_forward_rows};
 pub use embedding::{encoder_backward, encoder_forward};
 pub use gelu::{gelu_backward, gelu_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward, LN_EPS};
