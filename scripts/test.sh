@@ -34,3 +34,9 @@ cargo test --workspace --release --features mpi --test mpi
 cargo test --release --features cuda -p gradbus-kernels
 cargo test --release --features cuda -p gradbus-collectives --test nccl
 cargo test --release --features cuda -p gradbus-collectives --lib nccl::
+
+# The Python package for PyTorch users (python/, issue #15): builds the PyO3 extension with maturin
+# and runs its pytest suite (DDP over gloo, 2-3 processes) with torch from PyPI in target/pyvenv.
+# The first run installs ~4.4 GB (torch and the CUDA runtime libraries its PyPI wheel needs to import)
+# in ~3 min; the tests take ~5 min on 2 cores (python/test.sh says what it installs and why).
+python/test.sh
