@@ -190,7 +190,10 @@ def worker(rank, world, cfg, port, out):
     guard = None
     if cfg.get("guard"):
         import gradbus.torch as gbt
-        guard = gbt.Guard(policy=cfg["guard"], names=policy, run_dir=cfg.get("run_dir"))
+        sk = cfg.get("skip", {})  # the runtime's skip.* keys bound the skip policy as there
+        guard = gbt.Guard(policy=cfg["guard"], names=policy, run_dir=cfg.get("run_dir"),
+                          max_consecutive=sk.get("max_consecutive", 3), max_fraction=sk.get("max_fraction", 0.1),
+                          window=sk.get("window", 100))
         ddp.register_comm_hook(guard, gbt.allreduce_hook)
         opt = gbt.GuardedOptimizer(opt, guard)
     try:
@@ -268,6 +271,10 @@ def train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard):
         if rank == 0:
             print(f"step {step} done: reward {float(reward.mean()):.4f} loss {float(loss.detach()):.4f}", flush=True)
 
+    # Replicas: every rank's parameters, compared bitwise on rank 0.
+    flat = torch.cat([p.detach().reshape(-1) for p in policy.parameters()])
+    every = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(every, flat)
     if rank == 0 and len(step_end) >= 2:
         steps_timed = len(step_end) - 1
         updates = steps_timed * rl["epochs"] * rl["minibatches"]
@@ -276,7 +283,9 @@ def train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard):
         res = {"ranks": world, "steps": len(step_end), "steps_timed": steps_timed, "updates_timed": updates,
                "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
                "params": sum(p.numel() for p in policy.parameters()), "torch": torch.__version__,
-               "guard": cfg.get("guard"), "skipped": guard.skipped if guard is not None else 0}
+               "guard": cfg.get("guard"), "skipped": guard.skipped if guard is not None else 0,
+               "replicas_identical": all(torch.equal(every[0], e) for e in every),
+               "params_finite": bool(torch.isfinite(flat).all())}
         print(f"pytorch: {world} rank(s), {tokens} tokens in {wall:.2f} s (steps 1..{len(step_end) - 1}): "
               f"{tokens / wall:.0f} tokens/s", flush=True)
         print(json.dumps({"pytorch": res}), flush=True)

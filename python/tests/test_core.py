@@ -108,3 +108,13 @@ def test_bad_guard_arguments_name_the_argument(kwargs, match):
 def test_verdict_without_a_backward_says_how_to_register_the_hook():
     with pytest.raises(RuntimeError, match="register_comm_hook"):
         Guard().verdict()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_torch_scan_counts_other_dtypes_exactly(dtype):
+    # The path of CUDA and non-float32 buckets, here on CPU tensors.
+    x = planted(3000, [(2500, float("nan")), (1200, float("inf")), (1201, float("-inf"))]).to(dtype)
+    nan, inf, sumsq, first = _torch_health(x).tolist()
+    assert (nan, inf, first) == (1, 2, 1200)
+    finite = x[torch.isfinite(x)].double()
+    assert sumsq == pytest.approx(float((finite * finite).sum()), rel=1e-9)
