@@ -25,6 +25,7 @@ Rank 0 prints `step K done` (flushed) at the end of each step, so the driver can
 exactly as it times gradbus's, and a final JSON line `{"pytorch": {...}}`.
 
 Usage: pytorch_grpo.py CONFIG.toml [--np N] [--set key=value ...] [--guard abort|skip|rerun [--run-dir DIR]]
+                       [--comm-hook allreduce]
 
 --guard: the gradbus guard (the `gradbus` Python package, python/) as DDP's comm hook, with its
 optimizer wrapper; without it, PyTorch's default all-reduce hook. An agreed abort exits 3.
@@ -188,6 +189,9 @@ def worker(rank, world, cfg, port, out):
     opt = torch.optim.AdamW(policy.parameters(), lr=op["lr"], betas=(op["beta1"], op["beta2"]), eps=op["eps"],
                             weight_decay=op["weight_decay"], foreach=True)
     guard = None
+    if cfg.get("comm_hook") == "allreduce":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     if cfg.get("guard"):
         import gradbus.torch as gbt
         sk = cfg.get("skip", {})  # the runtime's skip.* keys bound the skip policy as there
@@ -310,9 +314,11 @@ def main():
     ap.add_argument("--out", help="write the result JSON here")
     ap.add_argument("--guard", choices=["abort", "skip", "rerun"], help="the gradbus guard with this policy")
     ap.add_argument("--run-dir", help="with --guard: where rank 0 writes report.json on abort")
+    ap.add_argument("--comm-hook", choices=["allreduce"],
+                    help="register PyTorch's Python default_hooks.allreduce_hook (the guard's baseline)")
     a = ap.parse_args()
     cfg = load_config(a.config, a.set)
-    cfg["guard"], cfg["run_dir"] = a.guard, a.run_dir
+    cfg["guard"], cfg["run_dir"], cfg["comm_hook"] = a.guard, a.run_dir, a.comm_hook
     rl = cfg["rl"]
     if (rl["prompts_per_rank"] * rl["group_size"]) % rl["minibatches"]:
         sys.exit("rl.minibatches must divide prompts_per_rank x group_size")

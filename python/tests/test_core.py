@@ -118,3 +118,15 @@ def test_torch_scan_counts_other_dtypes_exactly(dtype):
     assert (nan, inf, first) == (1, 2, 1200)
     finite = x[torch.isfinite(x)].double()
     assert sumsq == pytest.approx(float((finite * finite).sum()), rel=1e-9)
+
+
+def test_spike_skip_skips_an_agreed_loss_spike_with_the_runtime_detector():
+    a = gradbus.Agreement("abort", spike="skip", spike_window=4, z_limit=3.0)
+    ok = (0.0, 0.0, 1.0, -1.0)
+    actions = []
+    for loss in [1.0, 1.1, 0.9, 1.0, 1.05, 50.0, 1.0]:
+        action, report, spike = a.decide(cells([([ok, ok], loss), ([ok, ok], loss)]), 2, LAYOUT, len(actions), 0)
+        actions.append((action, spike is not None and spike.startswith("loss spike 50.0000")))
+        assert report is None
+    assert actions == [("proceed", False)] * 5 + [("skip", True), ("proceed", False)]
+    assert a.skipped == 1
