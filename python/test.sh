@@ -23,6 +23,7 @@ if [ ! -e "$venv/.complete" ]; then
   rm -rf "$venv"
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
+  # pip then reports torch's missing triton and cuda-bindings as "dependency conflicts": expected.
   "$venv/bin/python" -m pip install -q --no-deps torch==2.15.0
   "$venv/bin/python" -m pip install -q -r python/requirements-ci.txt
   touch "$venv/.complete"

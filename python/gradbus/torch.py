@@ -139,7 +139,8 @@ class Guard:
         self._scan = scan
         self._params = self._names(names)
         self.step = 0
-        """Updates judged so far (skipped ones included): the step of the next report."""
+        """Updates judged so far (skipped ones included): the step of the next report (assign your
+        own step number before a backward to label reports with it)."""
         self.attempt = 0
         """0, or 1 while a rerun of the current update is due."""
         self.buckets = 0
@@ -271,12 +272,13 @@ class Guard:
         pg = self.process_group
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
         loss = 0.0 if self._loss is None else self._loss
-        parts = []
-        for b in range(n):
-            c = self._cells[b]
-            parts.append(c.to(device) if isinstance(c, torch.Tensor) else torch.tensor(c, dtype=torch.float64, device=device))
-        parts.append(torch.as_tensor(loss).detach().to(device=device, dtype=torch.float64).reshape(1))
-        row = torch.cat(parts)
+        cells = [self._cells[b] for b in range(n)]
+        # Built where the tallies are (the buckets' device), then moved once: a single small copy
+        # to the host for CUDA buckets under gloo, none under NCCL or for CPU buckets.
+        at = next((c.device for c in cells if isinstance(c, torch.Tensor)), torch.device("cpu"))
+        parts = [c if isinstance(c, torch.Tensor) else torch.tensor(c, dtype=torch.float64, device=at) for c in cells]
+        parts.append(torch.as_tensor(loss).detach().to(device=at, dtype=torch.float64).reshape(1))
+        row = torch.cat(parts).to(device)
         world = dist.get_world_size(pg)
         outs = [torch.empty_like(row) for _ in range(world)]
         work = dist.all_gather(outs, row, group=pg, async_op=True)

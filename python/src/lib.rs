@@ -12,8 +12,6 @@
 //! rank reaches the same verdict with no broadcast. The table's wire form is `CELL` f64 per bucket
 //! plus the loss, per rank, written by `gradbus.torch` in the order `decode_table` reads it.
 
-use std::collections::VecDeque;
-
 use gradbus_collectives::{
     decide, Action, Bucket, HealthTable, History, Layout, LocalReport, Policy, Slot, SpikeDetector, StepId,
 };
@@ -251,8 +249,7 @@ impl Agreement {
     /// Skip flags of the most recent updates, newest last.
     #[getter]
     fn recent_skips(&self) -> Vec<bool> {
-        let r: &VecDeque<bool> = &self.history.recent;
-        r.iter().copied().collect()
+        self.history.recent.iter().copied().collect()
     }
 }
 

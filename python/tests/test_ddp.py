@@ -47,17 +47,19 @@ def test_clean_run_is_plain_ddp_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "plant",
+    "plant,scan",
     [
-        {"rank": 1, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"},
-        {"rank": 2, "step": 1, "param": "inp.bias", "element": 7, "value": "inf"},
-        {"rank": 0, "step": 3, "param": "head.weight", "element": 4095, "value": "-inf"},
+        ({"rank": 1, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"}, "auto"),
+        ({"rank": 2, "step": 1, "param": "inp.bias", "element": 7, "value": "inf"}, "auto"),
+        # scan="torch": the tallies of CUDA buckets (torch ops on the bucket's device), here on the CPU.
+        ({"rank": 0, "step": 3, "param": "head.weight", "element": 4095, "value": "-inf"}, "torch"),
     ],
-    ids=["nan-mid-rank1", "inf-first-layer-rank2", "neg-inf-head-rank0"],
+    ids=["nan-mid-rank1", "inf-first-layer-rank2", "neg-inf-head-rank0-torch-scan"],
 )
-def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path, plant):
+def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path, plant, scan):
     run_dir = tmp_path / "run"
-    res = run(3, {"steps": 4, "guard": {"policy": "abort", "run_dir": str(run_dir)}, "plants": [plant]}, str(tmp_path))
+    guard = {"policy": "abort", "run_dir": str(run_dir), "scan": scan}
+    res = run(3, {"steps": 4, "guard": guard, "plants": [plant]}, str(tmp_path))
     errors = {r["error"] for r in res}
     assert len(errors) == 1 and None not in errors, f"every rank raises the same error: {errors}"
     assert all(len(r["verdicts"]) == plant["step"] for r in res), "every rank stopped at the same update"
