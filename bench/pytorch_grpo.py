@@ -205,7 +205,8 @@ def worker(rank, world, cfg, port, out):
     except Exception as e:
         if guard is None or type(e).__name__ != "NonFiniteGradients":
             raise
-        print(f"[rank {rank}] {e}", flush=True)
+        sys.stdout.write(f"[rank {rank}] {e}\n")  # one write: the ranks share the pipe
+        sys.stdout.flush()
         dist.destroy_process_group()
         sys.exit(3)
 
