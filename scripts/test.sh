@@ -37,6 +37,8 @@ cargo test --release --features cuda -p gradbus-collectives --lib nccl::
 
 # The Python package for PyTorch users (python/, issue #15): builds the PyO3 extension with maturin
 # and runs its pytest suite (DDP over gloo, 2-3 processes) with torch from PyPI in target/pyvenv.
-# The first run installs ~4.4 GB (torch and the CUDA runtime libraries its PyPI wheel needs to import)
-# in ~3 min; the tests take ~5 min on 2 cores (python/test.sh says what it installs and why).
+# The first run installs 4.4 GB (torch and the CUDA runtime libraries its PyPI wheel needs to import;
+# python/test.sh says why). Measured here (2 cores, under load): 9 min from no venv with pip's
+# download cache warm and the extension built once before (the tests: 6 min); a fresh machine adds
+# the download (~3 GB of wheels) and the extension's first build (~2 min).
 python/test.sh
