@@ -27,7 +27,11 @@ Throughput - defined identically for gradbus in bench/compare.py:
 Rank 0 prints `step K done` (flushed) at the end of each step, so the driver can also time the lines
 exactly as it times gradbus's, and a final JSON line `{"pytorch": {...}}`.
 
-Usage: pytorch_grpo.py CONFIG.toml [--np N] [--set key=value ...]
+Usage: pytorch_grpo.py CONFIG.toml [--np N] [--set key=value ...] [--guard abort|skip|rerun [--run-dir DIR]]
+                       [--comm-hook allreduce]
+
+--guard: the gradbus guard (the `gradbus` Python package, python/) as DDP's comm hook, with its
+optimizer wrapper; without it, PyTorch's default all-reduce hook. An agreed abort exits 3.
 """
 
 import argparse
@@ -189,11 +193,7 @@ def worker(rank, world, cfg, port, out):
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
-    m, rl, lo, op = cfg["model"], cfg["rl"], cfg["loss"], cfg["optim"]
-    v, r = m["vocab"], rl["response_len"]
-    b = rl["prompts_per_rank"] * rl["group_size"]
-    per_mb = b // rl["minibatches"]
-    t_len = r + 1
+    m, op = cfg["model"], cfg["optim"]
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts them)
     policy = Gpt(m)
     rollout, reference = Gpt(m), Gpt(m)
@@ -204,6 +204,35 @@ def worker(rank, world, cfg, port, out):
     ddp = DDP(policy, gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(policy.parameters(), lr=op["lr"], betas=(op["beta1"], op["beta2"]), eps=op["eps"],
                             weight_decay=op["weight_decay"], foreach=True)
+    guard = None
+    if cfg.get("comm_hook") == "allreduce":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    if cfg.get("guard"):
+        import gradbus.torch as gbt
+        sk = cfg.get("skip", {})  # the runtime's skip.* keys bound the skip policy as there
+        guard = gbt.Guard(policy=cfg["guard"], names=policy, run_dir=cfg.get("run_dir"),
+                          max_consecutive=sk.get("max_consecutive", 3), max_fraction=sk.get("max_fraction", 0.1),
+                          window=sk.get("window", 100))
+        ddp.register_comm_hook(guard, gbt.allreduce_hook)
+        opt = gbt.GuardedOptimizer(opt, guard)
+    try:
+        train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard)
+    except Exception as e:
+        if guard is None or type(e).__name__ != "NonFiniteGradients":
+            raise
+        sys.stdout.write(f"[rank {rank}] {e}\n")  # one write: the ranks share the pipe
+        sys.stdout.flush()
+        dist.destroy_process_group()
+        sys.exit(3)
+
+
+def train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard):
+    m, rl, lo, op = cfg["model"], cfg["rl"], cfg["loss"], cfg["optim"]
+    v, r = m["vocab"], rl["response_len"]
+    b = rl["prompts_per_rank"] * rl["group_size"]
+    per_mb = b // rl["minibatches"]
+    t_len = r + 1
     gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + rank)
     targets_of = target_table(v, r)
     kinds = min(v - FIRST, 8)
@@ -249,7 +278,10 @@ def worker(rank, world, cfg, port, out):
                 loss = grpo_loss(lo["style"], lo["clip"], lo["kl_coef"], logp, mask[rows], adv[rows], old[rows],
                                  ref[rows])
                 opt.zero_grad(set_to_none=False)
-                loss.backward()  # DDP: bucketed all-reduce (mean over ranks) over gloo
+                if guard is None:
+                    loss.backward()  # DDP: bucketed all-reduce (mean over ranks) over gloo
+                else:
+                    guard.backward(loss)  # the same, each bucket validated; the loss is judged too
                 if op["grad_clip"] > 0:
                     torch.nn.utils.clip_grad_norm_(policy.parameters(), op["grad_clip"], foreach=True)
                 if op.get("warmup", 0) > 0 and adam_t < op["warmup"]:
@@ -264,6 +296,10 @@ def worker(rank, world, cfg, port, out):
         if rank == 0:
             print(f"step {step} done: reward {float(reward.mean()):.4f} loss {float(loss.detach()):.4f}", flush=True)
 
+    # Replicas: every rank's parameters, compared bitwise on rank 0.
+    flat = torch.cat([p.detach().reshape(-1) for p in policy.parameters()])
+    every = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(every, flat)
     if rank == 0 and len(step_end) >= 2:
         steps_timed = len(step_end) - 1
         updates = steps_timed * rl["epochs"] * rl["minibatches"]
@@ -271,7 +307,10 @@ def worker(rank, world, cfg, port, out):
         wall = step_end[-1] - step_end[0]
         res = {"ranks": world, "steps": len(step_end), "steps_timed": steps_timed, "updates_timed": updates,
                "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-               "params": sum(p.numel() for p in policy.parameters()), "torch": torch.__version__}
+               "params": sum(p.numel() for p in policy.parameters()), "torch": torch.__version__,
+               "guard": cfg.get("guard"), "skipped": guard.skipped if guard is not None else 0,
+               "replicas_identical": all(torch.equal(every[0], e) for e in every),
+               "params_finite": bool(torch.isfinite(flat).all())}
         print(f"pytorch: {world} rank(s), {tokens} tokens in {wall:.2f} s (steps 1..{len(step_end) - 1}): "
               f"{tokens / wall:.0f} tokens/s", flush=True)
         print(json.dumps({"pytorch": res}), flush=True)
@@ -294,14 +333,22 @@ def main():
     ap.add_argument("--np", type=int, default=2, help="ranks (processes)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--out", help="write the result JSON here")
+    ap.add_argument("--guard", choices=["abort", "skip", "rerun"], help="the gradbus guard with this policy")
+    ap.add_argument("--run-dir", help="with --guard: where rank 0 writes report.json on abort")
+    ap.add_argument("--comm-hook", choices=["allreduce"],
+                    help="register PyTorch's Python default_hooks.allreduce_hook (the guard's baseline)")
     a = ap.parse_args()
     cfg = load_config(a.config, a.set)
+    cfg["guard"], cfg["run_dir"], cfg["comm_hook"] = a.guard, a.run_dir, a.comm_hook
     rl = cfg["rl"]
     if (rl["prompts_per_rank"] * rl["group_size"]) % rl["minibatches"]:
         sys.exit("rl.minibatches must divide prompts_per_rank x group_size")
     if rl["response_len"] + 1 > cfg["model"]["max_seq"]:
         sys.exit("response_len + 1 must fit model.max_seq")
-    mp.spawn(worker, args=(a.np, cfg, free_port(), a.out), nprocs=a.np, join=True)
+    try:
+        mp.spawn(worker, args=(a.np, cfg, free_port(), a.out), nprocs=a.np, join=True)
+    except mp.ProcessExitedException as e:
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":

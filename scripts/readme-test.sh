@@ -44,6 +44,20 @@ declare -A SKIP=(
   ["scripts/gpu-check.sh --prebuilt target/gpu-check"]="needs an NVIDIA GPU and the binaries of --prepare"
 )
 
+# Commands of the PyTorch section: they run in "the environment that has torch", which is
+# python/test.sh's venv (target/pyvenv of this checkout; scripts/test.sh makes it before this runs).
+# Without that venv they are skipped, saying so.
+NEEDS_TORCH=(
+  "maturin build --release -m python/Cargo.toml -o dist && pip install dist/gradbus-*.whl"
+  "python bench/pytorch_grpo.py examples/roll-193.toml --np 2 --set optim.lr=3e-2 --set rollout_sync_interval=200 --set steps=30 --guard abort --run-dir runs/twin"
+)
+pyvenv="$src/target/pyvenv"
+if ! [ -e "$pyvenv/.complete" ]; then
+  for key in "${NEEDS_TORCH[@]}"; do
+    SKIP[$key]="needs PyTorch and maturin; no target/pyvenv here (python/test.sh makes it)"
+  done
+fi
+
 # The commands of the README's ```sh blocks, one per array element, continuation lines joined.
 mapfile -t commands < <(awk '
   /^```sh[[:space:]]*$/ { inblock = 1; next }
@@ -63,7 +77,7 @@ strip() { # the command without its trailing comment and surrounding blanks
   c="${c#"${c%%[![:space:]]*}"}"
   printf '%s' "${c%"${c##*[![:space:]]}"}"
 }
-for key in "${!SKIP[@]}"; do
+for key in "${!SKIP[@]}" "${NEEDS_TORCH[@]}"; do
   found=0
   for c in "${commands[@]}"; do [ "$(strip "$c")" = "$key" ] && found=1; done
   [ $found = 1 ] || { echo "readme-test: SKIP entry matches no README command: $key" >&2; exit 1; }
@@ -114,6 +128,7 @@ for d in "${dirs[@]}"; do
   [ -n "$d" ] && [ ! -x "$d/gradbus" ] && path="${path:+$path:}$d"
 done
 export PATH="$CARGO_INSTALL_ROOT/bin:$path"
+if [ -e "$pyvenv/.complete" ]; then export PATH="$pyvenv/bin:$PATH"; fi
 skip_log=${GRADBUS_SKIP_LOG:-}
 while IFS= read -r name; do unset "$name"; done < <(compgen -e | grep '^GRADBUS_' || true)
 

@@ -129,6 +129,15 @@ run cargo test --release --features cuda -p gradbus-kernels
 run cargo test --release --features cuda -p gradbus-collectives --test nccl
 run cargo test --release --features cuda -p gradbus-collectives --lib nccl::
 
+# The Python package for PyTorch users (python/, issue #15): builds the PyO3 extension with maturin
+# and runs its pytest suite (DDP over gloo, 2-3 processes) with torch from PyPI in target/pyvenv.
+# The first run installs 4.4 GB (torch and the CUDA runtime libraries its PyPI wheel needs to import;
+# python/test.sh says why). Measured here (2 cores, under load): 9 min from no venv with pip's
+# download cache warm and the extension built once before (the tests: 6 min); a fresh machine adds
+# the download (~3 GB of wheels) and the extension's first build (~2 min).
+echo "test.sh: python/test.sh"
+python/test.sh
+
 # Every README command on a fresh clone, in order: the first contact of a new user. Its own
 # install (`cargo install --path .`, into a temporary root) is the check that an install works.
 echo "test.sh: scripts/readme-test.sh"

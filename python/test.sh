@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build the gradbus Python package (python/, PyO3 + maturin) and run its pytest suite with torch
+# (CPU) from plain PyPI: what scripts/test.sh runs at its end, and what .ci/run runs through it.
+#
+# Everything goes into a venv at target/pyvenv (git-ignored, kept between runs, so a second run only
+# rebuilds the extension). torch's PyPI wheel for Linux x86_64 is its CUDA build; it runs on a CPU
+# but imports only with the CUDA runtime libraries present, so python/requirements-ci.txt installs
+# those and leaves out triton and cuda-bindings (torch itself goes in with --no-deps).
+# Cost on a fresh machine (2 cores): ~4.5 GB of venv, see the README's PyTorch section for minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=target/pyvenv
+# `.complete` is written last: a venv whose install was interrupted is made anew.
+if [ ! -e "$venv/.complete" ]; then
+  if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    # Debian's python3 lacks venv/ensurepip without python3-venv.
+    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends python3-venv python3-pip >/dev/null
+  fi
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  # pip then reports torch's missing triton and cuda-bindings as "dependency conflicts": expected.
+  "$venv/bin/python" -m pip install -q --no-deps torch==2.15.0
+  "$venv/bin/python" -m pip install -q -r python/requirements-ci.txt
+  touch "$venv/.complete"
+fi
+
+# The extension's own workspace and target dir (python/target): the runtime's build never sees it.
+rm -rf target/pywheels
+"$venv/bin/maturin" build --release --quiet -m python/Cargo.toml -o target/pywheels
+"$venv/bin/python" -m pip install -q --force-reinstall --no-deps target/pywheels/gradbus-*.whl
+
+# From python/tests, so that `import gradbus` is the installed wheel, not the source folder.
+cd python/tests
+../../"$venv"/bin/python -m pytest -q -p no:cacheprovider .
