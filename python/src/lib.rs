@@ -67,8 +67,12 @@ fn decode_table(flat: &[f64], world: usize, buckets: usize) -> Result<HealthTabl
             h
         })
         .collect();
-    let reports = (0..world).map(|r| LocalReport { loss: flat[r * n + n - 1], values: [0.0; 7] }).collect();
-    Ok(HealthTable { world, buckets, local, reduced, reports })
+    // No workload values and no replica checksum travel in the hook's table (replica 0 on every
+    // rank: always agreed).
+    let reports = (0..world)
+        .map(|r| LocalReport { loss: flat[r * n + n - 1], values: [0.0; LocalReport::VALUES], replica: 0 })
+        .collect();
+    Ok(HealthTable::detailed(world, local, reduced, reports, None))
 }
 
 /// A `Layout` over DDP's buckets: bucket `b` is a contiguous range of a virtual flat buffer (buckets
