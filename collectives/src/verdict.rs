@@ -1,9 +1,10 @@
 //! The agreed health table and the one pure function that turns it into a verdict.
 //!
-//! Invariants: every rank holds a bitwise-identical `HealthTable` after `Transport::agree`, and
-//! `decide` depends on nothing else but the policy and the history (which every rank updates from
-//! the same verdicts). So every rank reaches the same verdict with no extra round trip, and no rank can
-//! die alone while the others wait in the next collective.
+//! Invariants: every rank holds a bitwise-identical `HealthTable` after `Transport::agree` - on a
+//! healthy update only its O(buckets) `Summary` and the reduced buckets' health, otherwise the full
+//! per-rank detail too (`agreement`) - and `decide` depends on nothing else but the policy and the
+//! history (which every rank updates from the same verdicts). So every rank reaches the same verdict
+//! with no extra round trip, and no rank can die alone while the others wait in the next collective.
 
 use std::collections::VecDeque;
 
