@@ -543,6 +543,20 @@ mod tests {
     }
 
     #[test]
+    fn replicas_that_differ_are_named_and_healthy_summaries_hold_no_detail() {
+        let t = table(&[]);
+        assert!(t.replica_outliers().is_empty());
+        let mut reports = t.reports.clone();
+        reports[1].replica = 99;
+        let odd = HealthTable::detailed(t.world, t.local.clone(), t.reduced.clone(), reports, None);
+        assert_eq!(odd.summary.anomaly(), Some(crate::agreement::Anomaly::Replicas));
+        assert_eq!(odd.replica_outliers(), vec![1]);
+        let small = HealthTable::summarized(t.world, t.summary.clone()).unwrap();
+        assert!(!small.is_detailed() && small.nonfinite_ranks().is_empty() && small.replica_outliers().is_empty());
+        assert_eq!((small.mean_loss(), small.grad_norm()), (t.mean_loss(), t.grad_norm()));
+    }
+
+    #[test]
     fn non_finite_loss_is_reported() {
         let t = table(&[(0, 0, 0, true)]);
         let mut reports = t.reports.clone();
