@@ -526,6 +526,16 @@ impl AgreementPath {
     /// The environment variable that chooses the path.
     pub const ENV: &'static str = "GRADBUS_AGREEMENT";
 
+    /// `config_hash` with the path folded in (unchanged for the default), for the identity check at
+    /// open: ranks on different paths would run different collectives (an all-reduce against an
+    /// all-gather), so they must fail at open instead, as ranks with different configs do.
+    pub fn fold(self, config_hash: u64) -> u64 {
+        match self {
+            AgreementPath::Summary => config_hash,
+            AgreementPath::Table => config_hash ^ 0x7461_626c_6500_0000, // "table"
+        }
+    }
+
     /// The path from `GRADBUS_AGREEMENT` (`summary` or `table`; unset: `summary`).
     pub fn from_env() -> Result<AgreementPath, crate::Error> {
         match std::env::var(AgreementPath::ENV) {

@@ -436,7 +436,7 @@ impl MpiTransport {
     /// every rank's `config_hash` and layout (one allgather). Collective over `MPI_COMM_WORLD`.
     pub fn open(expect: Expect, layout: Layout, config_hash: u64) -> Result<MpiTransport, Error> {
         let agreement = AgreementPath::from_env()?;
-        let ident = [expect.rank as u64, expect.rank as u64, 0, 1, config_hash, layout.hash()];
+        let ident = [expect.rank as u64, expect.rank as u64, 0, 1, agreement.fold(config_hash), layout.hash()];
         let (core, _) = MpiCore::open(&expect, |_| Ok(ident))?;
         let nb = layout.buckets.len();
         let biggest = layout.buckets.iter().map(|b| b.range.len()).max().unwrap_or(0);
@@ -544,7 +544,7 @@ impl HierTransport {
             node.process_at_rank(0).broadcast_into(&mut id);
             (bus.node_id, bus.local_rank, bus.local_size) = (id as usize, node.rank() as usize, node.size() as usize);
             let (n, lr, ls) = (bus.node_id as u64, bus.local_rank as u64, bus.local_size as u64);
-            Ok([expect.rank as u64, n, lr, ls, bus.config_hash, bus.layout.hash()])
+            Ok([expect.rank as u64, n, lr, ls, agreement.fold(bus.config_hash), bus.layout.hash()])
         })?;
         let mut core = core;
         core.comms.as_mut().expect("live").leaders = leaders;

@@ -62,7 +62,9 @@ pub unsafe trait Transport {
     /// Touches only the bucket's range of this rank's buffer, and makes no borrow of the rest of
     /// it: backward may be writing there (`overlap`).
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error>;
-    /// After the last bucket: exchange the local reports and return the agreed table.
+    /// After the last bucket: exchange the local reports and return the agreed table - its O(buckets)
+    /// summary on a healthy update, the per-rank detail too when the summary shows an anomaly
+    /// (`agreement`; the same summary either way).
     fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error>;
     /// How many chunks a bucket's local health is tallied in (merged in chunk order); `bucket_health`
     /// with this count gives the same bits as the table, which is what lets a replay compare exactly.

@@ -1,9 +1,10 @@
 //! The agreed health table and the one pure function that turns it into a verdict.
 //!
-//! Invariants: every rank holds a bitwise-identical `HealthTable` after `Transport::agree`, and
-//! `decide` depends on nothing else but the policy and the history (which every rank updates from
-//! the same verdicts). So every rank reaches the same verdict with no extra round trip, and no rank can
-//! die alone while the others wait in the next collective.
+//! Invariants: every rank holds a bitwise-identical `HealthTable` after `Transport::agree` - on a
+//! healthy update only its O(buckets) `Summary` and the reduced buckets' health, otherwise the full
+//! per-rank detail too (`agreement`) - and `decide` depends on nothing else but the policy and the
+//! history (which every rank updates from the same verdicts). So every rank reaches the same verdict
+//! with no extra round trip, and no rank can die alone while the others wait in the next collective.
 
 use std::collections::VecDeque;
 
@@ -654,6 +655,20 @@ mod tests {
         let json = serde_json::to_string(&r).unwrap();
         assert!(json.contains("\"cause\":\"sum_overflow\""), "{json}");
         assert_eq!(serde_json::from_str::<Report>(&json).unwrap(), r);
+    }
+
+    #[test]
+    fn replicas_that_differ_are_named_and_healthy_summaries_hold_no_detail() {
+        let t = table(&[]);
+        assert!(t.replica_outliers().is_empty());
+        let mut reports = t.reports.clone();
+        reports[1].replica = 99;
+        let odd = HealthTable::detailed(t.world, t.local.clone(), t.reduced.clone(), reports, None);
+        assert_eq!(odd.summary.anomaly(), Some(crate::agreement::Anomaly::Replicas));
+        assert_eq!(odd.replica_outliers(), vec![1]);
+        let small = HealthTable::summarized(t.world, t.summary.clone()).unwrap();
+        assert!(!small.is_detailed() && small.nonfinite_ranks().is_empty() && small.replica_outliers().is_empty());
+        assert_eq!((small.mean_loss(), small.grad_norm()), (t.mean_loss(), t.grad_norm()));
     }
 
     #[test]

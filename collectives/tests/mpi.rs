@@ -113,6 +113,14 @@ fn run_child(dir: &Path, rank: usize) -> Result<(), Error> {
             t.allreduce_bucket(at, 0)?;
             t.agree(StepId::default(), LocalReport::default()).map(drop)
         }
+        // Odd ranks force the table path, even ones keep the summary: refused at open.
+        "mixed-path" => {
+            if rank % 2 == 1 {
+                // Before any other thread exists in this child (`set_var` is not thread-safe).
+                std::env::set_var(gradbus_collectives::AgreementPath::ENV, "table");
+            }
+            open(np).map(drop)
+        }
         // Every rank opens the transport and drops it at once (a run of zero updates): clean.
         "open-drop" => open(np).map(drop),
         // Rank 0 leaves right after open while the others wait for it in an all-reduce.
@@ -427,4 +435,21 @@ fn summary_and_table_paths_agree_bitwise_hier_2_nodes() {
 #[test]
 fn summary_and_table_paths_agree_bitwise_on_a_planted_nan_flat() {
     paths_agree(3, &[("GB_TRANSPORT", "mpi"), ("GB_NAN_RANK", "1")]);
+}
+
+/// Ranks on different agreement paths would run different collectives (all-reduce against
+/// all-gather): the identity check at open refuses them on every rank instead.
+#[test]
+fn ranks_on_different_agreement_paths_fail_at_open_with_a_mismatch() {
+    for (np, env) in [(2, vec![("GB_TRANSPORT", "mpi")]), (4, vec![("GB_TRANSPORT", "hier"), ("GB_FAKE_NODES", "2")])] {
+        let r = mpirun(np, "mixed-path", &env);
+        assert_ne!(r.code, Some(0), "{}", r.explain());
+        let outcomes: Vec<String> = (0..np)
+            .filter_map(|k| std::fs::read_to_string(r.dir.path().join(format!("outcome-{k}.txt"))).ok())
+            .collect();
+        assert!(!outcomes.is_empty(), "{}", r.explain());
+        for o in outcomes {
+            assert!(o.contains("Mismatch") && o.contains("config hash"), "{o}\n{}", r.explain());
+        }
+    }
 }
