@@ -133,8 +133,9 @@ run cargo test --release --features cuda -p gradbus-collectives --lib nccl::
 # and runs its pytest suite (DDP over gloo, 2-3 processes) with torch from PyPI in target/pyvenv.
 # The first run installs 4.4 GB (torch and the CUDA runtime libraries its PyPI wheel needs to import;
 # python/test.sh says why). Measured here (2 cores, under load): 9 min from no venv with pip's
-# download cache warm and the extension built once before (the tests: 6 min); a fresh machine adds
-# the download (~3 GB of wheels) and the extension's first build (~2 min).
+# download cache warm and the extension built once before (the tests: 2-6 min with the load); a
+# fresh machine adds the wheels' download (torch's alone: 539 MB) and the extension's first build
+# (~2 min).
 echo "test.sh: python/test.sh"
 python/test.sh
 

@@ -10,8 +10,8 @@
 Per bucket, the hook tallies the rank's OWN gradients before they are reduced (CPU float32 buckets:
 the runtime's fused Rust scan, in place on the bucket's memory; other buckets, CUDA ones included:
 torch ops on the bucket's device, and only four numbers per bucket ever reach the host), then starts
-the bucket's all-reduce exactly as PyTorch's default hook does (divide by the world size, sum), so a
-clean run is bitwise plain DDP. At the last bucket it starts ONE small all-gather of every rank's
+the bucket's all-reduce as DDP does without a hook (scale by 1/world, sum), so a clean run is
+bitwise plain DDP. At the last bucket it starts ONE small all-gather of every rank's
 table (4 float64 per bucket plus the loss); `Guard.verdict()` (called by `GuardedOptimizer.step`)
 waits for it and runs the runtime's `decide` on it. The table, the layout (DDP builds the same
 buckets on every rank) and the history are the same on every rank, so every rank reaches the same
@@ -32,7 +32,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from gradbus import _core
 
@@ -301,11 +300,17 @@ class Guard:
 
 
 def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The DDP communication hook: tally the bucket's local health, then all-reduce it as PyTorch's
-    default hook does; at the last bucket, start the table exchange.
+    """The DDP communication hook: tally the bucket's local health, then all-reduce it as DDP does
+    without a hook (mean over ranks); at the last bucket, start the table exchange.
     Register with `ddp.register_comm_hook(guard, gradbus.torch.allreduce_hook)`."""
     guard._tally(bucket)
-    fut = default_hooks.allreduce_hook(guard.process_group, bucket)
+    pg = guard.process_group
+    buf = bucket.buffer()
+    # Scale then sum, as DDP's built-in reduction does (a multiply by 1/world: the Python
+    # default_hooks.allreduce_hook divides instead, which differs in the last bit when the world size
+    # is not a power of two), so that a guarded clean run is bitwise the run without any hook.
+    buf.mul_(1.0 / dist.get_world_size(pg))
+    fut = dist.all_reduce(buf, group=pg, async_op=True).get_future().then(lambda f: f.value()[0])
     if bucket.is_last():
         guard._exchange(bucket.index())
     return fut

@@ -32,15 +32,17 @@ def same_state(a, b):
 
 
 def test_clean_run_is_plain_ddp_bitwise(tmp_path):
-    plain = run(2, {"steps": 4, "guard": None}, str(tmp_path / "plain"))
-    guarded = run(2, {"steps": 4, "guard": {"policy": "abort", "run_dir": str(tmp_path / "run")}}, str(tmp_path / "guarded"))
-    for r in range(2):
+    # 3 ranks: the division by the world size is inexact, so the built-in path and the hook's must
+    # divide the same way for the bits to match.
+    plain = run(3, {"steps": 4, "guard": None}, str(tmp_path / "plain"))
+    guarded = run(3, {"steps": 4, "guard": {"policy": "abort", "run_dir": str(tmp_path / "run")}}, str(tmp_path / "guarded"))
+    for r in range(3):
         assert guarded[r]["error"] is None
         assert guarded[r]["verdicts"] == ["proceed"] * 4
         assert guarded[r]["losses"] == plain[r]["losses"], f"rank {r}: losses differ from plain DDP"
         for s, (a, b) in enumerate(zip(plain[r]["snapshots"], guarded[r]["snapshots"])):
             assert same_state(a, b), f"rank {r}: weights or Adam state differ from plain DDP before update {s}"
-    assert same_state(guarded[0]["snapshots"][-1], guarded[1]["snapshots"][-1]), "replicas differ"
+    assert all(same_state(g["snapshots"][-1], guarded[0]["snapshots"][-1]) for g in guarded), "replicas differ"
     # The layout really has several buckets to map back (after DDP's rebuild at the second step).
     assert max(guarded[0]["buckets"]) >= 2, guarded[0]["buckets"]
     assert not (tmp_path / "run" / "report.json").exists()
