@@ -94,6 +94,17 @@ impl std::str::FromStr for BenchTransport {
     }
 }
 
+impl std::fmt::Display for BenchTransport {
+    /// The name `FromStr` reads back (`shm`, `mpi`, `hier`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BenchTransport::Shm => "shm",
+            BenchTransport::Mpi => "mpi",
+            BenchTransport::Hier => "hier",
+        })
+    }
+}
+
 impl BenchArgs {
     /// Defaults: 20 iterations, 3 warm-up, `/dev/shm`, 120 s deadline.
     pub fn new(rank: usize, np: usize, job_id: impl Into<String>, sizes: Vec<usize>) -> BenchArgs {

@@ -14,7 +14,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gradbus_collectives::bench::{self, BenchArgs};
+use gradbus_collectives::bench::{self, BenchArgs, BenchTransport};
 use gradbus_worker::env;
 use gradbus_worker::exit::Code;
 
@@ -73,8 +73,8 @@ pub struct BenchCmd {
     pub json: bool,
     /// `--run-dir`.
     pub run_dir: Option<PathBuf>,
-    /// `--transport`: `shm`, `mpi` or `hier`.
-    pub transport: String,
+    /// `--transport`.
+    pub transport: BenchTransport,
     /// `--nodes`, for `hier`.
     pub nodes: usize,
 }
@@ -128,6 +128,13 @@ fn seconds(v: OsString) -> Result<Duration, Error> {
         })
 }
 
+/// `--transport T`, parsed where it is given.
+fn transport(v: OsString) -> Result<BenchTransport, Error> {
+    v.to_str().and_then(|s| s.parse().ok()).ok_or_else(|| {
+        Error::usage(format!("--transport {}: unknown transport", v.to_string_lossy()), "use shm, mpi or hier")
+    })
+}
+
 /// Parses the arguments after `bench`.
 pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<BenchCmd>, Error> {
     use lexopt::prelude::*;
@@ -140,7 +147,7 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<BenchCmd>, Error> {
         timeout: Duration::from_secs(120),
         json: false,
         run_dir: None,
-        transport: "shm".into(),
+        transport: BenchTransport::Shm,
         nodes: 2,
     };
     let mut what: Option<String> = None;
@@ -153,7 +160,7 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<BenchCmd>, Error> {
             Long("warmup") => cmd.warmup = number(parser.value().map_err(|e| lex(e, h))?, "--warmup", "3")?,
             Long("timeout") => cmd.timeout = seconds(parser.value().map_err(|e| lex(e, h))?)?,
             Long("json") => cmd.json = true,
-            Long("transport") => cmd.transport = parser.value().map_err(|e| lex(e, h))?.to_string_lossy().into_owned(),
+            Long("transport") => cmd.transport = transport(parser.value().map_err(|e| lex(e, h))?)?,
             Long("nodes") => cmd.nodes = number(parser.value().map_err(|e| lex(e, h))?, "--nodes", "2")?,
             Long("run-dir") => cmd.run_dir = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?)),
             Value(v) if what.is_none() => what = Some(v.to_string_lossy().into_owned()),
@@ -172,9 +179,6 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<BenchCmd>, Error> {
     }
     if cmd.iters == 0 {
         return Err(Error::usage("--iters 0: nothing would be timed", "use --iters 1 or more"));
-    }
-    if !["shm", "mpi", "hier"].contains(&cmd.transport.as_str()) {
-        return Err(Error::usage(format!("--transport {}: unknown transport", cmd.transport), "use shm, mpi or hier"));
     }
     Ok(Parsed::Args(cmd))
 }
@@ -231,7 +235,7 @@ fn execute_mpirun(cmd: &BenchCmd) -> Result<Code, Error> {
     let sizes = cmd.sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let worker = run::worker_command()?;
     let mut worker_args: Vec<OsString> =
-        vec!["--bench-allreduce".into(), "--transport".into(), cmd.transport.clone().into()];
+        vec!["--bench-allreduce".into(), "--transport".into(), cmd.transport.to_string().into()];
     for (flag, value) in [
         ("--sizes", sizes),
         ("--iters", cmd.iters.to_string()),
@@ -266,7 +270,7 @@ fn execute_mpirun(cmd: &BenchCmd) -> Result<Code, Error> {
 
 /// Executes `gradbus bench allreduce`.
 pub fn execute(cmd: BenchCmd) -> Result<Code, Error> {
-    if cmd.transport != "shm" {
+    if cmd.transport != BenchTransport::Shm {
         return execute_mpirun(&cmd);
     }
     let plan = LaunchPlan::local(cmd.np)?;
@@ -382,6 +386,11 @@ mod tests {
         assert_eq!(r.sizes, b.sizes);
         assert_eq!((r.iters, r.warmup, r.json, r.timeout), (5, 3, true, b.timeout));
         assert_eq!(r.out, PathBuf::from("/r/out"));
+        assert_eq!(b.transport, BenchTransport::Shm);
+        for t in [BenchTransport::Mpi, BenchTransport::Hier] {
+            let Parsed::Args(b) = p(&["bench", "allreduce", "--transport", &t.to_string()]).unwrap() else { panic!() };
+            assert_eq!(b.transport, t);
+        }
     }
 
     #[test]
@@ -395,12 +404,16 @@ mod tests {
             &["bench", "allreduce", "--iters", "0"],
             &["bench", "allreduce", "--timeout", "-1"],
             &["bench", "allreduce", "extra"],
+            &["bench", "allreduce", "--transport", "tcp"],
+            &["bench", "allreduce", "--transport", "SHM"],
             &["__bench-rank", "--sizes", "4096"],
         ] {
             let e = p(bad).unwrap_err();
             assert_eq!(e.code(), Code::Usage, "{bad:?}");
             assert!(e.to_string().contains("hint:"), "{bad:?}: {e}");
         }
+        let e = p(&["bench", "allreduce", "--transport", "tcp"]).unwrap_err().to_string();
+        assert!(e.contains("--transport tcp: unknown transport") && e.contains("use shm, mpi or hier"), "{e}");
         assert_eq!(p(&["bench", "--help"]).unwrap(), Parsed::Help(HELP));
     }
 }

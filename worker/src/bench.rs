@@ -16,7 +16,7 @@ pub const USAGE: &str = "usage: gradbus worker --bench-allreduce [--sizes 1MiB,6
 /// Run one benchmark process with the arguments after `--bench-allreduce`; `Err` is a message.
 pub fn main(args: Vec<std::ffi::OsString>) -> Result<(), String> {
     use lexopt::prelude::*;
-    let info = RankInfo::discover()?;
+    let info = RankInfo::discover().map_err(|e| e.to_string())?;
     let mut b = BenchArgs::new(info.rank, info.world, format!("bench-{}", info.job_id), vec![64 << 20]);
     let (mut json, mut agreement, mut buckets) = (false, false, vec![7, 100, 1750]);
     let mut p = lexopt::Parser::from_args(args);

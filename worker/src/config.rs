@@ -72,6 +72,12 @@ pub enum ConfigError {
         /// What to do, e.g. the default value.
         hint: String,
     },
+    /// `GRADBUS_FAULTS` is not a fault plan (the TOML of the config's `[[faults]]`).
+    #[error("{}: {source}", crate::env::FAULTS)]
+    FaultsEnv {
+        /// What the TOML parser said, with the line.
+        source: toml::de::Error,
+    },
     /// The job would not fit in this machine's memory.
     #[error("{estimate}\n  hint: {hint}")]
     Memory {

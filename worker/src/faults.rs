@@ -8,6 +8,8 @@ use serde::Deserialize;
 
 use gradbus_collectives::{Layout, StepId};
 
+use crate::config::ConfigError;
+
 /// What goes wrong.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -108,13 +110,16 @@ struct EnvPlan {
 
 impl FaultPlan {
     /// The plan for `rank`: the config's faults plus those in `GRADBUS_FAULTS`.
-    pub fn new(config: &[Fault], rank: usize) -> Result<FaultPlan, String> {
+    pub fn new(config: &[Fault], rank: usize) -> Result<FaultPlan, ConfigError> {
+        FaultPlan::with_env(config, rank, std::env::var(crate::env::FAULTS).ok().as_deref())
+    }
+
+    /// As [`FaultPlan::new`], with `env` the value of `GRADBUS_FAULTS` (unset or blank: none).
+    fn with_env(config: &[Fault], rank: usize, env: Option<&str>) -> Result<FaultPlan, ConfigError> {
         let mut faults: Vec<Fault> = config.to_vec();
-        if let Ok(text) = std::env::var(crate::env::FAULTS) {
-            if !text.trim().is_empty() {
-                let p: EnvPlan = toml::from_str(&text).map_err(|e| format!("{}: {e}", crate::env::FAULTS))?;
-                faults.extend(p.faults);
-            }
+        if let Some(text) = env.filter(|t| !t.trim().is_empty()) {
+            let p: EnvPlan = toml::from_str(text).map_err(|source| ConfigError::FaultsEnv { source })?;
+            faults.extend(p.faults);
         }
         faults.retain(|f| f.rank == rank);
         Ok(FaultPlan { faults })
@@ -187,5 +192,52 @@ impl FaultPlan {
     /// The faults of this rank that fire during a checkpoint write of `step`.
     pub fn at_checkpoint(&self, step: u64) {
         self.at_phase(FaultPhase::Checkpoint, StepId { step, minibatch: 0, attempt: 0 });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gradbus_faults_adds_to_the_config_and_keeps_this_ranks() {
+        let config = [Fault { kind: FaultKind::Kill, rank: 1, ..exit_on(0) }, exit_on(2)];
+        let env = "[[faults]]\nkind = \"nan\"\nrank = 1\nstep = 4\n";
+        let plan = FaultPlan::with_env(&config, 1, Some(env)).unwrap();
+        assert_eq!(
+            plan.faults.iter().map(|f| (f.kind, f.step)).collect::<Vec<_>>(),
+            [(FaultKind::Kill, 3), (FaultKind::Nan, 4)]
+        );
+        assert!(FaultPlan::with_env(&config, 0, Some(" \n")).unwrap().is_empty(), "blank: no faults");
+    }
+
+    #[test]
+    fn a_bad_gradbus_faults_is_a_config_error_naming_the_variable() {
+        for bad in [
+            "faults = 3",
+            "[[faults]]\nkind = \"melt\"\nrank = 0\nstep = 1\n",
+            "[[faults]]\nrank = 0\nstep = 1\nkind = \"nan\"\ncolour = 1\n",
+        ] {
+            let e = FaultPlan::with_env(&[], 0, Some(bad)).unwrap_err();
+            assert!(matches!(e, ConfigError::FaultsEnv { .. }), "{bad}: {e:?}");
+            assert!(e.to_string().starts_with("GRADBUS_FAULTS: "), "{bad}: {e}");
+            assert_eq!(crate::WorkerError::from(e).code(), crate::exit::Code::Usage);
+        }
+    }
+
+    fn exit_on(rank: usize) -> Fault {
+        Fault {
+            kind: FaultKind::Exit,
+            rank,
+            step: 3,
+            minibatch: 0,
+            phase: FaultPhase::Forward,
+            param: None,
+            element: 0,
+            transient: false,
+            code: 1,
+            seconds: 1.0,
+            factor: 1.0,
+        }
     }
 }

@@ -41,6 +41,9 @@ pub enum WorkerError {
     /// The config is bad.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// This process cannot tell its rank from the launcher's environment.
+    #[error(transparent)]
+    Rank(#[from] rank::RankError),
     /// Bad arguments or input, with the hint in the message.
     #[error("{0}")]
     Usage(String),
@@ -73,7 +76,7 @@ impl WorkerError {
     pub fn code(&self) -> Code {
         use gradbus_collectives::Error as E;
         match self {
-            WorkerError::Config(_) | WorkerError::Usage(_) => Code::Usage,
+            WorkerError::Config(_) | WorkerError::Rank(_) | WorkerError::Usage(_) => Code::Usage,
             WorkerError::Artifact(artifacts::ArtifactError::Io { .. }) => Code::RankFailed,
             WorkerError::Artifact(_) => Code::Usage,
             WorkerError::Bus(E::Timeout { .. }) => Code::Timeout,
@@ -194,7 +197,7 @@ fn mpi_transport(
 /// Run one rank to its end. `Ok(Code)` is the exit code of a run that ended as planned (done, or
 /// the agreed abort on non-finite gradients).
 pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
-    let info = RankInfo::discover().map_err(WorkerError::Usage)?;
+    let info = RankInfo::discover()?;
     let (cfg, config_hash, canonical) = Config::load(&args.config, &args.overrides)?;
     // `gradbus run` has checked the whole node already; under a bare mpirun this is the only check,
     // and each rank can only see its own share (the others may already hold theirs).

@@ -97,7 +97,7 @@ impl Trainer {
         let gpt = Gpt::new(&cfg.model, &layout);
         let mut params = vec![0.0; layout.len];
         gpt.init(&mut params, &mut Rng::new(&[cfg.seed, purpose::INIT]));
-        let faults = FaultPlan::new(&cfg.faults, info.rank).map_err(WorkerError::Usage)?;
+        let faults = FaultPlan::new(&cfg.faults, info.rank)?;
         let max_b = cfg.rl.prompts_per_rank * cfg.rl.group_size;
         let acts = model::Activations::new(&cfg.model, max_b, cfg.rl.response_len + 1);
         let mut t = Trainer {
