@@ -236,7 +236,7 @@ fn gradbus(get: Lookup) -> Result<Option<Claim>, RankError> {
     if num(get, env::RANK)?.is_none() {
         return Ok(None);
     }
-    let by = format!("the launcher sets it with {}", env::RANK);
+    let by = format!("`gradbus run`, which sets {}", env::RANK);
     Ok(Some(Claim {
         source: "gradbus",
         vars: (env::RANK, env::WORLD_SIZE),
