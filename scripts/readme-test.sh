@@ -128,7 +128,12 @@ for d in "${dirs[@]}"; do
   [ -n "$d" ] && [ ! -x "$d/gradbus" ] && path="${path:+$path:}$d"
 done
 export PATH="$CARGO_INSTALL_ROOT/bin:$path"
-if [ -e "$pyvenv/.complete" ]; then export PATH="$pyvenv/bin:$PATH"; fi
+if [ -e "$pyvenv/.complete" ]; then
+  export PATH="$pyvenv/bin:$PATH"
+  # python/test.sh installed its own build of the package there: remove it, so that the README's
+  # `pip install` really installs the clone's wheel (pip skips a wheel of a version already there).
+  "$pyvenv/bin/python" -m pip uninstall -y -q gradbus
+fi
 skip_log=${GRADBUS_SKIP_LOG:-}
 while IFS= read -r name; do unset "$name"; done < <(compgen -e | grep '^GRADBUS_' || true)
 

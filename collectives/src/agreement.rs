@@ -96,7 +96,7 @@ impl ExactSum {
     }
 
     /// The exact sum rounded once to the nearest f64 (ties to even); past f64::MAX, an infinity.
-    /// An empty (or exactly cancelling) sum is +0.0.
+    /// An exactly cancelling sum is +0.0; an empty sum, or one of only -0.0 terms, is -0.0.
     pub fn round(&self) -> f64 {
         let mut d = self.clone();
         d.normalize();

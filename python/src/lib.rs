@@ -211,7 +211,7 @@ impl Agreement {
         let mut spike = None;
         if verdict.action == Action::Proceed {
             if let Some(ds) = &mut self.spikes {
-                let loss = t.reports.iter().map(|r| r.loss).sum::<f64>() / world as f64;
+                let loss = t.mean_loss();
                 let norm = t.grad_norm() / world as f64;
                 for ((d, x), name) in ds.iter_mut().zip([loss, norm]).zip(["loss", "grad norm"]) {
                     if let Some(s) = d.observe(x) {

@@ -170,13 +170,15 @@ impl Operands {
     /// The operands of the sub-product that starts at row `i`, column `j`, inner index `p`.
     ///
     /// # Safety
-    /// The offsets must stay inside the allocations (the caller's shapes).
+    /// Reads and writes through the result must stay inside the allocations (the caller's shapes);
+    /// the pointers themselves may point past them (a tile with no rows left is never touched).
     #[inline(always)]
     unsafe fn at(self, i: usize, j: usize, p: usize) -> Operands {
         Operands {
-            a: self.a.add(i * self.rsa + p * self.csa),
-            b: self.b.add(p * self.rsb + j),
-            c: self.c.add(i * self.rsc + j),
+            // wrapping: `rows` asks for the tile at i == m (no rows left) too, which is never read.
+            a: self.a.wrapping_add(i * self.rsa + p * self.csa),
+            b: self.b.wrapping_add(p * self.rsb + j),
+            c: self.c.wrapping_add(i * self.rsc + j),
             ..self
         }
     }
@@ -285,8 +287,9 @@ unsafe fn tile<const R: usize, const W: usize>(k: usize, ops: Operands) {
                 *x = ai.mul_add(bj, *x);
             }
         }
-        ap = ap.add(csa);
-        bp = bp.add(rsb);
+        // wrapping: after the last step these point one stride past the operands, never read.
+        ap = ap.wrapping_add(csa);
+        bp = bp.wrapping_add(rsb);
     }
     for (i, row) in acc.iter().enumerate() {
         *(c.add(i * rsc) as *mut [f32; W]) = *row;
