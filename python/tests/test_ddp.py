@@ -11,7 +11,7 @@ from ddp_case import run
 # same Rust type, so a drift in either shows here.
 REPORT_KEYS = {
     "step", "minibatch", "attempt", "verdict", "ranks", "bucket", "param", "element",
-    "nan", "inf", "per_rank", "loss_finite", "classification",
+    "nan", "inf", "per_rank", "loss_finite", "classification", "cause",
 }
 
 
@@ -72,6 +72,7 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
     assert (report["step"], report["ranks"], report["param"], report["element"]) == (
         plant["step"], [plant["rank"]], plant["param"], plant["element"])
     assert (report["nan"], report["inf"], report["verdict"], report["loss_finite"]) == (int(nan), int(not nan), "abort", True)
+    assert report["cause"] == "local_gradients", report
     assert report["per_rank"] == [{"rank": plant["rank"], "nan": int(nan), "inf": int(not nan), "first_bucket": report["bucket"]}]
     msg = errors.pop()
     assert f"param {plant['param']} element {plant['element']}" in msg and f"rank(s) [{plant['rank']}]" in msg, msg
