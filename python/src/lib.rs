@@ -194,7 +194,7 @@ impl Agreement {
     /// The verdict on one update from the gathered table (`world` rows, see `CELL`) and DDP's bucket
     /// layout (`layout[b]` = [(name, numel), ...]); records it in the history. Returns
     /// (action, report JSON or None, spike description or None). The report JSON is the runtime's
-    /// `report.json` text (the same `Report` type).
+    /// `report.json` text: the runtime's `Report`, sealed as the runtime writes it (format, crc32c).
     #[pyo3(signature = (table, world, layout, step, attempt))]
     fn decide(
         &mut self,
@@ -224,11 +224,7 @@ impl Agreement {
             }
         }
         self.history.record(&t, &verdict);
-        let report = verdict
-            .report
-            .as_ref()
-            .map(|r| serde_json::to_string_pretty(r).map_err(|e| PyValueError::new_err(e.to_string())))
-            .transpose()?;
+        let report = verdict.report.as_ref().map(gradbus_worker::artifacts::report_text);
         Ok((action_name(verdict.action).to_string(), report, spike))
     }
 
