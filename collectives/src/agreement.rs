@@ -580,18 +580,21 @@ impl AgreementPath {
 }
 
 /// The time model's constants, calibrated on the development machine (2 cores, Open MPI 4.1 over
-/// shared memory; `scripts/agreement-cost.py` on `gradbus worker --bench-allreduce --agreement`,
-/// docs/agreement.md): one exchange's latency, the cost of a byte moved into a rank, and the CPU
-/// cost per byte of building and reading each path's words.
+/// shared memory; `scripts/agreement-cost.py` on `gradbus worker --bench-allreduce --agreement`, the
+/// run in docs/agreement.md): one exchange's latency and the cost of a byte moved into a rank (from
+/// the 2-rank all-gathers), and the CPU cost per byte of reading the gathered rows into the table
+/// and of writing and reading the summary's words (from every row's CPU-only timings). A real
+/// network has a larger latency (which favours the table: one collective instead of two) and a
+/// larger cost per byte (which favours the summary); `GRADBUS_AGREEMENT` overrides the choice.
 pub mod model {
     /// Latency of one exchange (microseconds).
-    pub const ALPHA_US: f64 = 1.0;
+    pub const ALPHA_US: f64 = 0.63;
     /// Transfer cost of a byte into a rank (microseconds).
-    pub const BETA_US_PER_BYTE: f64 = 0.084e-3;
+    pub const BETA_US_PER_BYTE: f64 = 0.0818e-3;
     /// Table path: reading the gathered rows into the table, per byte of all rows (microseconds).
-    pub const TABLE_CPU_US_PER_BYTE: f64 = 0.139e-3;
+    pub const TABLE_CPU_US_PER_BYTE: f64 = 0.1165e-3;
     /// Summary path: writing and reading the summary's words, per byte of one summary (microseconds).
-    pub const SUMMARY_CPU_US_PER_BYTE: f64 = 0.519e-3;
+    pub const SUMMARY_CPU_US_PER_BYTE: f64 = 0.5336e-3;
 }
 
 /// Bytes, exchanges and modelled time of one agreement, per rank, on both paths (docs/agreement.md).

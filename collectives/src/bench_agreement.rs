@@ -11,7 +11,7 @@
 
 use serde::Serialize;
 
-use crate::agreement::{cost, AgreementPath, Cost};
+use crate::agreement::{AgreementPath, Cost};
 use crate::Error;
 
 /// Timed rounds per bucket count; the best is reported (a shared machine's interference only
@@ -52,7 +52,9 @@ pub struct AgreementRow {
 }
 
 impl AgreementRow {
-    fn new(cost: Cost, times: Times) -> AgreementRow {
+    /// The row of `times` measured at `cost`'s world size and bucket count, with the model's times
+    /// and choice.
+    pub fn new(cost: Cost, times: Times) -> AgreementRow {
         let model_choice = AgreementPath::cheaper(cost.world, cost.buckets).name();
         AgreementRow { cost, times, model_table_us: cost.table_us(), model_summary_us: cost.summary_us(), model_choice }
     }
@@ -67,7 +69,7 @@ pub fn rank_main(rank: usize, np: usize, buckets: &[usize], iters: usize) -> Res
     let mut rows = Vec::new();
     for &b in buckets {
         let times = crate::mpi::bench_agreement(&universe, b, 3, iters, ROUNDS);
-        rows.push(AgreementRow::new(cost(np, b), times));
+        rows.push(AgreementRow::new(crate::agreement::cost(np, b), times));
     }
     Ok((rank == 0).then_some(rows))
 }
