@@ -4,6 +4,10 @@
 //! random inputs that include NaN, Inf, denormal and huge values. Kernels are deterministic: the
 //! order of floating-point operations is fixed, so the same input gives the same bits.
 //!
+//! The CPU kernels run at one instruction-set level ([`simd`]: AVX-512, AVX2 or AVX, each with FMA,
+//! or the baseline), the best the CPU has unless `GRADBUS_SIMD` or a test forces one; the level
+//! changes the speed, never a bit (`kernels/tests/simd.rs` runs every level the CPU has).
+//!
 //! The CUDA versions (feature `cuda`, module [`cuda`]) keep the CPU kernels' names and argument
 //! order; without the feature the module is a stub whose constructors return
 //! [`Error::NotCompiledWithCuda`].
