@@ -15,9 +15,11 @@ pub mod failure;
 pub mod faults;
 pub mod forensics;
 pub mod gradients;
+pub mod judge;
 pub mod loss;
 pub mod metrics;
 pub mod model;
+pub mod policy;
 pub mod probe;
 pub mod rank;
 pub mod rollout;
@@ -208,7 +210,8 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let hash = config_hash ^ layout.hash();
     let bus = transport(&info, &cfg, hash, layout)?;
-    let mut trainer = Trainer::new(cfg, hash, canonical, info, run_dir, bus, args.resume)?;
+    let mut trainer =
+        Trainer::new(gradbus_kernels::backend::Cpu, cfg, hash, canonical, info, run_dir, bus, args.resume)?;
     match trainer.run() {
         Ok(Outcome::Done) => Ok(Code::Done),
         Ok(Outcome::Aborted(report)) => {
