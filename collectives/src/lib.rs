@@ -5,7 +5,7 @@
 //! This crate knows nothing about models: it sees named slots of f32 and ranks.
 //!
 //! Transports: `Solo` (one rank), the shared-memory bus, MPI and hierarchical shm+MPI (feature
-//! `mpi`), NCCL (feature `cuda`, module `nccl`: compiled but never run, see its header).
+//! `mpi`), NCCL (feature `cuda`, module `nccl`: run at world size 1 on one GPU so far, see its header).
 
 pub mod agreement;
 pub mod bench;

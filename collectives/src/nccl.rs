@@ -1,9 +1,9 @@
 //! The NCCL transport (feature `cuda`): one NCCL communicator per job over every rank's GPU.
 //!
-//! NEVER RUN: this file was written from cudarc 0.19's API and has only been compiled, and tested on
-//! a machine without a CUDA driver, where `open` returns `Error::Cuda(NoCudaDriver)`. Treat it as a
-//! first draft to be exercised on GPUs (world size 1 works on one GPU; NCCL refuses two ranks on one
-//! device).
+//! Run at world size 1 only: `tests/nccl.rs`'s world-1 test passed on an H200 (`scripts/gpu-check.sh
+//! --prebuilt`, see FIELD-NOTES); on a machine without a CUDA driver `open` returns
+//! `Error::Cuda(NoCudaDriver)`. Two or more ranks have not run yet: that needs a GPU per rank (NCCL
+//! refuses two ranks on one device).
 //!
 //! ```text
 //!  open:    rank 0: ncclGetUniqueId -> {run_dir}/nccl-{job_id}.id (temp file + rename)

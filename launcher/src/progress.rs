@@ -15,8 +15,8 @@
 //!   tell the story, the plain line adds the slowest rank and the rate. stdout is never touched, so
 //!   what the workers print there stays exactly theirs.
 //!
-//! Per-rank heartbeat staleness is not shown: the header keeps heartbeats, but `read_progress` does
-//! not return them (yet). A segment that does not exist (before the bus opens, after it closes, the
+//! Per-rank heartbeat staleness is not shown: the heartbeats are readable (`read_status`'s
+//! `heartbeat_ns`, against `monotonic_ns()`), but the bar reads only `read_progress`. A segment that does not exist (before the bus opens, after it closes, the
 //! remote nodes of an `mpirun` job, a fake worker) simply contributes nothing.
 
 use std::collections::VecDeque;

@@ -21,7 +21,8 @@
 //! with its own pid namespace and a bind-mounted `/dev/shm` would make its live launchers look dead
 //! here, and only the age bound would protect its segments (memory writes through a mapping do not
 //! update a tmpfs file's mtime). The rank heartbeats in the segment header would settle it; they
-//! are not readable through `gradbus_collectives` yet.
+//! are readable (`gradbus_collectives::read_status`'s `heartbeat_ns`, against `monotonic_ns()`),
+//! but this sweep does not consult them yet.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
