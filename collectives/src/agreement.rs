@@ -26,8 +26,6 @@
 
 use gradbus_kernels::Health;
 
-use crate::verdict::LocalReport;
-
 /// Limbs of `ExactSum`: 32-bit digits from 2^-1074 (the least subnormal) up. The largest finite
 /// f64's top bit is bit 2097, so 66 limbs hold any one value; the 67th, and the 32 spare bits of
 /// each i64 limb, hold the carries of up to 2^31 summed contributions.
@@ -286,6 +284,48 @@ impl Stat {
     }
 }
 
+/// Scalars that each rank contributes to the agreement (exchanged with the health table, no extra
+/// round trip). `loss` decides `loss_finite`; `values` are the workload's own (reward, KL...), which
+/// the agreement sums exactly and takes the extremes of (`Summary`); `replica` is a checksum of the
+/// state every rank must hold alike (the parameters), which must agree across ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(C)]
+pub struct LocalReport {
+    /// This rank's loss for the update.
+    pub loss: f64,
+    /// Workload-defined scalars, averaged or summed by the workload after the agreement.
+    pub values: [f64; LocalReport::VALUES],
+    /// Checksum of this rank's replica of the shared state; ranks that differ stop the job.
+    pub replica: u64,
+}
+
+impl LocalReport {
+    /// Number of workload values.
+    pub const VALUES: usize = 5;
+    /// Words of a report on the wire or in a segment.
+    pub const WORDS: usize = 2 + LocalReport::VALUES;
+
+    /// The report as words: loss bits, value bits, replica.
+    pub fn to_words(&self) -> [u64; LocalReport::WORDS] {
+        let mut w = [0; LocalReport::WORDS];
+        w[0] = self.loss.to_bits();
+        for (w, v) in w[1..].iter_mut().zip(&self.values) {
+            *w = v.to_bits();
+        }
+        w[LocalReport::WORDS - 1] = self.replica;
+        w
+    }
+
+    /// The report of `to_words`' words.
+    pub fn from_words(w: &[u64]) -> LocalReport {
+        LocalReport {
+            loss: f64::from_bits(w[0]),
+            values: std::array::from_fn(|i| f64::from_bits(w[1 + i])),
+            replica: w[LocalReport::WORDS - 1],
+        }
+    }
+}
+
 /// Why a summary cannot decide alone: the transports then gather the full table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Anomaly {
@@ -502,13 +542,17 @@ impl Summary {
     }
 }
 
-/// Health as 4 words: nan, inf, sumsq bits, first bad (or `u64::MAX`).
-fn health_words(h: &Health) -> [u64; 4] {
-    [h.nan, h.inf, h.sumsq.to_bits(), h.first_bad.unwrap_or(u64::MAX)]
+/// "No value" in a health word (no first bad index).
+pub(crate) const NONE: u64 = u64::MAX;
+
+/// Health as 4 words: nan, inf, sumsq bits, first bad (or `NONE`).
+pub(crate) fn health_words(h: &Health) -> [u64; 4] {
+    [h.nan, h.inf, h.sumsq.to_bits(), h.first_bad.unwrap_or(NONE)]
 }
 
-fn health_of(w: &[u64]) -> Health {
-    Health { nan: w[0], inf: w[1], sumsq: f64::from_bits(w[2]), first_bad: (w[3] != u64::MAX).then_some(w[3]) }
+/// Health from its 4 words.
+pub(crate) fn health_of(w: &[u64]) -> Health {
+    Health { nan: w[0], inf: w[1], sumsq: f64::from_bits(w[2]), first_bad: (w[3] != NONE).then_some(w[3]) }
 }
 
 /// Which way the agreement goes: the O(buckets) summary with the table only on an anomaly (the
@@ -553,10 +597,9 @@ impl AgreementPath {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::layout::{Layout, ParamSpec};
-    use crate::verdict::{decide, HealthTable, History, Policy, StepId};
     use gradbus_kernels::rng::Rng;
 
     /// Shewchuk's exact partials with a correctly rounded result (Python's `math.fsum`): an
@@ -609,7 +652,7 @@ mod tests {
         hi
     }
 
-    fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
+    pub(crate) fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
         for i in (1..v.len()).rev() {
             v.swap(i, rng.below(i + 1));
         }
@@ -622,7 +665,7 @@ mod tests {
     }
 
     /// A random finite f64 with an exponent in `exp` (either sign, some subnormals and zeros).
-    fn value(rng: &mut Rng, exp: std::ops::Range<i32>) -> f64 {
+    pub(crate) fn value(rng: &mut Rng, exp: std::ops::Range<i32>) -> f64 {
         let m = 1.0 + rng.uniform() as f64 + (rng.uniform() as f64) * 2f64.powi(-24);
         let e = exp.start + rng.below((exp.end - exp.start) as usize) as i32;
         let sign = if rng.uniform() < 0.5 { -1.0 } else { 1.0 };
@@ -740,7 +783,7 @@ mod tests {
 
     /// A random health table of `world` ranks over `layout`, some cells, reduced buckets or
     /// reports made non-finite or inconsistent with probability `p_bad` each.
-    fn random_rows(
+    pub(crate) fn random_rows(
         rng: &mut Rng,
         layout: &Layout,
         world: usize,
@@ -785,7 +828,7 @@ mod tests {
     }
 
     /// An all-reduce of the contributions in a random order: wrapping sums and maxima of words.
-    fn allreduce(rng: &mut Rng, parts: &[Summary]) -> Summary {
+    pub(crate) fn allreduce(rng: &mut Rng, parts: &[Summary]) -> Summary {
         let nb = parts[0].buckets();
         let mut order: Vec<usize> = (0..parts.len()).collect();
         shuffle(rng, &mut order);
@@ -799,55 +842,6 @@ mod tests {
             }
         }
         Summary::from_words(nb, &s, &m)
-    }
-
-    #[test]
-    fn the_summary_path_gives_the_table_paths_summary_verdict_and_metrics_bit_for_bit() {
-        let specs: Vec<ParamSpec> = (0..9).map(|i| ParamSpec::new(format!("p{i}"), 10 + 37 * i)).collect();
-        let layout = Layout::new(&specs, 600);
-        let mut rng = Rng::new(&[18, 4]);
-        let at = StepId { step: 3, minibatch: 1, attempt: 0 };
-        let (mut healthy, mut anomalous) = (0, 0);
-        for case in 0..600 {
-            let world = 1 + rng.below(12);
-            let p_bad = [0.0, 0.02, 0.2][case % 3];
-            let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, p_bad);
-            let nb = layout.buckets.len();
-            let local = (0..nb).flat_map(|b| rows.iter().map(move |r| r[b])).collect();
-            let table = HealthTable::detailed(world, local, reduced.clone(), reports.clone(), Some(7));
-            // Every rank a reducer, as in the flat MPI transport.
-            let parts: Vec<Summary> = (0..world)
-                .map(|k| {
-                    let mut s = Summary::of_rank(&rows[k], Some(&reduced), &reports[k]);
-                    s.ops.add(7);
-                    s
-                })
-                .collect();
-            let summary = allreduce(&mut rng, &parts);
-            assert_eq!(summary, table.summary, "case {case}");
-            let finite = table.all_finite() && table.loss_finite() && table.summary.values.iter().all(Stat::all_finite);
-            let same_replica = reports.iter().all(|r| r.replica == reports[0].replica);
-            assert_eq!(summary.anomaly().is_none(), finite && same_replica, "case {case}");
-            if summary.anomaly().is_some() {
-                anomalous += 1;
-                continue;
-            }
-            healthy += 1;
-            let small = HealthTable::summarized(world, summary).unwrap();
-            assert!(!small.is_detailed());
-            assert_eq!(small.reduced, table.reduced);
-            assert_eq!(small.grad_norm().to_bits(), table.grad_norm().to_bits());
-            assert_eq!(small.mean_loss().to_bits(), table.mean_loss().to_bits());
-            for k in 0..LocalReport::VALUES {
-                assert_eq!(small.mean_value(k).to_bits(), table.mean_value(k).to_bits());
-                assert_eq!(small.summary.values[k].max().to_bits(), table.summary.values[k].max().to_bits());
-            }
-            assert!(small.nonfinite_ranks().is_empty() && table.nonfinite_ranks().is_empty());
-            let policy = Policy::Skip { max_consecutive: 2, max_fraction: 0.5, window: 8 };
-            let h = History::default();
-            assert_eq!(decide(&small, &layout, &policy, &h, at), decide(&table, &layout, &policy, &h, at));
-        }
-        assert!(healthy > 150 && anomalous > 150, "both paths exercised: {healthy} healthy, {anomalous} not");
     }
 
     #[test]

@@ -10,8 +10,7 @@
 
 use serde::Serialize;
 
-use crate::agreement::Summary;
-use crate::verdict::LocalReport;
+use crate::agreement::{LocalReport, Summary};
 use crate::Error;
 
 /// Timed rounds per bucket count; the best is reported (a shared machine's interference only

@@ -23,15 +23,14 @@ pub mod verdict;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 mod wire;
 
-pub use agreement::{AgreementPath, Anomaly, ExactSum, Stat, Summary};
+pub use agreement::{AgreementPath, Anomaly, ExactSum, LocalReport, Stat, Summary};
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use overlap::{backward_and_reduce, BusBackend, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
 pub use spikes::{Spike, SpikeDetector};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
 pub use verdict::{
-    decide, Action, Cause, Classification, HealthTable, History, LocalReport, Policy, RankHealth, Report, StepId,
-    Verdict,
+    decide, Action, Cause, Classification, HealthTable, History, Policy, RankHealth, Report, StepId, Verdict,
 };
 
 /// Errors of the collectives layer.

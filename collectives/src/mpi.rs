@@ -61,14 +61,13 @@ use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
 use gradbus_kernels::{health_scan, Health};
 
-use crate::agreement::{AgreementPath, Summary};
+use crate::agreement::{AgreementPath, LocalReport, Summary};
 use crate::layout::{Fnv, Layout};
 use crate::shm::{BusConfig, ShmBus};
 use crate::transport::{Progress, Transport};
-use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
-/// "No first bad index" in a gathered word.
 use crate::wire::{fold_op, health_of, health_words};
 /// Largest element count of one `MPI_Allreduce` call (counts are C ints).
 const MAX_COUNT: usize = 1 << 30;

@@ -54,9 +54,10 @@ use cudarc::nccl::{Comm, Id, ReduceOp};
 use gradbus_kernels::cuda::Gpu;
 use gradbus_kernels::Health;
 
+use crate::agreement::LocalReport;
 use crate::layout::{Fnv, Layout};
 use crate::transport::{AlignedBuf, Transport};
-use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
 /// "No first bad index" in a row word.

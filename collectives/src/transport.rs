@@ -10,8 +10,9 @@ use std::ops::Range;
 
 use gradbus_kernels::{health_scan, Health};
 
+use crate::agreement::LocalReport;
 use crate::layout::Layout;
-use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
 /// Progress that a rank publishes for the launcher's progress bar.

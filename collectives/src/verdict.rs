@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use gradbus_kernels::Health;
 use serde::{Deserialize, Serialize};
 
-use crate::agreement::Summary;
+use crate::agreement::{LocalReport, Summary};
 use crate::layout::Layout;
 
 /// Which optimizer update a collective belongs to. Never "-1": the worker always knows its step.
@@ -23,48 +23,6 @@ pub struct StepId {
     pub minibatch: u32,
     /// 0 for the first execution, 1 for a rerun.
     pub attempt: u32,
-}
-
-/// Scalars that each rank contributes to the agreement (exchanged with the health table, no extra
-/// round trip). `loss` decides `loss_finite`; `values` are the workload's own (reward, KL...), which
-/// the agreement sums exactly and takes the extremes of (`Summary`); `replica` is a checksum of the
-/// state every rank must hold alike (the parameters), which must agree across ranks.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-#[repr(C)]
-pub struct LocalReport {
-    /// This rank's loss for the update.
-    pub loss: f64,
-    /// Workload-defined scalars, averaged or summed by the workload after the agreement.
-    pub values: [f64; LocalReport::VALUES],
-    /// Checksum of this rank's replica of the shared state; ranks that differ stop the job.
-    pub replica: u64,
-}
-
-impl LocalReport {
-    /// Number of workload values.
-    pub const VALUES: usize = 5;
-    /// Words of a report on the wire or in a segment.
-    pub const WORDS: usize = 2 + LocalReport::VALUES;
-
-    /// The report as words: loss bits, value bits, replica.
-    pub fn to_words(&self) -> [u64; LocalReport::WORDS] {
-        let mut w = [0; LocalReport::WORDS];
-        w[0] = self.loss.to_bits();
-        for (w, v) in w[1..].iter_mut().zip(&self.values) {
-            *w = v.to_bits();
-        }
-        w[LocalReport::WORDS - 1] = self.replica;
-        w
-    }
-
-    /// The report of `to_words`' words.
-    pub fn from_words(w: &[u64]) -> LocalReport {
-        LocalReport {
-            loss: f64::from_bits(w[0]),
-            values: std::array::from_fn(|i| f64::from_bits(w[1 + i])),
-            replica: w[LocalReport::WORDS - 1],
-        }
-    }
 }
 
 /// What every rank knows after the agreement of one update.
@@ -515,7 +473,10 @@ fn suspects(fp: &[(u64, u64, Option<u64>)], world: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agreement::tests::{allreduce, random_rows};
+    use crate::agreement::Stat;
     use crate::layout::ParamSpec;
+    use gradbus_kernels::rng::Rng;
 
     fn layout() -> Layout {
         Layout::new(&[ParamSpec::new("w0", 40), ParamSpec::new("w1", 20), ParamSpec::new("head", 10)], 0)
@@ -679,5 +640,54 @@ mod tests {
         let t = HealthTable::detailed(t.world, t.local, t.reduced, reports, None);
         let r = decide(&t, &layout(), &Policy::Abort, &History::default(), AT).report.unwrap();
         assert!(!r.loss_finite);
+    }
+
+    #[test]
+    fn the_summary_path_gives_the_table_paths_summary_verdict_and_metrics_bit_for_bit() {
+        let specs: Vec<ParamSpec> = (0..9).map(|i| ParamSpec::new(format!("p{i}"), 10 + 37 * i)).collect();
+        let layout = Layout::new(&specs, 600);
+        let mut rng = Rng::new(&[18, 4]);
+        let at = StepId { step: 3, minibatch: 1, attempt: 0 };
+        let (mut healthy, mut anomalous) = (0, 0);
+        for case in 0..600 {
+            let world = 1 + rng.below(12);
+            let p_bad = [0.0, 0.02, 0.2][case % 3];
+            let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, p_bad);
+            let nb = layout.buckets.len();
+            let local = (0..nb).flat_map(|b| rows.iter().map(move |r| r[b])).collect();
+            let table = HealthTable::detailed(world, local, reduced.clone(), reports.clone(), Some(7));
+            // Every rank a reducer, as in the flat MPI transport.
+            let parts: Vec<Summary> = (0..world)
+                .map(|k| {
+                    let mut s = Summary::of_rank(&rows[k], Some(&reduced), &reports[k]);
+                    s.ops.add(7);
+                    s
+                })
+                .collect();
+            let summary = allreduce(&mut rng, &parts);
+            assert_eq!(summary, table.summary, "case {case}");
+            let finite = table.all_finite() && table.loss_finite() && table.summary.values.iter().all(Stat::all_finite);
+            let same_replica = reports.iter().all(|r| r.replica == reports[0].replica);
+            assert_eq!(summary.anomaly().is_none(), finite && same_replica, "case {case}");
+            if summary.anomaly().is_some() {
+                anomalous += 1;
+                continue;
+            }
+            healthy += 1;
+            let small = HealthTable::summarized(world, summary).unwrap();
+            assert!(!small.is_detailed());
+            assert_eq!(small.reduced, table.reduced);
+            assert_eq!(small.grad_norm().to_bits(), table.grad_norm().to_bits());
+            assert_eq!(small.mean_loss().to_bits(), table.mean_loss().to_bits());
+            for k in 0..LocalReport::VALUES {
+                assert_eq!(small.mean_value(k).to_bits(), table.mean_value(k).to_bits());
+                assert_eq!(small.summary.values[k].max().to_bits(), table.summary.values[k].max().to_bits());
+            }
+            assert!(small.nonfinite_ranks().is_empty() && table.nonfinite_ranks().is_empty());
+            let policy = Policy::Skip { max_consecutive: 2, max_fraction: 0.5, window: 8 };
+            let h = History::default();
+            assert_eq!(decide(&small, &layout, &policy, &h, at), decide(&table, &layout, &policy, &h, at));
+        }
+        assert!(healthy > 150 && anomalous > 150, "both paths exercised: {healthy} healthy, {anomalous} not");
     }
 }

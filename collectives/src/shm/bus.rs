@@ -17,10 +17,10 @@ use super::segment::{
     attach, check_job_id, create, load_health, store_health, BusConfig, Geometry, HealthCell, RankCell,
 };
 use super::{FAIL_MARKED, ST_ATTACHED, ST_DEPARTED};
-use crate::agreement::{AgreementPath, Summary};
+use crate::agreement::{AgreementPath, LocalReport, Summary};
 use crate::layout::{chunk_range, Layout, ALIGN_FLOATS};
 use crate::transport::{Progress, Transport};
-use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
 /// The shared-memory bus of one rank.

@@ -17,8 +17,8 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use super::liveness::{process_alive, self_start_time};
 use super::{HEADER_BYTES, MAGIC, NONE, PAGE, VERSION};
+use crate::agreement::LocalReport;
 use crate::layout::Layout;
-use crate::verdict::LocalReport;
 use crate::Error;
 
 /// How the bus is opened by one rank.
