@@ -24,7 +24,11 @@
 //!
 //! Pure functions, no transport: the PyTorch guard reuses this shape.
 
+use std::sync::Arc;
+
 use gradbus_kernels::Health;
+
+use crate::layout::Fnv;
 
 /// Limbs of `ExactSum`: 32-bit digits from 2^-1074 (the least subnormal) up. The largest finite
 /// f64's top bit is bit 2097, so 66 limbs hold any one value; the 67th, and the 32 spare bits of
@@ -284,44 +288,92 @@ impl Stat {
     }
 }
 
+/// The names of the workload's values (a reward, a KL...) that every rank reports in the
+/// agreement, in the order its words carry them: any number of them, none included (the PyTorch
+/// guard reports none). A transport is opened with them: the shared-memory bus sizes its report
+/// cells by their count, ranks check at open that they hold the same names (`hash`), and the
+/// agreed summary answers by name (`Summary::value`). Cheap to clone.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ValueNames(Arc<[String]>);
+
+impl ValueNames {
+    /// Names in wire order.
+    ///
+    /// # Panics
+    /// When a name occurs twice (a program bug: a value could not be found by its name).
+    pub fn new<S: AsRef<str>>(names: &[S]) -> ValueNames {
+        let names: Vec<String> = names.iter().map(|s| s.as_ref().to_string()).collect();
+        for (i, n) in names.iter().enumerate() {
+            assert!(!names[..i].contains(n), "value name {n:?} given twice in {names:?}");
+        }
+        ValueNames(names.into())
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The names in wire order.
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(String::as_str)
+    }
+
+    /// Wire position of a name.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.0.iter().position(|n| n == name)
+    }
+
+    /// A hash of the names in order (FNV-1a), for the identity check at open.
+    pub fn hash(&self) -> u64 {
+        let mut h = Fnv::default();
+        for n in self.iter() {
+            h.write(&(n.len() as u64).to_le_bytes());
+            h.write(n.as_bytes());
+        }
+        h.0
+    }
+}
+
 /// Scalars that each rank contributes to the agreement (exchanged with the health table, no extra
-/// round trip). `loss` decides `loss_finite`; `values` are the workload's own (reward, KL...), which
-/// the agreement sums exactly and takes the extremes of (`Summary`); `replica` is a checksum of the
-/// state every rank must hold alike (the parameters), which must agree across ranks.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-#[repr(C)]
+/// round trip). `loss` decides `loss_finite`; `values` are the workload's own, one per name of the
+/// transport's `ValueNames` and in their order, which the agreement sums exactly and takes the
+/// extremes of (`Summary`); `replica` is a checksum of the state every rank must hold alike (the
+/// parameters), which must agree across ranks.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct LocalReport {
     /// This rank's loss for the update.
     pub loss: f64,
-    /// Workload-defined scalars, averaged or summed by the workload after the agreement.
-    pub values: [f64; LocalReport::VALUES],
+    /// The workload's values, in the order of the transport's `ValueNames`.
+    pub values: Vec<f64>,
     /// Checksum of this rank's replica of the shared state; ranks that differ stop the job.
     pub replica: u64,
 }
 
 impl LocalReport {
-    /// Number of workload values.
-    pub const VALUES: usize = 5;
-    /// Words of a report on the wire or in a segment.
-    pub const WORDS: usize = 2 + LocalReport::VALUES;
-
-    /// The report as words: loss bits, value bits, replica.
-    pub fn to_words(&self) -> [u64; LocalReport::WORDS] {
-        let mut w = [0; LocalReport::WORDS];
-        w[0] = self.loss.to_bits();
-        for (w, v) in w[1..].iter_mut().zip(&self.values) {
-            *w = v.to_bits();
-        }
-        w[LocalReport::WORDS - 1] = self.replica;
-        w
+    /// Words of a report of `values` values on the wire or in a segment.
+    pub fn words(values: usize) -> usize {
+        2 + values
     }
 
-    /// The report of `to_words`' words.
+    /// The report as words: loss bits, value bits, replica.
+    pub fn to_words(&self) -> Vec<u64> {
+        let values = self.values.iter().map(|v| v.to_bits());
+        std::iter::once(self.loss.to_bits()).chain(values).chain([self.replica]).collect()
+    }
+
+    /// The report of `to_words`' words (all of `w`: its length gives the number of values).
     pub fn from_words(w: &[u64]) -> LocalReport {
+        assert!(w.len() >= 2, "a report is at least 2 words, got {}", w.len());
         LocalReport {
             loss: f64::from_bits(w[0]),
-            values: std::array::from_fn(|i| f64::from_bits(w[1 + i])),
-            replica: w[LocalReport::WORDS - 1],
+            values: w[1..w.len() - 1].iter().map(|&b| f64::from_bits(b)).collect(),
+            replica: w[w.len() - 1],
         }
     }
 }
@@ -340,8 +392,8 @@ pub enum Anomaly {
 }
 
 /// The agreed summary of one update (see the module doc): per bucket the NaN and Inf totals of the
-/// ranks' local gradients and the reduced bucket's health; the loss and each workload value as a
-/// `Stat`; the replica checksum and the collective-sequence hash as `Agreed` values.
+/// ranks' local gradients and the reduced bucket's health; the loss and each workload value (by
+/// name) as a `Stat`; the replica checksum and the collective-sequence hash as `Agreed` values.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Summary {
     /// Per bucket: NaN elements over every rank's local gradients.
@@ -352,8 +404,10 @@ pub struct Summary {
     reduced: Vec<[Agreed; 4]>,
     /// The loss over ranks.
     pub loss: Stat,
-    /// Each workload value over ranks.
-    pub values: [Stat; LocalReport::VALUES],
+    /// The workload values' names.
+    names: ValueNames,
+    /// Each workload value over ranks, in the order of `names`.
+    values: Vec<Stat>,
     /// The replicas' parameter checksum.
     pub replica: Agreed,
     /// The hash of the collectives each rank ran since the last agreement (transports that check it).
@@ -361,23 +415,24 @@ pub struct Summary {
 }
 
 impl Summary {
-    /// The neutral summary of `buckets` buckets: merging it changes nothing.
-    pub fn empty(buckets: usize) -> Summary {
+    /// The neutral summary of `buckets` buckets and the values `names`: merging it changes nothing.
+    pub fn empty(buckets: usize, names: &ValueNames) -> Summary {
         Summary {
             nan: vec![0; buckets],
             inf: vec![0; buckets],
             reduced: vec![[Agreed::default(); 4]; buckets],
             loss: Stat::default(),
-            values: Default::default(),
+            names: names.clone(),
+            values: vec![Stat::default(); names.len()],
             replica: Agreed::default(),
             ops: Agreed::default(),
         }
     }
 
     /// One rank's contribution: its local health per bucket, the reduced buckets' health when it
-    /// reduced them, its report.
-    pub fn of_rank(local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Summary {
-        let mut s = Summary::empty(local.len());
+    /// reduced them, its report (of the values `names`).
+    pub fn of_rank(names: &ValueNames, local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Summary {
+        let mut s = Summary::empty(local.len(), names);
         for (b, h) in local.iter().enumerate() {
             s.add_local(b, h.nan, h.inf);
         }
@@ -391,6 +446,27 @@ impl Summary {
     /// Number of buckets.
     pub fn buckets(&self) -> usize {
         self.nan.len()
+    }
+
+    /// The workload values' names.
+    pub fn names(&self) -> &ValueNames {
+        &self.names
+    }
+
+    /// The workload value `name` over ranks.
+    ///
+    /// # Panics
+    /// When `name` is not one of the values the transport was opened with (a program bug).
+    pub fn value(&self, name: &str) -> &Stat {
+        match self.names.position(name) {
+            Some(i) => &self.values[i],
+            None => panic!("{name:?} is not a value of this agreement (its values: {:?})", self.names),
+        }
+    }
+
+    /// Every workload value over ranks, with its name, in wire order.
+    pub fn values(&self) -> impl Iterator<Item = (&str, &Stat)> {
+        self.names.iter().zip(&self.values)
     }
 
     /// Count non-finite local elements of one bucket.
@@ -415,7 +491,17 @@ impl Summary {
     }
 
     /// Contribute one rank's report.
+    ///
+    /// # Panics
+    /// When it holds another number of values than the summary's names (a program bug).
     pub fn add_report(&mut self, r: &LocalReport) {
+        assert_eq!(
+            r.values.len(),
+            self.values.len(),
+            "a report of {} values to an agreement of the values {:?}",
+            r.values.len(),
+            self.names
+        );
         self.loss.add(r.loss);
         for (s, &v) in self.values.iter_mut().zip(&r.values) {
             s.add(v);
@@ -425,7 +511,7 @@ impl Summary {
 
     /// Combine with another contribution (commutative and associative, bit for bit).
     pub fn merge(&mut self, o: &Summary) {
-        assert_eq!(self.buckets(), o.buckets());
+        assert_eq!((self.buckets(), &self.names), (o.buckets(), &o.names));
         for b in 0..self.buckets() {
             self.nan[b] += o.nan[b];
             self.inf[b] += o.inf[b];
@@ -466,9 +552,9 @@ impl Summary {
         None
     }
 
-    /// Words of the integer-sum half of the all-reduce: `sum_words(buckets)` of them.
+    /// Words of the integer-sum half of the all-reduce: `sum_len(buckets, values)` of them.
     pub fn sum_words(&self) -> Vec<u64> {
-        let mut w = Vec::with_capacity(Summary::sum_len(self.buckets()));
+        let mut w = Vec::with_capacity(Summary::sum_len(self.buckets(), self.values.len()));
         w.extend(&self.nan);
         w.extend(&self.inf);
         for s in self.stats() {
@@ -478,9 +564,9 @@ impl Summary {
         w
     }
 
-    /// Words of the maximum half of the all-reduce: `max_len(buckets)` of them.
+    /// Words of the maximum half of the all-reduce: `max_len(buckets, values)` of them.
     pub fn max_words(&self) -> Vec<u64> {
-        let mut w = Vec::with_capacity(Summary::max_len(self.buckets()));
+        let mut w = Vec::with_capacity(Summary::max_len(self.buckets(), self.values.len()));
         for a in self.reduced.iter().flatten().chain([&self.replica, &self.ops]) {
             w.extend([a.max, a.inv_min]);
         }
@@ -490,21 +576,22 @@ impl Summary {
         w
     }
 
-    /// Length of `sum_words` for `buckets` buckets.
-    pub fn sum_len(buckets: usize) -> usize {
-        2 * buckets + (1 + LocalReport::VALUES) * (3 + ExactSum::WORDS)
+    /// Length of `sum_words` for `buckets` buckets and `values` values.
+    pub fn sum_len(buckets: usize, values: usize) -> usize {
+        2 * buckets + (1 + values) * (3 + ExactSum::WORDS)
     }
 
-    /// Length of `max_words` for `buckets` buckets.
-    pub fn max_len(buckets: usize) -> usize {
-        8 * buckets + 4 + 2 * (1 + LocalReport::VALUES)
+    /// Length of `max_words` for `buckets` buckets and `values` values.
+    pub fn max_len(buckets: usize, values: usize) -> usize {
+        8 * buckets + 4 + 2 * (1 + values)
     }
 
     /// The summary of all-reduced words (element-wise wrapping sums of `sum_words`, maxima of
-    /// `max_words`).
-    pub fn from_words(buckets: usize, sum: &[u64], max: &[u64]) -> Summary {
-        assert_eq!((sum.len(), max.len()), (Summary::sum_len(buckets), Summary::max_len(buckets)));
-        let mut s = Summary::empty(buckets);
+    /// `max_words`) of `buckets` buckets and the values `names`.
+    pub fn from_words(buckets: usize, names: &ValueNames, sum: &[u64], max: &[u64]) -> Summary {
+        let lens = (Summary::sum_len(buckets, names.len()), Summary::max_len(buckets, names.len()));
+        assert_eq!((sum.len(), max.len()), lens);
+        let mut s = Summary::empty(buckets, names);
         s.nan.copy_from_slice(&sum[..buckets]);
         s.inf.copy_from_slice(&sum[buckets..2 * buckets]);
         let mut si = sum[2 * buckets..].chunks_exact(3 + ExactSum::WORDS);
@@ -518,7 +605,7 @@ impl Summary {
         }
         s.replica = agreed();
         s.ops = agreed();
-        let stats: Vec<Stat> = (0..1 + LocalReport::VALUES)
+        let stats: Vec<Stat> = (0..1 + names.len())
             .map(|_| {
                 let w = si.next().expect("sum_len words");
                 let m = agreed();
@@ -533,7 +620,7 @@ impl Summary {
             })
             .collect();
         s.loss = stats[0].clone();
-        s.values = std::array::from_fn(|i| stats[i + 1].clone());
+        s.values = stats[1..].to_vec();
         s
     }
 
@@ -781,6 +868,11 @@ pub(crate) mod tests {
         }
     }
 
+    /// The values of the random reports below.
+    pub(crate) fn names() -> ValueNames {
+        ValueNames::new(&["reward", "kl", "max_a", "max_b", "min_c"])
+    }
+
     /// A random health table of `world` ranks over `layout`, some cells, reduced buckets or
     /// reports made non-finite or inconsistent with probability `p_bad` each.
     pub(crate) fn random_rows(
@@ -809,14 +901,14 @@ pub(crate) mod tests {
             .map(|_| {
                 let mut r = LocalReport {
                     loss: value(rng, -8..3) as f32 as f64,
-                    values: std::array::from_fn(|_| value(rng, -20..20)),
+                    values: (0..names().len()).map(|_| value(rng, -20..20)).collect(),
                     replica,
                 };
                 if bad(rng) {
                     r.loss = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY][rng.below(3)];
                 }
                 if bad(rng) {
-                    r.values[rng.below(LocalReport::VALUES)] = f64::NAN;
+                    r.values[rng.below(names().len())] = f64::NAN;
                 }
                 if bad(rng) {
                     r.replica ^= 1 << rng.below(64);
@@ -832,7 +924,8 @@ pub(crate) mod tests {
         let nb = parts[0].buckets();
         let mut order: Vec<usize> = (0..parts.len()).collect();
         shuffle(rng, &mut order);
-        let (mut s, mut m) = (vec![0u64; Summary::sum_len(nb)], vec![0u64; Summary::max_len(nb)]);
+        let values = parts[0].names().len();
+        let (mut s, mut m) = (vec![0u64; Summary::sum_len(nb, values)], vec![0u64; Summary::max_len(nb, values)]);
         for &k in &order {
             for (a, b) in s.iter_mut().zip(parts[k].sum_words()) {
                 *a = a.wrapping_add(b);
@@ -841,7 +934,7 @@ pub(crate) mod tests {
                 *a = (*a).max(b);
             }
         }
-        Summary::from_words(nb, &s, &m)
+        Summary::from_words(nb, parts[0].names(), &s, &m)
     }
 
     #[test]
@@ -853,38 +946,65 @@ pub(crate) mod tests {
             let world = 2 + rng.below(10);
             let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, 0.1);
             let per_rank: Vec<Summary> =
-                (0..world).map(|k| Summary::of_rank(&rows[k], Some(&reduced), &reports[k])).collect();
+                (0..world).map(|k| Summary::of_rank(&names(), &rows[k], Some(&reduced), &reports[k])).collect();
             let cut = 1 + rng.below(world - 1);
             let mut nodes = Vec::new();
             for range in [0..cut, cut..world] {
-                let mut node = Summary::empty(2);
+                let mut node = Summary::empty(2, &names());
                 for k in range {
-                    node.merge(&Summary::of_rank(&rows[k], None, &reports[k]));
+                    node.merge(&Summary::of_rank(&names(), &rows[k], None, &reports[k]));
                 }
                 node.set_reduced(&reduced);
                 nodes.push(node);
             }
-            nodes.push(Summary::empty(2)); // a non-leader
+            nodes.push(Summary::empty(2, &names())); // a non-leader
             assert_eq!(allreduce(&mut rng, &nodes), allreduce(&mut rng, &per_rank));
         }
     }
 
     #[test]
+    fn values_travel_by_name_in_any_number() {
+        let h = [Health { sumsq: 1.0, ..Health::default() }];
+        for n in [0, 1, 5, 13] {
+            let names = ValueNames::new(&(0..n).map(|i| format!("v{i}")).collect::<Vec<_>>());
+            let report =
+                |k: usize| LocalReport { loss: 0.5, values: (0..n).map(|i| (10 * i + k) as f64).collect(), replica: 3 };
+            assert_eq!(report(1).to_words().len(), LocalReport::words(n));
+            assert_eq!(LocalReport::from_words(&report(1).to_words()), report(1));
+            let parts: Vec<Summary> = (0..3).map(|k| Summary::of_rank(&names, &h, Some(&h), &report(k))).collect();
+            let s = allreduce(&mut Rng::new(&[18, 6]), &parts);
+            assert_eq!(s.values().count(), n);
+            for i in 0..n {
+                let v = s.value(&format!("v{i}"));
+                assert_eq!((v.sum(), v.min(), v.max()), ((30 * i + 3) as f64, (10 * i) as f64, (10 * i + 2) as f64));
+            }
+        }
+        assert_ne!(ValueNames::new(&["a", "b"]).hash(), ValueNames::new(&["b", "a"]).hash(), "order is part of it");
+        assert_ne!(ValueNames::new(&["ab"]).hash(), ValueNames::new(&["a", "b"]).hash());
+    }
+
+    #[test]
+    #[should_panic(expected = "\"kl\" is not a value of this agreement")]
+    fn a_value_that_was_not_declared_is_a_program_bug() {
+        Summary::empty(1, &ValueNames::new(&["reward"])).value("kl");
+    }
+
+    #[test]
     fn disagreeing_reducers_replicas_or_collectives_are_anomalies() {
         let h = [Health { sumsq: 2.0, ..Health::default() }];
-        let r = LocalReport { loss: 1.0, ..LocalReport::default() };
-        let mut a = Summary::of_rank(&h, Some(&h), &r);
+        let (none, r) = (ValueNames::default(), LocalReport { loss: 1.0, ..LocalReport::default() });
+        let mut a = Summary::of_rank(&none, &h, Some(&h), &r);
         assert_eq!(a.anomaly(), None);
         let mut b = a.clone();
-        b.merge(&Summary::of_rank(&h, Some(&[Health { sumsq: 2.5, ..Health::default() }]), &r));
+        b.merge(&Summary::of_rank(&none, &h, Some(&[Health { sumsq: 2.5, ..Health::default() }]), &r));
         assert_eq!(b.anomaly(), Some(Anomaly::Reducers));
         let mut c = a.clone();
-        c.merge(&Summary::of_rank(&h, None, &LocalReport { replica: 9, ..r }));
+        c.merge(&Summary::of_rank(&none, &h, None, &LocalReport { replica: 9, ..r.clone() }));
         assert_eq!(c.anomaly(), Some(Anomaly::Replicas));
         assert_eq!(c.replica.range(), Some((0, 9)));
         a.ops.add(1);
         a.ops.add(2);
         assert_eq!(a.anomaly(), Some(Anomaly::Collectives));
-        assert_eq!(Summary::of_rank(&h, None, &r).anomaly(), Some(Anomaly::Reducers), "no reducer at all");
+        assert_eq!(Summary::of_rank(&none, &h, None, &r).anomaly(), Some(Anomaly::Reducers), "no reducer at all");
     }
 }

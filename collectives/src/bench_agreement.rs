@@ -10,7 +10,7 @@
 
 use serde::Serialize;
 
-use crate::agreement::{LocalReport, Summary};
+use crate::agreement::{LocalReport, Summary, ValueNames};
 use crate::Error;
 
 /// Timed rounds per bucket count; the best is reported (a shared machine's interference only
@@ -43,10 +43,10 @@ pub struct Cost {
     pub rounds: usize,
 }
 
-/// The cost model of one agreement.
-pub fn cost(world: usize, buckets: usize) -> Cost {
-    let row_bytes = 8 * (2 + 8 * buckets + LocalReport::WORDS);
-    let summary_bytes = 8 * (Summary::sum_len(buckets) + Summary::max_len(buckets));
+/// The cost model of one agreement of `values` workload values.
+pub fn cost(world: usize, buckets: usize, values: usize) -> Cost {
+    let row_bytes = 8 * (2 + 8 * buckets + LocalReport::words(values));
+    let summary_bytes = 8 * (Summary::sum_len(buckets, values) + Summary::max_len(buckets, values));
     let rounds = world.next_power_of_two().trailing_zeros() as usize;
     Cost {
         world,
@@ -71,16 +71,22 @@ pub struct AgreementRow {
     pub summary_us: f64,
 }
 
-/// Run one benchmark process (started by `mpirun`, every rank with the same arguments); rank 0
-/// returns the rows.
+/// Run one benchmark process (started by `mpirun`, every rank with the same arguments) with the
+/// workload values `values`; rank 0 returns the rows.
 #[cfg(feature = "mpi")]
-pub fn rank_main(rank: usize, np: usize, buckets: &[usize], iters: usize) -> Result<Option<Vec<AgreementRow>>, Error> {
+pub fn rank_main(
+    rank: usize,
+    np: usize,
+    buckets: &[usize],
+    values: &ValueNames,
+    iters: usize,
+) -> Result<Option<Vec<AgreementRow>>, Error> {
     let universe = crate::mpi::universe()?;
     crate::mpi::check_bench_world(&universe, rank, np)?;
     let mut rows = Vec::new();
     for &b in buckets {
-        let (allgather_us, summary_us) = crate::mpi::bench_agreement(&universe, b, 3, iters, ROUNDS);
-        rows.push(AgreementRow { cost: cost(np, b), allgather_us, summary_us });
+        let (allgather_us, summary_us) = crate::mpi::bench_agreement(&universe, b, values, 3, iters, ROUNDS);
+        rows.push(AgreementRow { cost: cost(np, b, values.len()), allgather_us, summary_us });
     }
     Ok((rank == 0).then_some(rows))
 }
@@ -91,6 +97,7 @@ pub fn rank_main(
     _rank: usize,
     _np: usize,
     _buckets: &[usize],
+    _values: &ValueNames,
     _iters: usize,
 ) -> Result<Option<Vec<AgreementRow>>, Error> {
     Err(Error::Mpi {
@@ -121,10 +128,11 @@ mod tests {
 
     #[test]
     fn the_summary_does_not_grow_with_the_world_and_the_table_does() {
-        let (a, b) = (cost(8, 100), cost(16384, 100));
+        let (a, b) = (cost(8, 100, 5), cost(16384, 100, 5));
         assert_eq!(a.summary_bytes, b.summary_bytes);
         assert_eq!(b.table_bytes, 2048 * a.table_bytes);
         assert_eq!((a.rounds, b.rounds), (3, 14));
-        assert_eq!(cost(1, 7).rounds, 0);
+        assert_eq!(cost(1, 7, 5).rounds, 0);
+        assert_eq!(cost(8, 100, 7).row_bytes - a.row_bytes, 16, "2 more values, 2 more words");
     }
 }

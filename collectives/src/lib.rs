@@ -23,7 +23,7 @@ pub mod verdict;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 mod wire;
 
-pub use agreement::{AgreementPath, Anomaly, ExactSum, LocalReport, Stat, Summary};
+pub use agreement::{AgreementPath, Anomaly, ExactSum, LocalReport, Stat, Summary, ValueNames};
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use overlap::{backward_and_reduce, BusBackend, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};

@@ -61,7 +61,7 @@ use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
 use gradbus_kernels::{health_scan, Health};
 
-use crate::agreement::{AgreementPath, LocalReport, Summary};
+use crate::agreement::{AgreementPath, LocalReport, Summary, ValueNames};
 use crate::layout::{Fnv, Layout};
 use crate::shm::{BusConfig, ShmBus};
 use crate::transport::{Progress, Transport};
@@ -157,7 +157,8 @@ fn check_world(world: &SimpleCommunicator, expect: &Expect) -> Result<(), Error>
 const ID_WORDS: usize = 6;
 
 /// One allgather of every rank's identity; every rank runs the same checks on the same rows, so all
-/// fail alike. Returns the rows: [env rank, node id, local rank, local size, config hash, layout hash].
+/// fail alike. Returns the rows: [env rank, node id, local rank, local size, config hash (the
+/// agreement path and the workload values' names folded in), layout hash].
 fn exchange_identity(comm: &SimpleCommunicator, mine: [u64; ID_WORDS]) -> Result<Vec<[u64; ID_WORDS]>, Error> {
     let n = comm.size() as usize;
     let mut all = vec![0u64; n * ID_WORDS];
@@ -216,18 +217,19 @@ fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
 /// then every rank builds the same table from the same rows.
 ///
 /// Row: `[op hash, reducer flag, local health (4 words) x buckets, reduced health (4) x buckets,
-/// report (8)]`. `reduced` is meaningful on reducers only (every rank of the flat transport, the
+/// report (2 + values)]`. `reduced` is meaningful on reducers only (every rank of the flat transport, the
 /// leaders of the hierarchical one); the table takes the lowest reducer's, and every reducer's must
 /// be bitwise the same.
 fn agree_rows(
     comm: &SimpleCommunicator,
+    names: &ValueNames,
     ops: u64,
     local: &[Health],
     reduced: Option<&[Health]>,
     report: &LocalReport,
 ) -> Result<HealthTable, Error> {
     let nb = local.len();
-    let row = 2 + 8 * nb + LocalReport::WORDS;
+    let row = 2 + 8 * nb + LocalReport::words(report.values.len());
     let mut mine = Vec::with_capacity(row);
     mine.push(ops);
     mine.push(reduced.is_some() as u64);
@@ -276,7 +278,7 @@ fn agree_rows(
         reports.push(LocalReport::from_words(&r[2 + 8 * nb..]));
     }
     let reduced = red(first).chunks_exact(4).map(health_of).collect();
-    Ok(HealthTable::detailed(n, local, reduced, reports, Some(ops)))
+    Ok(HealthTable::detailed(n, names, local, reduced, reports, Some(ops)))
 }
 
 /// The summary path of the agreement: the all-reduce of every rank's contribution, as two
@@ -290,7 +292,7 @@ fn allreduce_summary(comm: &SimpleCommunicator, mine: &Summary) -> Summary {
     // 1750 buckets, `--bench-allreduce --agreement`).
     comm.all_reduce_into(&s[..], &mut rs[..], SystemOperation::sum());
     comm.all_reduce_into(&m[..], &mut rm[..], SystemOperation::max());
-    Summary::from_words(mine.buckets(), &rs, &rm)
+    Summary::from_words(mine.buckets(), mine.names(), &rs, &rm)
 }
 
 /// The agreement of both transports: the summary all-reduce, then the full table (`agree_rows`)
@@ -315,7 +317,7 @@ fn agree_world(
             return Ok(HealthTable::summarized(n, summary).expect("no anomaly: the reducers agree"));
         }
     }
-    agree_rows(comm, ops, &local(), reduced, report)
+    agree_rows(comm, contribution.names(), ops, &local(), reduced, report)
 }
 
 /// MPI handles of one transport, dropped before the universe (or leaked with it on failure).
@@ -419,6 +421,7 @@ fn all_leaving(exit: &SimpleCommunicator, timeout: std::time::Duration) -> bool 
 /// A flat MPI world: every rank is its own node, no shared memory.
 pub struct MpiTransport {
     layout: Layout,
+    values: ValueNames,
     grads: crate::transport::AlignedBuf,
     scratch: Vec<f32>,
     local: Vec<Health>,
@@ -432,10 +435,12 @@ pub struct MpiTransport {
 
 impl MpiTransport {
     /// Initialise MPI, check that the environment's rank and world size agree with it, and check
-    /// every rank's `config_hash` and layout (one allgather). Collective over `MPI_COMM_WORLD`.
-    pub fn open(expect: Expect, layout: Layout, config_hash: u64) -> Result<MpiTransport, Error> {
+    /// every rank's `config_hash`, layout and workload `values` (one allgather). Collective over
+    /// `MPI_COMM_WORLD`.
+    pub fn open(expect: Expect, layout: Layout, values: ValueNames, config_hash: u64) -> Result<MpiTransport, Error> {
         let agreement = AgreementPath::from_env()?;
-        let ident = [expect.rank as u64, expect.rank as u64, 0, 1, agreement.fold(config_hash), layout.hash()];
+        let hash = agreement.fold(config_hash) ^ values.hash();
+        let ident = [expect.rank as u64, expect.rank as u64, 0, 1, hash, layout.hash()];
         let (core, _) = MpiCore::open(&expect, |_| Ok(ident))?;
         let nb = layout.buckets.len();
         let biggest = layout.buckets.iter().map(|b| b.range.len()).max().unwrap_or(0);
@@ -449,6 +454,7 @@ impl MpiTransport {
             world: expect.world,
             agreement,
             layout,
+            values,
             core,
         })
     }
@@ -484,7 +490,7 @@ unsafe impl Transport for MpiTransport {
         fold_op(&mut self.ops, "agree", at, None);
         let ops = std::mem::take(&mut self.ops).0;
         let (l, red) = (&self.local, &self.reduced);
-        let mine = Summary::of_rank(l, Some(red), &local);
+        let mine = Summary::of_rank(&self.values, l, Some(red), &local);
         let path = self.agreement;
         let table =
             self.core.guard(|c| agree_world(&c.comms().world, path, ops, mine, || l.clone(), Some(red), &local))?;
@@ -543,7 +549,8 @@ impl HierTransport {
             node.process_at_rank(0).broadcast_into(&mut id);
             (bus.node_id, bus.local_rank, bus.local_size) = (id as usize, node.rank() as usize, node.size() as usize);
             let (n, lr, ls) = (bus.node_id as u64, bus.local_rank as u64, bus.local_size as u64);
-            Ok([expect.rank as u64, n, lr, ls, agreement.fold(bus.config_hash), bus.layout.hash()])
+            let hash = agreement.fold(bus.config_hash) ^ bus.values.hash();
+            Ok([expect.rank as u64, n, lr, ls, hash, bus.layout.hash()])
         })?;
         let mut core = core;
         core.comms.as_mut().expect("live").leaders = leaders;
@@ -617,10 +624,10 @@ unsafe impl Transport for HierTransport {
             // The node's summary (a full node table only when the node shows an anomaly). Its
             // leader contributes it, with the global reduce's health in place of the node's;
             // the other ranks contribute nothing but their collective hash.
-            let node = self.bus.agree(at, local)?;
+            let node = self.bus.agree(at, local.clone())?;
             let leader = self.core.comms().leaders.is_some();
             let red = leader.then_some(&self.reduced[..]);
-            let mut mine = Summary::empty(node.buckets);
+            let mut mine = Summary::empty(node.buckets, node.summary.names());
             if let Some(red) = red {
                 mine = node.summary.clone();
                 mine.clear_reduced();
@@ -686,18 +693,20 @@ pub(crate) fn bench_allreduce(
 pub(crate) fn bench_agreement(
     universe: &Universe,
     buckets: usize,
+    values: &ValueNames,
     warmup: usize,
     iters: usize,
     rounds: usize,
 ) -> (f64, f64) {
     let world = universe.world();
     let n = world.size() as usize;
-    let mine = vec![1u64; 2 + 8 * buckets + LocalReport::WORDS];
+    let mine = vec![1u64; 2 + 8 * buckets + LocalReport::words(values.len())];
     let mut all = vec![0u64; n * mine.len()];
     let mut contribution = Summary::of_rank(
+        values,
         &vec![Health::default(); buckets],
         Some(&vec![Health { sumsq: 1.5, ..Health::default() }; buckets]),
-        &LocalReport { loss: 0.5, ..LocalReport::default() },
+        &LocalReport { loss: 0.5, values: vec![0.25; values.len()], ..LocalReport::default() },
     );
     contribution.ops.add(1);
     let time = |f: &mut dyn FnMut()| {

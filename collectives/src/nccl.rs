@@ -17,7 +17,7 @@
 //!           ncclGroupStart
 //!             ncclAllReduce(SUM, in place) of every pending bucket
 //!             ncclAllGather of the fixed-size row of every rank:
-//!               [op hash | config hash | layout hash | local health (4 words) x buckets | report (8)]
+//!               [op hash | config hash | layout hash | local health (4 words) x buckets | report (2 + values)]
 //!           ncclGroupEnd, stream synchronized
 //!           reduced buckets: health scan (same kernel, same bits on every rank), device -> host
 //!           every rank builds the same HealthTable from the same gathered rows
@@ -54,7 +54,7 @@ use cudarc::nccl::{Comm, Id, ReduceOp};
 use gradbus_kernels::cuda::Gpu;
 use gradbus_kernels::Health;
 
-use crate::agreement::LocalReport;
+use crate::agreement::{LocalReport, ValueNames};
 use crate::layout::{Fnv, Layout};
 use crate::transport::{AlignedBuf, Transport};
 use crate::verdict::{HealthTable, StepId};
@@ -84,6 +84,8 @@ pub struct NcclConfig {
     pub config_hash: u64,
     /// The flat buffer's layout, the same on every rank.
     pub layout: Layout,
+    /// The workload values each rank reports in the agreement, the same on every rank.
+    pub values: ValueNames,
 }
 
 fn nccl_err(what: &str) -> impl FnOnce(cudarc::nccl::result::NcclError) -> Error + '_ {
@@ -300,7 +302,7 @@ unsafe impl Transport for NcclTransport {
             reports.push(LocalReport::from_words(&r[HEAD + 4 * nb..]));
         }
         // The table path always: a single GPU per machine has not run this transport yet.
-        let table = HealthTable::detailed(n, local, reduced, reports, Some(ops));
+        let table = HealthTable::detailed(n, &self.cfg.values, local, reduced, reports, Some(ops));
         // Buckets not reduced in the next update report nothing, as on the bus.
         self.local.fill(Health::default());
         Ok(table)

@@ -379,7 +379,11 @@ mod tests {
     }
 
     fn recorder(fail_at: Option<usize>) -> Recorder {
-        Recorder { solo: crate::transport::Solo::new(layout()), reduced: Default::default(), fail_at }
+        Recorder {
+            solo: crate::transport::Solo::new(layout(), Default::default()),
+            reduced: Default::default(),
+            fail_at,
+        }
     }
 
     /// A backward that writes `p + 1` into every parameter, last first.

@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use gradbus_kernels::{health_scan, Health};
 
-use crate::agreement::LocalReport;
+use crate::agreement::{LocalReport, ValueNames};
 use crate::layout::Layout;
 use crate::verdict::{HealthTable, StepId};
 use crate::Error;
@@ -137,15 +137,16 @@ impl AlignedBuf {
 /// World size 1: no peers, the reduce is the identity, the health tally is a plain scan.
 pub struct Solo {
     layout: Layout,
+    values: ValueNames,
     grads: AlignedBuf,
     local: Vec<Health>,
 }
 
 impl Solo {
-    /// A solo transport over `layout`.
-    pub fn new(layout: Layout) -> Solo {
+    /// A solo transport over `layout`, agreeing on the workload values `values`.
+    pub fn new(layout: Layout, values: ValueNames) -> Solo {
         let n = layout.buckets.len();
-        Solo { grads: AlignedBuf::zeros(layout.len), layout, local: vec![Health::default(); n] }
+        Solo { grads: AlignedBuf::zeros(layout.len), layout, values, local: vec![Health::default(); n] }
     }
 }
 
@@ -170,6 +171,6 @@ unsafe impl Transport for Solo {
         Ok(())
     }
     fn agree(&mut self, _at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
-        Ok(HealthTable::detailed(1, self.local.clone(), self.local.clone(), vec![local], None))
+        Ok(HealthTable::detailed(1, &self.values, self.local.clone(), self.local.clone(), vec![local], None))
     }
 }

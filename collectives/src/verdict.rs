@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use gradbus_kernels::Health;
 use serde::{Deserialize, Serialize};
 
-use crate::agreement::{LocalReport, Summary};
+use crate::agreement::{LocalReport, Stat, Summary, ValueNames};
 use crate::layout::Layout;
 
 /// Which optimizer update a collective belongs to. Never "-1": the worker always knows its step.
@@ -51,11 +51,12 @@ pub struct HealthTable {
 
 impl HealthTable {
     /// The table of a full gather: the summary is the merge of every rank's contribution (rank
-    /// `k`'s local cells and report; the reduced health from `reduced`), so it is bitwise the
-    /// summary an all-reduce of the same contributions gives; `ops` is the agreed collective hash
-    /// (when the transport checks one).
+    /// `k`'s local cells and report of the values `names`; the reduced health from `reduced`), so
+    /// it is bitwise the summary an all-reduce of the same contributions gives; `ops` is the agreed
+    /// collective hash (when the transport checks one).
     pub fn detailed(
         world: usize,
+        names: &ValueNames,
         local: Vec<Health>,
         reduced: Vec<Health>,
         reports: Vec<LocalReport>,
@@ -63,7 +64,7 @@ impl HealthTable {
     ) -> HealthTable {
         let buckets = reduced.len();
         assert_eq!((local.len(), reports.len()), (world * buckets, world));
-        let mut summary = Summary::empty(buckets);
+        let mut summary = Summary::empty(buckets, names);
         summary.set_reduced(&reduced);
         for (k, r) in reports.iter().enumerate() {
             for b in 0..buckets {
@@ -117,9 +118,15 @@ impl HealthTable {
         self.summary.loss.sum() / self.world as f64
     }
 
-    /// Workload value `k` averaged over ranks (the exact sum rounded once, divided by the world).
-    pub fn mean_value(&self, k: usize) -> f64 {
-        self.summary.values[k].sum() / self.world as f64
+    /// The workload value `name` over ranks (see `Summary::value`).
+    pub fn value(&self, name: &str) -> &Stat {
+        self.summary.value(name)
+    }
+
+    /// The workload value `name` averaged over ranks (the exact sum rounded once, divided by the
+    /// world).
+    pub fn mean_value(&self, name: &str) -> f64 {
+        self.value(name).sum() / self.world as f64
     }
 
     /// Ranks whose local gradients hold a non-finite value, ascending (none without detail: the
@@ -473,8 +480,7 @@ fn suspects(fp: &[(u64, u64, Option<u64>)], world: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agreement::tests::{allreduce, random_rows};
-    use crate::agreement::Stat;
+    use crate::agreement::tests::{allreduce, names, random_rows};
     use crate::layout::ParamSpec;
     use gradbus_kernels::rng::Rng;
 
@@ -504,13 +510,8 @@ mod tests {
                 h
             })
             .collect();
-        HealthTable::detailed(
-            world,
-            local,
-            reduced,
-            vec![LocalReport { loss: 0.5, ..LocalReport::default() }; world],
-            None,
-        )
+        let reports = vec![LocalReport { loss: 0.5, ..LocalReport::default() }; world];
+        HealthTable::detailed(world, &ValueNames::default(), local, reduced, reports, None)
     }
 
     const AT: StepId = StepId { step: 7, minibatch: 2, attempt: 0 };
@@ -624,7 +625,8 @@ mod tests {
         assert!(t.replica_outliers().is_empty());
         let mut reports = t.reports.clone();
         reports[1].replica = 99;
-        let odd = HealthTable::detailed(t.world, t.local.clone(), t.reduced.clone(), reports, None);
+        let odd =
+            HealthTable::detailed(t.world, &ValueNames::default(), t.local.clone(), t.reduced.clone(), reports, None);
         assert_eq!(odd.summary.anomaly(), Some(crate::agreement::Anomaly::Replicas));
         assert_eq!(odd.replica_outliers(), vec![1]);
         let small = HealthTable::summarized(t.world, t.summary.clone()).unwrap();
@@ -637,7 +639,7 @@ mod tests {
         let t = table(&[(0, 0, 0, true)]);
         let mut reports = t.reports.clone();
         reports[2].loss = f64::NAN;
-        let t = HealthTable::detailed(t.world, t.local, t.reduced, reports, None);
+        let t = HealthTable::detailed(t.world, &ValueNames::default(), t.local, t.reduced, reports, None);
         let r = decide(&t, &layout(), &Policy::Abort, &History::default(), AT).report.unwrap();
         assert!(!r.loss_finite);
     }
@@ -655,18 +657,19 @@ mod tests {
             let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, p_bad);
             let nb = layout.buckets.len();
             let local = (0..nb).flat_map(|b| rows.iter().map(move |r| r[b])).collect();
-            let table = HealthTable::detailed(world, local, reduced.clone(), reports.clone(), Some(7));
+            let table = HealthTable::detailed(world, &names(), local, reduced.clone(), reports.clone(), Some(7));
             // Every rank a reducer, as in the flat MPI transport.
             let parts: Vec<Summary> = (0..world)
                 .map(|k| {
-                    let mut s = Summary::of_rank(&rows[k], Some(&reduced), &reports[k]);
+                    let mut s = Summary::of_rank(&names(), &rows[k], Some(&reduced), &reports[k]);
                     s.ops.add(7);
                     s
                 })
                 .collect();
             let summary = allreduce(&mut rng, &parts);
             assert_eq!(summary, table.summary, "case {case}");
-            let finite = table.all_finite() && table.loss_finite() && table.summary.values.iter().all(Stat::all_finite);
+            let finite =
+                table.all_finite() && table.loss_finite() && table.summary.values().all(|(_, s)| s.all_finite());
             let same_replica = reports.iter().all(|r| r.replica == reports[0].replica);
             assert_eq!(summary.anomaly().is_none(), finite && same_replica, "case {case}");
             if summary.anomaly().is_some() {
@@ -679,9 +682,9 @@ mod tests {
             assert_eq!(small.reduced, table.reduced);
             assert_eq!(small.grad_norm().to_bits(), table.grad_norm().to_bits());
             assert_eq!(small.mean_loss().to_bits(), table.mean_loss().to_bits());
-            for k in 0..LocalReport::VALUES {
-                assert_eq!(small.mean_value(k).to_bits(), table.mean_value(k).to_bits());
-                assert_eq!(small.summary.values[k].max().to_bits(), table.summary.values[k].max().to_bits());
+            for name in names().iter() {
+                assert_eq!(small.mean_value(name).to_bits(), table.mean_value(name).to_bits());
+                assert_eq!(small.value(name).max().to_bits(), table.value(name).max().to_bits());
             }
             assert!(small.nonfinite_ranks().is_empty() && table.nonfinite_ranks().is_empty());
             let policy = Policy::Skip { max_consecutive: 2, max_fraction: 0.5, window: 8 };

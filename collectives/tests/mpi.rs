@@ -19,7 +19,7 @@ use gradbus_collectives::{decide, Error, History, Layout, LocalReport, ParamSpec
 use gradbus_kernels::rng::Rng;
 
 mod common;
-use common::digest;
+use common::{digest, value_names};
 
 const CHILD_ENV: &str = "GRADBUS_TEST_CHILD";
 /// Updates per reduce run.
@@ -87,12 +87,13 @@ fn open(world_claimed: usize) -> Result<Box<dyn Transport>, Error> {
         Expect { rank, world: world_claimed, source: "openmpi".into(), timeout: Duration::from_secs(exit_timeout) };
     let l = layout();
     match var("GB_TRANSPORT").as_str() {
-        "mpi" => Ok(Box::new(MpiTransport::open(expect, l.clone(), l.hash())?)),
+        "mpi" => Ok(Box::new(MpiTransport::open(expect, l.clone(), value_names(), l.hash())?)),
         "hier" => {
             let k = num("GB_FAKE_NODES");
             let per = lsize / k;
             let mut c = BusConfig::new(var("GB_JOB"), lrank % per, per, l);
             c.node_id = lrank / per;
+            c.values = value_names();
             c.timeout = Duration::from_secs(30);
             Ok(Box::new(HierTransport::open(expect, c)?))
         }
@@ -111,7 +112,8 @@ fn run_child(dir: &Path, rank: usize) -> Result<(), Error> {
             let mut t = open(np)?;
             let at = StepId { step: rank as u64, ..StepId::default() };
             t.allreduce_bucket(at, 0)?;
-            t.agree(StepId::default(), LocalReport::default()).map(drop)
+            let report = LocalReport { values: vec![0.0; value_names().len()], ..LocalReport::default() };
+            t.agree(StepId::default(), report).map(drop)
         }
         // Odd ranks force the table path, even ones keep the summary: refused at open.
         "mixed-path" => {
@@ -153,7 +155,8 @@ fn child_reduce(dir: &Path, rank: usize) -> Result<(), Error> {
         for b in 0..l.buckets.len() {
             t.allreduce_bucket(at, b)?;
         }
-        let report = LocalReport { loss: rank as f64 + u as f64, values: [u as f64; LocalReport::VALUES], replica: 7 };
+        let report =
+            LocalReport { loss: rank as f64 + u as f64, values: vec![u as f64; value_names().len()], replica: 7 };
         let table = t.agree(at, report)?;
         let verdict = decide(&table, &l, &Policy::Abort, &history, at);
         history.record(&table, &verdict);

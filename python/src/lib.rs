@@ -13,7 +13,7 @@
 //! plus the loss, per rank, written by `gradbus.torch` in the order `decode_table` reads it.
 
 use gradbus_collectives::{
-    decide, Action, Bucket, HealthTable, History, Layout, LocalReport, Policy, Slot, SpikeDetector, StepId,
+    decide, Action, Bucket, HealthTable, History, Layout, LocalReport, Policy, Slot, SpikeDetector, StepId, ValueNames,
 };
 use gradbus_kernels::{health_scan, Health};
 use pyo3::exceptions::PyValueError;
@@ -69,10 +69,9 @@ fn decode_table(flat: &[f64], world: usize, buckets: usize) -> Result<HealthTabl
         .collect();
     // No workload values and no replica checksum travel in the hook's table (replica 0 on every
     // rank: always agreed).
-    let reports = (0..world)
-        .map(|r| LocalReport { loss: flat[r * n + n - 1], values: [0.0; LocalReport::VALUES], replica: 0 })
-        .collect();
-    Ok(HealthTable::detailed(world, local, reduced, reports, None))
+    let reports =
+        (0..world).map(|r| LocalReport { loss: flat[r * n + n - 1], values: Vec::new(), replica: 0 }).collect();
+    Ok(HealthTable::detailed(world, &ValueNames::default(), local, reduced, reports, None))
 }
 
 /// A `Layout` over DDP's buckets: bucket `b` is a contiguous range of a virtual flat buffer (buckets

@@ -46,7 +46,8 @@ pub fn main(args: Vec<std::ffi::OsString>) -> Result<(), String> {
         return Err(format!("the benchmark runs on one node; this job has {} (GRADBUS_FAKE_NODES?)", info.nodes));
     }
     if agreement {
-        let rows = gradbus_collectives::bench_agreement::rank_main(b.rank, b.np, &buckets, b.iters)
+        let values = crate::update::UpdateValues::names();
+        let rows = gradbus_collectives::bench_agreement::rank_main(b.rank, b.np, &buckets, &values, b.iters)
             .map_err(|e| format!("{e:#}"))?;
         if let Some(rows) = rows {
             let lines: Vec<String> = rows.iter().map(|r| serde_json::to_string(r).expect("json") + "\n").collect();

@@ -31,6 +31,8 @@ use std::path::PathBuf;
 
 use gradbus_collectives::{Layout, Solo, Transport};
 
+use crate::update::UpdateValues;
+
 use gradbus_collectives::BusBackend;
 use gradbus_kernels::backend::Cpu;
 
@@ -144,7 +146,7 @@ impl std::fmt::Display for TransportKind {
 fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result<Box<dyn Transport>, WorkerError> {
     let forced = std::env::var(env::TRANSPORT).ok().filter(|v| !v.is_empty());
     let kind = match forced.as_deref() {
-        None if info.world == 1 => return Ok(Box::new(Solo::new(layout))),
+        None if info.world == 1 => return Ok(Box::new(Solo::new(layout, UpdateValues::names()))),
         Some(k) => k.parse()?,
         None if info.nodes > 1 && info.local_size == 1 => TransportKind::Mpi,
         None if info.nodes > 1 => TransportKind::Hier,
@@ -158,6 +160,7 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
         local_size: info.local_size,
         config_hash: hash,
         layout,
+        values: UpdateValues::names(),
         timeout: std::time::Duration::from_secs_f64(cfg.collective_timeout_s),
     };
     if kind == TransportKind::Shm {
@@ -182,7 +185,7 @@ fn mpi_transport(
     use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
     let expect = Expect { rank: info.rank, world: info.world, source: info.source.into(), timeout: bus.timeout };
     Ok(match kind {
-        TransportKind::Mpi => Box::new(MpiTransport::open(expect, bus.layout, bus.config_hash)?),
+        TransportKind::Mpi => Box::new(MpiTransport::open(expect, bus.layout, bus.values, bus.config_hash)?),
         _ => Box::new(HierTransport::open(expect, bus)?),
     })
 }

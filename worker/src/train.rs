@@ -237,7 +237,7 @@ impl<B: BusBackend> Trainer<B> {
             let stats =
                 forward_backward(be, gpt, cfg, params, &mut self.work, &mut *self.bus, faults, self.overlap, mb, at)?;
             warn_headroom(&stats, cfg.warn.headroom, rank, at);
-            let values = UpdateValues::local(mb, &stats).to_wire();
+            let values = UpdateValues::local(mb, &stats).to_report();
             let table = self.bus.agree(at, LocalReport { loss: stats.loss as f64, values, replica })?;
             check_replicas(&table, at)?;
             let agreed = Agreed::new(&table);

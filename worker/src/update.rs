@@ -6,7 +6,7 @@
 //! progress bar use is computed once per update, in [`Agreed::new`], from the agreed table; every
 //! rank has the same table, so every rank computes the same numbers.
 
-use gradbus_collectives::{BusBackend, HealthTable, LocalReport, StepId, Transport};
+use gradbus_collectives::{BusBackend, HealthTable, StepId, Transport, ValueNames};
 
 use crate::config::Config;
 use crate::faults::{FaultPhase, FaultPlan};
@@ -74,9 +74,9 @@ pub(crate) fn warn_headroom(stats: &LossStats, margin: f32, rank: usize, at: Ste
 }
 
 /// What each rank contributes to the agreement besides its loss and its replica checksum. It
-/// travels as `LocalReport::values`; the `wire` indices below are the only place that knows the
-/// order.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// travels as `LocalReport::values`, by name: [`UpdateValues::named`] is the only place that knows
+/// the order, and the agreed values are read back by name.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct UpdateValues {
     /// Mean reward of the rank's mini-batch.
     pub reward: f64,
@@ -88,15 +88,6 @@ pub struct UpdateValues {
     pub max_logratio_masked: f64,
     /// Smallest log-prob of a response token.
     pub min_response_logp: f64,
-}
-
-/// Positions of [`UpdateValues`]' fields in `LocalReport::values`.
-mod wire {
-    pub const REWARD: usize = 0;
-    pub const KL: usize = 1;
-    pub const MAX_LR_RESPONSE: usize = 2;
-    pub const MAX_LR_MASKED: usize = 3;
-    pub const MIN_LOGP: usize = 4;
 }
 
 impl UpdateValues {
@@ -111,27 +102,36 @@ impl UpdateValues {
         }
     }
 
-    /// The values of `LocalReport::values`.
-    pub fn to_wire(self) -> [f64; LocalReport::VALUES] {
-        let mut v = [0.0; LocalReport::VALUES];
-        v[wire::REWARD] = self.reward;
-        v[wire::KL] = self.kl;
-        v[wire::MAX_LR_RESPONSE] = self.max_logratio_response;
-        v[wire::MAX_LR_MASKED] = self.max_logratio_masked;
-        v[wire::MIN_LOGP] = self.min_response_logp;
-        v
+    /// The values by name, in the order they travel (`LocalReport::values`).
+    fn named(self) -> [(&'static str, f64); 5] {
+        [
+            ("reward", self.reward),
+            ("kl", self.kl),
+            ("max_logratio_response", self.max_logratio_response),
+            ("max_logratio_masked", self.max_logratio_masked),
+            ("min_response_logp", self.min_response_logp),
+        ]
+    }
+
+    /// The names the transport is opened with.
+    pub fn names() -> ValueNames {
+        ValueNames::new(&UpdateValues::default().named().map(|(name, _)| name))
+    }
+
+    /// The values of `LocalReport::values`, in the order of [`UpdateValues::names`].
+    pub fn to_report(self) -> Vec<f64> {
+        self.named().iter().map(|&(_, v)| v).collect()
     }
 
     /// The agreed values of every rank, from the agreement's summary (present on both the summary
     /// and the table path): reward and KL averaged over ranks, the extremes of the others.
     pub fn agreed(table: &HealthTable) -> UpdateValues {
-        let v = &table.summary.values;
         UpdateValues {
-            reward: table.mean_value(wire::REWARD),
-            kl: table.mean_value(wire::KL),
-            max_logratio_response: v[wire::MAX_LR_RESPONSE].max(),
-            max_logratio_masked: v[wire::MAX_LR_MASKED].max(),
-            min_response_logp: v[wire::MIN_LOGP].min(),
+            reward: table.mean_value("reward"),
+            kl: table.mean_value("kl"),
+            max_logratio_response: table.value("max_logratio_response").max(),
+            max_logratio_masked: table.value("max_logratio_masked").max(),
+            min_response_logp: table.value("min_response_logp").min(),
         }
     }
 }
