@@ -152,7 +152,7 @@ mod tests {
 
     #[test]
     fn help_lists_every_exit_code_of_the_policy() {
-        for code in [Code::Done, Code::Usage, Code::NonFinite, Code::RankFailed, Code::Timeout, Code::Interrupted] {
+        for code in Code::ALL {
             let line = format!("\n    {:<4} ", code as u8);
             assert!(HELP.contains(&line), "help lacks exit code {}", code as u8);
         }
