@@ -486,12 +486,10 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         _ => local_specs(&plan, &worker.program, &wargs, &job_id, &run_dir),
     };
     let opts = Options { grace: args.grace, ..Options::default() };
-    // The bar's length comes from the config when the launcher can read it (the worker reports
-    // config errors itself); segments are those of this machine's nodes.
-    let total_steps = gradbus_worker::config::Config::load(&config, &args.sets).ok().map(|(cfg, _, _)| cfg.steps);
+    // The bar's length is the config's, checked above; segments are those of this machine's nodes.
     let segments =
         (0..plan.nodes.len()).map(|node| ShmBus::segment_path(Path::new(shm::SHM_DIR), &job_id, node)).collect();
-    let mut progress = ShmProgress::new(segments, total_steps);
+    let mut progress = ShmProgress::new(segments, Some(cfg.steps));
     let outcome = supervise_job(specs, &opts, &mut progress, &job_id)?;
     Ok(outcome.code())
 }
