@@ -9,7 +9,7 @@ use serde::Deserialize;
 use gradbus_collectives::{Layout, StepId};
 use gradbus_kernels::backend::Backend;
 
-use crate::config::ConfigError;
+use crate::error::WorkerError;
 
 /// What goes wrong.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
@@ -111,15 +111,15 @@ struct EnvPlan {
 
 impl FaultPlan {
     /// The plan for `rank`: the config's faults plus those in `GRADBUS_FAULTS`.
-    pub fn new(config: &[Fault], rank: usize) -> Result<FaultPlan, ConfigError> {
+    pub fn new(config: &[Fault], rank: usize) -> Result<FaultPlan, WorkerError> {
         FaultPlan::with_env(config, rank, std::env::var(crate::env::FAULTS).ok().as_deref())
     }
 
     /// As [`FaultPlan::new`], with `env` the value of `GRADBUS_FAULTS` (unset or blank: none).
-    fn with_env(config: &[Fault], rank: usize, env: Option<&str>) -> Result<FaultPlan, ConfigError> {
+    fn with_env(config: &[Fault], rank: usize, env: Option<&str>) -> Result<FaultPlan, WorkerError> {
         let mut faults: Vec<Fault> = config.to_vec();
         if let Some(text) = env.filter(|t| !t.trim().is_empty()) {
-            let p: EnvPlan = toml::from_str(text).map_err(|source| ConfigError::FaultsEnv { source })?;
+            let p: EnvPlan = toml::from_str(text).map_err(|source| WorkerError::FaultsEnv { source })?;
             faults.extend(p.faults);
         }
         faults.retain(|f| f.rank == rank);
@@ -223,9 +223,9 @@ mod tests {
             "[[faults]]\nrank = 0\nstep = 1\nkind = \"nan\"\ncolour = 1\n",
         ] {
             let e = FaultPlan::with_env(&[], 0, Some(bad)).unwrap_err();
-            assert!(matches!(e, ConfigError::FaultsEnv { .. }), "{bad}: {e:?}");
+            assert!(matches!(e, WorkerError::FaultsEnv { .. }), "{bad}: {e:?}");
             assert!(e.to_string().starts_with("GRADBUS_FAULTS: "), "{bad}: {e}");
-            assert_eq!(crate::WorkerError::from(e).code(), crate::exit::Code::Usage);
+            assert_eq!(e.code(), crate::exit::Code::Usage);
         }
     }
 

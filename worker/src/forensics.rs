@@ -15,8 +15,9 @@ use gradbus_collectives::{Layout, ParamGrads};
 use gradbus_kernels::backend::{Backend, Cpu};
 
 pub use crate::artifacts::Finding;
-use crate::artifacts::{self, ArtifactError, DumpMeta, HealthRecord, Loaded};
+use crate::artifacts::{self, DumpMeta, HealthRecord, Loaded};
 use crate::config::Config;
+use crate::error::WorkerError;
 use crate::gradients::{self, Work};
 use crate::model::{self, Gpt};
 use crate::probe::{ExpOp, Phase, Probe};
@@ -163,28 +164,14 @@ pub struct Replay {
     pub first: Option<Finding>,
 }
 
-/// Why a replay could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum ReplayError {
-    /// The dump (or its directory) could not be found or read.
-    #[error("{0}")]
-    NotFound(String),
-    /// A dump was refused (checksum, truncation, version, missing key).
-    #[error(transparent)]
-    Artifact(#[from] ArtifactError),
-    /// The config embedded in the dump does not parse.
-    #[error("{0}")]
-    Config(#[from] crate::config::ConfigError),
-}
-
 /// The dump to replay: a file, or in a dumps directory the first rank the report names.
-fn pick_dump(path: &Path) -> Result<(PathBuf, Loaded<DumpMeta>), ReplayError> {
+fn pick_dump(path: &Path) -> Result<(PathBuf, Loaded<DumpMeta>), WorkerError> {
     if !path.is_dir() {
         return Ok((path.to_path_buf(), artifacts::load(path)?));
     }
     let dumps = if path.join("dumps").is_dir() { path.join("dumps") } else { path.to_path_buf() };
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dumps)
-        .map_err(|e| ReplayError::NotFound(format!("{}: {e}", dumps.display())))?
+        .map_err(|e| WorkerError::DumpNotFound(format!("{}: {e}", dumps.display())))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "bin"))
         .collect();
@@ -198,7 +185,7 @@ fn pick_dump(path: &Path) -> Result<(PathBuf, Loaded<DumpMeta>), ReplayError> {
         first.get_or_insert((f, l));
     }
     first.ok_or_else(|| {
-        ReplayError::NotFound(format!(
+        WorkerError::DumpNotFound(format!(
             "{}: no dump files (hint: dumps are written when the job aborts)",
             dumps.display()
         ))
@@ -206,7 +193,7 @@ fn pick_dump(path: &Path) -> Result<(PathBuf, Loaded<DumpMeta>), ReplayError> {
 }
 
 /// Re-execute the dumped update in this process.
-pub fn replay(path: &Path, trace: bool) -> Result<Replay, ReplayError> {
+pub fn replay(path: &Path, trace: bool) -> Result<Replay, WorkerError> {
     let (dump, l) = pick_dump(path)?;
     let meta = &l.meta;
     let (cfg, _, _) = Config::from_toml(&meta.config, &format!("{} (embedded config)", dump.display()), &[])?;

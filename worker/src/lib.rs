@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod env;
+pub mod error;
 pub mod exit;
 pub mod failure;
 pub mod faults;
@@ -36,64 +37,13 @@ use crate::update::UpdateValues;
 use gradbus_collectives::BusBackend;
 use gradbus_kernels::backend::Cpu;
 
-use crate::config::{Config, ConfigError, Device};
+use crate::config::{Config, Device};
 
 use crate::exit::Code;
 use crate::rank::RankInfo;
 use crate::train::{Outcome, Trainer};
 
-/// Everything that ends a worker early.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    /// The config is bad.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// This process cannot tell its rank from the launcher's environment.
-    #[error(transparent)]
-    Rank(#[from] rank::RankError),
-    /// Bad arguments or input, with the hint in the message.
-    #[error("{0}")]
-    Usage(String),
-    /// The collectives layer failed (timeout, dead peer, /dev/shm).
-    #[error(transparent)]
-    Bus(#[from] gradbus_collectives::Error),
-    /// A file could not be written or read.
-    #[error("{what}: {source}")]
-    Io {
-        /// The file, named.
-        what: String,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// An artifact (checkpoint, dump, report, metrics) was refused or could not be written.
-    #[error(transparent)]
-    Artifact(#[from] artifacts::ArtifactError),
-    /// Replicas diverged: the parameter checksums disagree.
-    #[error("{0}")]
-    Diverged(String),
-}
-
-impl WorkerError {
-    /// An I/O error naming the file.
-    pub fn io(what: &str, source: std::io::Error) -> WorkerError {
-        WorkerError::Io { what: what.into(), source }
-    }
-
-    /// The exit code of this error.
-    pub fn code(&self) -> Code {
-        use gradbus_collectives::Error as E;
-        match self {
-            WorkerError::Config(_) | WorkerError::Rank(_) | WorkerError::Usage(_) => Code::Usage,
-            WorkerError::Artifact(artifacts::ArtifactError::Io { .. }) => Code::RankFailed,
-            WorkerError::Artifact(_) => Code::Usage,
-            WorkerError::Bus(E::Timeout { .. }) => Code::Timeout,
-            WorkerError::Bus(E::ShmFull { .. } | E::BadSegment { .. } | E::Mpi { .. } | E::Config { .. }) => {
-                Code::Usage
-            }
-            WorkerError::Bus(_) | WorkerError::Io { .. } | WorkerError::Diverged(_) => Code::RankFailed,
-        }
-    }
-}
+pub use crate::error::WorkerError;
 
 /// Arguments of `gradbus worker`.
 #[derive(Clone, Debug, Default)]
@@ -261,7 +211,7 @@ fn cuda_backend_missing(info: &RankInfo) -> WorkerError {
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let gpu = match rank::gpu_ordinal(info.local_rank, visible.as_deref()) {
         Ok(ordinal) => format!("GPU {}", ordinal % gpus),
-        Err(rank::RankError::TooFewGpus { devices, .. }) => format!("GPU {}", info.local_rank % devices),
+        Err(WorkerError::TooFewGpus { devices, .. }) => format!("GPU {}", info.local_rank % devices),
         Err(e) => return e.into(),
     };
     WorkerError::Usage(format!(

@@ -12,8 +12,8 @@ use std::time::Instant;
 use gradbus_collectives::{Action, HealthTable, StepId};
 
 use crate::artifacts::{self, MetricsLine};
+use crate::error::WorkerError;
 use crate::update::Agreed;
-use crate::WorkerError;
 
 /// Rank 0's `metrics.jsonl` (nothing on the other ranks).
 pub struct MetricsWriter {

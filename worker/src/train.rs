@@ -26,6 +26,7 @@ use gradbus_kernels::rng::Rng;
 
 use crate::checkpoint;
 use crate::config::Config;
+use crate::error::WorkerError;
 use crate::failure::{describe, trace_failure, write_failure};
 use crate::faults::{FaultPhase, FaultPlan};
 use crate::gradients::Work;
@@ -37,7 +38,6 @@ use crate::rank::RankInfo;
 use crate::rollout::{purpose, RolloutEngine};
 use crate::task::Batch;
 use crate::update::{check_replicas, forward_backward, warn_headroom, Agreed, UpdateValues};
-use crate::WorkerError;
 
 /// The whole state of one rank's training on backend `B`.
 pub struct Trainer<B: BusBackend> {

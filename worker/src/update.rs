@@ -9,13 +9,13 @@
 use gradbus_collectives::{BusBackend, HealthTable, StepId, Transport, ValueNames};
 
 use crate::config::Config;
+use crate::error::WorkerError;
 use crate::faults::{FaultPhase, FaultPlan};
 use crate::gradients::{backward, forward_loss, Work};
 use crate::loss::{LossStats, EXP_OVERFLOW};
 use crate::model::Gpt;
 use crate::probe::NoProbe;
 use crate::task::Batch;
-use crate::WorkerError;
 
 /// Forward, loss and backward onto the bus and the bucket all-reduces (overlapped with backward
 /// when `overlap` says so), with the planned faults of this update. Every fault but the NaN/Inf
