@@ -13,7 +13,7 @@ use std::ffi::OsString;
 
 use gradbus_worker::exit::Code;
 
-use crate::bench::{BenchCmd, RankCmd};
+use crate::bench::BenchCmd;
 use crate::run::{self, RunArgs};
 use crate::usage::{lex, Parsed};
 use crate::Error;
@@ -55,8 +55,6 @@ pub enum Command {
     Replay(Vec<OsString>),
     /// `gradbus bench allreduce`.
     Bench(BenchCmd),
-    /// The hidden `gradbus __bench-rank`: one process of `gradbus bench` (started by it).
-    BenchRank(RankCmd),
     /// `gradbus report` (its module parses the arguments).
     Report(Vec<OsString>),
     /// `gradbus worker`: one rank (the worker library parses the arguments).
@@ -84,7 +82,6 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Command, Error>
             Some("run") => command(run::parse(&mut parser), Command::Run),
             Some("replay") => Ok(Command::Replay(rest(&mut parser))),
             Some("bench") => command(crate::bench::parse(&mut parser), Command::Bench),
-            Some("__bench-rank") => crate::bench::parse_rank(&mut parser).map(Command::BenchRank),
             Some("report") => Ok(Command::Report(rest(&mut parser))),
             Some("worker") => Ok(Command::Worker(rest(&mut parser))),
             Some("help") => Ok(Command::Help(HELP)),
@@ -112,7 +109,6 @@ pub fn execute(cmd: Command) -> Result<Code, Error> {
         Command::Run(args) => run::execute(args),
         Command::Replay(args) => crate::replay::execute(args),
         Command::Bench(args) => crate::bench::execute(args),
-        Command::BenchRank(args) => crate::bench::execute_rank(args),
         Command::Report(args) => crate::report::execute(args),
         Command::Worker(args) => Ok(gradbus_worker::cli::main_with_args(args)),
     }

@@ -14,7 +14,7 @@ use crate::WorkerArgs;
 /// `gradbus worker --help`.
 pub const USAGE: &str = "\
 usage: gradbus worker [--run-dir DIR] [--resume] CONFIG.toml [--set key=value ...]
-       gradbus worker --bench-allreduce [--sizes 1MiB,64MiB] [--iters N] [--warmup N] [--transport shm|mpi|hier] [--nodes K] [--json]
+       gradbus worker --bench-allreduce [BENCH FLAGS: see `gradbus bench --help`]
 One rank of a job: started by `gradbus run`, or by a bare `mpirun -np N gradbus worker CONFIG.toml`.";
 
 /// What the arguments ask for.
@@ -46,15 +46,16 @@ fn parse(args: Vec<OsString>) -> Result<Parsed, String> {
     Ok(Parsed::Train(out))
 }
 
-/// Runs one rank (or, after `--bench-allreduce`, one process of the all-reduce benchmark under
-/// `mpirun`, see [`crate::bench`]) with the arguments after `worker`; returns its exit code.
+/// Runs one rank (or, after `--bench-allreduce`, one process of a benchmark, see
+/// [`crate::bench`]) with the arguments after `worker`; returns its exit code.
 pub fn main_with_args(args: Vec<OsString>) -> Code {
     if args.first().is_some_and(|a| a == "--bench-allreduce") {
         return match crate::bench::main(args[1..].to_vec()) {
             Ok(()) => Code::Done,
             Err(e) => {
-                eprintln!("gradbus worker --bench-allreduce: {e}\n{}", crate::bench::USAGE);
-                Code::Usage
+                let rank = std::env::var(crate::env::RANK).unwrap_or_else(|_| "?".into());
+                eprintln!("gradbus worker --bench-allreduce rank {rank}: error: {e}");
+                e.code()
             }
         };
     }
