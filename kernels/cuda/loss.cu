@@ -17,7 +17,6 @@
 
 typedef unsigned long long u64;
 
-#define K3_CLAMP 10.0f
 #define STATS 12
 
 __device__ __forceinline__ float clampf(float x, float lo, float hi) {  // Rust's f32::clamp: NaN stays
@@ -36,14 +35,16 @@ __device__ __forceinline__ float clamp_grad(float g, float x, float lo, float hi
 }
 
 // Per position i < n = B T (t = T; sequence i / t): the cached values and the terms.
-// safe: 0 (roll) or 1; lim: the log-ratio clamp (safe) or +inf (roll); lo, hi: 1 -+ clip.
+// safe: 0 (roll) or 1; lim: the log-ratio clamp (safe) or +inf (roll); lo, hi: 1 -+ clip; k3_clamp:
+// the bound of k3.
 // Writes lr1_raw, lr2_raw, lr1, ratio, lr2, e2, k3, k3c, evaluated (0 or 1), pgm = pg * m,
 // klm = k3c * m and terms = pg m + kl_coef k3c m; positions not evaluated get the CPU's initial
 // values (ratio = e2 = 1, the rest 0).
 extern "C" __global__ void loss_forward_f32(const float *__restrict__ logp, const float *__restrict__ old_logp,
                                             const float *__restrict__ ref_logp, const float *__restrict__ mask,
                                             const float *__restrict__ adv, u64 n, u64 t, int safe, float lim,
-                                            float lo, float hi, float kl_coef, float *__restrict__ lr1_raw,
+                                            float lo, float hi, float k3_clamp, float kl_coef,
+                                            float *__restrict__ lr1_raw,
                                             float *__restrict__ lr2_raw, float *__restrict__ lr1,
                                             float *__restrict__ ratio, float *__restrict__ lr2,
                                             float *__restrict__ e2, float *__restrict__ k3,
@@ -79,7 +80,7 @@ extern "C" __global__ void loss_forward_f32(const float *__restrict__ logp, cons
         const float a = adv[i / t];
         const float surr1 = r * a, surr2 = clampf(r, lo, hi) * a;
         const float pg = -torch_min(surr1, surr2);
-        const float kc = clampf(k, -K3_CLAMP, K3_CLAMP);
+        const float kc = clampf(k, -k3_clamp, k3_clamp);
         const float m = safe ? 1.0f : mask[i];
         k3c[i] = kc;
         pgm[i] = pg * m;
@@ -139,7 +140,8 @@ extern "C" __global__ void loss_reduce_f32(const float *__restrict__ logp, const
 // replaying PyTorch autograd's arithmetic for the graph loss_forward_f32 built. 0 where not
 // evaluated. stats: loss_reduce_f32's (the divisor at STATS - 1).
 extern "C" __global__ void loss_backward_f32(const float *__restrict__ mask, const float *__restrict__ adv, u64 n,
-                                             u64 t, int safe, float lim, float lo, float hi, float kl_coef,
+                                             u64 t, int safe, float lim, float lo, float hi, float k3_clamp,
+                                             float kl_coef,
                                              const float *__restrict__ lr1_raw, const float *__restrict__ lr2_raw,
                                              const float *__restrict__ ratio, const float *__restrict__ e2,
                                              const float *__restrict__ k3, const float *__restrict__ evaluated,
@@ -165,7 +167,7 @@ extern "C" __global__ void loss_backward_f32(const float *__restrict__ mask, con
         const float d_surr2 = surr1 < surr2 ? 0.0f : half;
         const float d_ratio = d_surr1 * a + clamp_grad(d_surr2 * a, r, lo, hi);
         const float g_lr1 = d_ratio * r;  // ratio = exp(lr1): the gradient times the output
-        const float d_k3 = clamp_grad(d_k3c, k3[i], -K3_CLAMP, K3_CLAMP);
+        const float d_k3 = clamp_grad(d_k3c, k3[i], -k3_clamp, k3_clamp);
         const float g_lr2 = d_k3 * e2[i] + -d_k3;  // k3 = (e2 - 1) - lr2, e2 = exp(lr2)
         d_lr1[i] = g_lr1;
         d_lr2[i] = g_lr2;
