@@ -7,30 +7,40 @@
 //! launch, so a result depends on the sizes alone: the same bits on every GPU model. The constants
 //! here are the `#define`s of the `.cu` files; the shim tests fail if one side changes alone.
 
-/// Every kernel source (`kernels/cuda/<file>`) and the kernels the backend loads from it: the
-/// NVRTC compile test checks each is in the PTX, the backend looks them up by these names.
-pub const KERNELS: &[(&str, &[&str])] = &[
-    ("health.cu", &["health_scan_f32", "health_scan_bf16", "read_only_f32"]),
-    ("scale.cu", &["scale_f32", "scale_bf16"]),
-    ("adamw.cu", &["adamw_update_f32", "checksum_lanes_f32"]),
-    ("encoder.cu", &["encoder_forward_f32", "encoder_backward_wte_f32", "encoder_backward_wpe_f32"]),
-    ("layernorm.cu", &["layernorm_forward_f32", "layernorm_backward_inp_f32", "layernorm_backward_params_f32"]),
-    ("gelu.cu", &["gelu_forward_f32", "gelu_backward_f32"]),
-    ("residual.cu", &["residual_forward_f32", "residual_backward_f32"]),
-    (
-        "attention.cu",
-        &[
-            "attention_forward_f32",
-            "attention_backward_scores_f32",
-            "attention_backward_dq_f32",
-            "attention_backward_dkv_f32",
-        ],
-    ),
-    ("softmax.cu", &["logsoftmax_gather_forward_f32", "logsoftmax_gather_backward_f32"]),
-    ("matmul.cu", &["bias_fill_f32", "bias_backward_f32"]),
-    ("loss.cu", &["loss_forward_f32", "loss_reduce_f32", "loss_backward_f32"]),
-    ("sample.cu", &["sample_f32"]),
-];
+/// One kernel source of `kernels/cuda/`: its text, and the kernels the backend loads from it.
+#[derive(Clone, Copy, Debug)]
+pub struct Source {
+    /// The file name, e.g. `health.cu`.
+    pub file: &'static str,
+    /// The CUDA C++ source.
+    pub text: &'static str,
+    /// Its `extern "C"` kernels.
+    pub kernels: &'static [&'static str],
+}
+
+macro_rules! sources {
+    ($($file:literal => [$($k:literal),* $(,)?]),* $(,)?) => {
+        /// Every kernel source and its kernels: the backend compiles them (NVRTC) and looks the
+        /// kernels up by these names, the NVRTC compile test checks each is in the PTX, and the CPU
+        /// shim's tests build the same texts with `g++`.
+        pub const SOURCES: &[Source] = &[$(Source { file: $file, text: include_str!(concat!("../cuda/", $file)), kernels: &[$($k),*] }),*];
+    };
+}
+
+sources! {
+    "health.cu" => ["health_scan_f32", "health_scan_bf16", "read_only_f32"],
+    "scale.cu" => ["scale_f32", "scale_bf16"],
+    "adamw.cu" => ["adamw_update_f32", "checksum_lanes_f32"],
+    "encoder.cu" => ["encoder_forward_f32", "encoder_backward_wte_f32", "encoder_backward_wpe_f32"],
+    "layernorm.cu" => ["layernorm_forward_f32", "layernorm_backward_inp_f32", "layernorm_backward_params_f32"],
+    "gelu.cu" => ["gelu_forward_f32", "gelu_backward_f32"],
+    "residual.cu" => ["residual_forward_f32", "residual_backward_f32"],
+    "attention.cu" => ["attention_forward_f32", "attention_backward_scores_f32", "attention_backward_dq_f32", "attention_backward_dkv_f32"],
+    "softmax.cu" => ["logsoftmax_gather_forward_f32", "logsoftmax_gather_backward_f32"],
+    "matmul.cu" => ["bias_fill_f32", "bias_backward_f32"],
+    "loss.cu" => ["loss_forward_f32", "loss_reduce_f32", "loss_backward_f32"],
+    "sample.cu" => ["sample_f32"],
+}
 
 /// Blocks and threads per block, x, y, z.
 pub type Dim = (u32, u32, u32);

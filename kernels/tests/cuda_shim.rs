@@ -585,20 +585,20 @@ fn the_read_only_baseline_reads_every_element() {
 fn the_shim_refuses_a_divergent_barrier_and_exposes_a_missing_one() {
     let Some(s) = Shim::new() else { return };
     // The kernels below live in kernels/shim/selftest.cu.
-    let k: unsafe extern "C" fn(*mut c_int) = s.k("../shim/selftest.cu", "divergent_barrier");
+    let k: unsafe extern "C" fn(*mut c_int) = s.k("selftest.cu", "divergent_barrier");
     let mut x = 0;
     let p = &mut x as *mut c_int;
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: divergent_barrier(int *x) writes x[0] from thread 0 only.
-        s.launch("../shim/selftest.cu", Launch { grid: (1, 1, 1), block: (64, 1, 1) }, false, &|| unsafe { k(p) })
+        s.launch("selftest.cu", Launch { grid: (1, 1, 1), block: (64, 1, 1) }, false, &|| unsafe { k(p) })
     }));
     assert!(r.is_err(), "a barrier that half the block skips must be refused");
-    let k: unsafe extern "C" fn(*mut c_int) = s.k("../shim/selftest.cu", "missing_barrier");
+    let k: unsafe extern "C" fn(*mut c_int) = s.k("selftest.cu", "missing_barrier");
     let run = |rev| {
         let mut out = vec![0u32; 64];
         let p = out.as_mut_ptr() as *mut c_int;
         // SAFETY: missing_barrier(int *out) writes out[threadIdx.x], 64 threads.
-        s.launch("../shim/selftest.cu", Launch { grid: (1, 1, 1), block: (64, 1, 1) }, rev, &|| unsafe { k(p) });
+        s.launch("selftest.cu", Launch { grid: (1, 1, 1), block: (64, 1, 1) }, rev, &|| unsafe { k(p) });
         out
     };
     assert_ne!(run(false), run(true), "a read of shared memory before the barrier must depend on the schedule");

@@ -79,7 +79,7 @@ pub(crate) mod purpose {
 }
 
 /// Sample from softmax(logits / temperature).
-pub(crate) fn sample(logits: &[f32], temperature: f32, rng: &mut Rng) -> u32 {
+pub fn sample(logits: &[f32], temperature: f32, rng: &mut Rng) -> u32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let w: Vec<f32> = logits.iter().map(|&l| ((l - max) / temperature).exp()).collect();
     let total: f32 = w.iter().sum();

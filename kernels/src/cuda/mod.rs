@@ -1,7 +1,7 @@
 //! The CUDA backend (feature `cuda`): every model op of [`crate::ops`], the GRPO loss and the
 //! rollout's sampling on device buffers, as methods of a [`Gpu`] (one device, one stream, one
 //! cuBLAS handle), each with its CPU twin's name and argument order. The kernels are the `.cu`
-//! files of `kernels/cuda/` (listed in [`crate::cuda_grid::KERNELS`], launched with the shapes of
+//! files of `kernels/cuda/` (listed in [`crate::cuda_grid::SOURCES`], launched with the shapes of
 //! [`crate::cuda_grid`]); the dense layer's products are cuBLAS SGEMM. Without the feature,
 //! `cuda_stub.rs` keeps the entry points and every constructor returns
 //! [`Error::NotCompiledWithCuda`].
@@ -32,26 +32,10 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceSlice, LaunchC
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use cudarc::nvrtc::CompileOptions;
 
-use crate::cuda_grid::{self as grid, Launch, KERNELS, LOSS_STATS};
+use crate::cuda_grid::{self as grid, Launch, LOSS_STATS, SOURCES};
 use crate::health::Health;
 use crate::ops::adamw::AdamwScalars;
 use crate::Error;
-
-/// The kernel sources, in [`KERNELS`]' order.
-const SOURCES: [(&str, &str); 12] = [
-    ("health.cu", include_str!("../../cuda/health.cu")),
-    ("scale.cu", include_str!("../../cuda/scale.cu")),
-    ("adamw.cu", include_str!("../../cuda/adamw.cu")),
-    ("encoder.cu", include_str!("../../cuda/encoder.cu")),
-    ("layernorm.cu", include_str!("../../cuda/layernorm.cu")),
-    ("gelu.cu", include_str!("../../cuda/gelu.cu")),
-    ("residual.cu", include_str!("../../cuda/residual.cu")),
-    ("attention.cu", include_str!("../../cuda/attention.cu")),
-    ("softmax.cu", include_str!("../../cuda/softmax.cu")),
-    ("matmul.cu", include_str!("../../cuda/matmul.cu")),
-    ("loss.cu", include_str!("../../cuda/loss.cu")),
-    ("sample.cu", include_str!("../../cuda/sample.cu")),
-];
 
 /// "No first bad index" in a health row.
 const NO_BAD: u64 = u64::MAX;
@@ -131,7 +115,7 @@ pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, String)>, Error>
     if !nvrtc_present() {
         return Err(Error::NoNvrtc("libnvrtc.so could not be loaded".into()));
     }
-    SOURCES.iter().map(|&(file, src)| Ok((file, compile(file, src, arch)?.to_src()))).collect()
+    SOURCES.iter().map(|s| Ok((s.file, compile(s.file, s.text, arch)?.to_src()))).collect()
 }
 
 /// The compiled kernels of one device, by name.
@@ -152,11 +136,10 @@ fn kernels(ctx: &Arc<CudaContext>) -> Result<Arc<Kernels>, Error> {
     let (major, minor) = ctx.compute_capability().map_err(driver("cuDeviceGetAttribute(compute capability)"))?;
     let arch = format!("compute_{major}{minor}");
     let mut k = Kernels::new();
-    for (&(file, src), &(listed, names)) in SOURCES.iter().zip(KERNELS) {
-        debug_assert_eq!(file, listed, "SOURCES and cuda_grid::KERNELS list the files in one order");
-        let module =
-            ctx.load_module(compile(file, src, &arch)?).map_err(driver(format!("cuModuleLoadData({file})")))?;
-        for &name in names {
+    for s in SOURCES {
+        let ptx = compile(s.file, s.text, &arch)?;
+        let module = ctx.load_module(ptx).map_err(driver(format!("cuModuleLoadData({})", s.file)))?;
+        for &name in s.kernels {
             k.insert(name, module.load_function(name).map_err(driver(format!("cuModuleGetFunction({name})")))?);
         }
     }
@@ -270,7 +253,7 @@ fn shape(op: &'static str, l: Option<Launch>) -> Result<Launch, Error> {
 /// `// SAFETY:` comment proves the kernel's contract (buffer lengths, argument types and order).
 macro_rules! launch {
     ($self:ident, $name:literal, $l:expr, [$($a:expr),* $(,)?]) => {{
-        let f = $self.k.get($name).expect(concat!($name, " is listed in cuda_grid::KERNELS"));
+        let f = $self.k.get($name).expect(concat!($name, " is listed in cuda_grid::SOURCES"));
         let mut b = $self.stream.launch_builder(f);
         $( b.arg($a); )*
         let l: Launch = $l;

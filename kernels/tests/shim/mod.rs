@@ -3,14 +3,16 @@
 //! run the very `.cu` files the GPU runs against their CPU twins on a machine without a GPU. The
 //! header's comment says what the shim emulates exactly and what it does not.
 //!
-//! Invariants: each source is compiled once per test process, into a file of its own (the pid in
-//! the name: test binaries run at once), loaded, and the file removed. The shim's state (the
+//! Invariants: each source is compiled once per test process, from the text the library embeds
+//! (`gradbus_kernels::cuda_grid::SOURCES`, so any crate's tests can use this harness by `#[path]`),
+//! into a file of its own (the pid in the name: test binaries run at once), loaded, and the file
+//! removed. The shim's state (the
 //! fibers, `threadIdx`, ...) is per library and not reentrant, so every launch holds the library's
 //! lock. Without `g++` the caller gets `None` after a `SKIPPED` line (capability `cxx`).
 #![allow(dead_code)]
 
 use std::ffi::{c_int, c_uint, c_void, CString};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
@@ -28,16 +30,23 @@ pub struct Lib {
     lock: Mutex<()>,
 }
 
-/// The folder of the kernel sources.
-pub fn cuda_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda")
+/// The shim, and the shim's own test kernels (kernels/shim/).
+const SHIM_HEADER: &str = include_str!("../../shim/cuda_shim.h");
+const SELFTEST: &str = include_str!("../../shim/selftest.cu");
+
+/// The text of `file`: a source of `cuda_grid::SOURCES`, or `selftest.cu`.
+fn source(file: &str) -> &'static str {
+    if file == "selftest.cu" {
+        return SELFTEST;
+    }
+    gradbus_kernels::cuda_grid::SOURCES
+        .iter()
+        .find(|s| s.file == file)
+        .unwrap_or_else(|| panic!("no kernel source {file}"))
+        .text
 }
 
-fn shim_header() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("shim/cuda_shim.h")
-}
-
-/// `kernels/cuda/<file>` (a path relative to that folder) built and loaded (once per process), or `None` after a `SKIPPED` line
+/// `kernels/cuda/<file>` (or the shim's `selftest.cu`) built and loaded (once per process), or `None` after a `SKIPPED` line
 /// when this machine has no `g++`. A source that does not compile is a panic with g++'s output.
 pub fn lib(file: &'static str) -> Option<&'static Lib> {
     static LIBS: Mutex<Vec<&'static Lib>> = Mutex::new(Vec::new());
@@ -61,16 +70,18 @@ pub fn lib(file: &'static str) -> Option<&'static Lib> {
 }
 
 fn build(file: &'static str) -> Lib {
-    let src = cuda_dir().join(file);
     let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-shim");
     std::fs::create_dir_all(&out_dir).expect("create the shim's build folder");
-    let stem = src.file_stem().expect("a .cu file").to_string_lossy().into_owned();
-    let so = out_dir.join(format!("{stem}-{}.so", std::process::id()));
+    let stem = format!("{}-{}", file.trim_end_matches(".cu"), std::process::id());
+    let (src, header, so) =
+        (out_dir.join(format!("{stem}.cu")), out_dir.join(format!("{stem}.h")), out_dir.join(format!("{stem}.so")));
+    std::fs::write(&src, source(file)).expect("write the kernel source");
+    std::fs::write(&header, SHIM_HEADER).expect("write the shim header");
     // No -march: no FMA contraction possible; -ffp-contract=off says it anyway (NVRTC --fmad=false).
     let out = Command::new("g++")
         .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"])
         .args(["-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-Werror", "-Wl,-Bsymbolic", "-include"])
-        .arg(shim_header())
+        .arg(&header)
         .args(["-x", "c++"])
         .arg(&src)
         .arg("-o")
@@ -79,10 +90,10 @@ fn build(file: &'static str) -> Lib {
         .expect("run g++");
     assert!(
         out.status.success(),
-        "g++ could not build {} against the shim:\n{}",
-        src.display(),
+        "g++ could not build {file} against the shim:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let _ = (std::fs::remove_file(&src), std::fs::remove_file(&header));
     let path = CString::new(so.to_str().expect("a UTF-8 path")).unwrap();
     // SAFETY: dlopen of a library just built from our own sources; its initialisers are the C++
     // runtime's (no static constructors in the kernels or the shim).
