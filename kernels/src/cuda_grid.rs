@@ -7,6 +7,8 @@
 //! launch, so a result depends on the sizes alone: the same bits on every GPU model. The constants
 //! here are the `#define`s of the `.cu` files; the shim tests fail if one side changes alone.
 
+use crate::ops::GrpoStats;
+
 /// One kernel source of `kernels/cuda/`: its text, and the kernels the backend loads from it.
 #[derive(Clone, Copy, Debug)]
 pub struct Source {
@@ -29,7 +31,7 @@ macro_rules! sources {
 
 sources! {
     "health.cu" => ["health_scan_f32", "health_scan_bf16", "read_only_f32"],
-    "scale.cu" => ["scale_f32", "scale_bf16"],
+    "scale.cu" => ["scale_f32", "scale_bf16", "fill_f32", "copy_2d_f32"],
     "adamw.cu" => ["adamw_update_f32", "checksum_lanes_f32"],
     "encoder.cu" => ["encoder_forward_f32", "encoder_backward_wte_f32", "encoder_backward_wpe_f32"],
     "layernorm.cu" => ["layernorm_forward_f32", "layernorm_backward_inp_f32", "layernorm_backward_params_f32"],
@@ -38,7 +40,7 @@ sources! {
     "attention.cu" => ["attention_forward_f32", "attention_backward_scores_f32", "attention_backward_dq_f32", "attention_backward_dkv_f32"],
     "softmax.cu" => ["logsoftmax_gather_forward_f32", "logsoftmax_gather_backward_f32"],
     "matmul.cu" => ["bias_fill_f32", "bias_backward_f32"],
-    "loss.cu" => ["loss_forward_f32", "loss_reduce_f32", "loss_backward_f32"],
+    "loss.cu" => ["grpo_forward_f32", "grpo_reduce_f32", "grpo_backward_f32"],
     "sample.cu" => ["sample_f32"],
 }
 
@@ -114,8 +116,27 @@ pub fn one_block(threads: u32) -> Launch {
     Launch { grid: (1, 1, 1), block: (threads, 1, 1) }
 }
 
-/// The number of floats of the loss's stats (`STATS` in loss.cu), in the order loss.cu lists.
+/// The number of floats of the loss's stats, in the order loss.cu lists.
 pub const LOSS_STATS: usize = 12;
+
+/// The stats loss.cu's `grpo_reduce_f32` writes, as [`GrpoStats`] (the 12th float, the divisor, is
+/// `GrpoStats::denom`).
+pub fn grpo_stats(s: &[f32]) -> GrpoStats {
+    assert_eq!(s.len(), LOSS_STATS, "loss.cu writes {LOSS_STATS} stats");
+    GrpoStats {
+        loss: s[0],
+        ratio: s[1],
+        kl: s[2],
+        max_ratio_logratio_response: s[3],
+        max_ratio_logratio_masked: s[4],
+        max_kl_logratio_response: s[5],
+        max_kl_logratio_masked: s[6],
+        max_logratio_response: s[7],
+        max_logratio_masked: s[8],
+        min_response_logp: s[9],
+        response_tokens: s[10] as usize,
+    }
+}
 
 /// The positions of each distinct token of `tokens` (B T of them), as the encoder's dwte backward
 /// takes them: `rows` the distinct ids in increasing order, `starts` (rows + 1) where each one's

@@ -14,9 +14,11 @@ use std::io::Write;
 mod skip;
 
 use cuda_twins::*;
+use gradbus_kernels::backend::Backend;
 use gradbus_kernels::cuda::{self, CudaSlice, Gpu};
 use gradbus_kernels::cuda_grid::SOURCES;
 use gradbus_kernels::health::Health;
+use gradbus_kernels::ops::{GrpoGrads, GrpoSaved, GrpoScalars, GrpoStats};
 use gradbus_kernels::Error;
 use skip::skip;
 
@@ -41,8 +43,12 @@ fn gpu(test: &str) -> Option<Gpu> {
     }
 }
 
-/// The kernels run by a GPU through `Gpu`'s methods: inputs uploaded, outputs downloaded.
+/// The kernels run by a GPU through the CUDA backend's `Backend` methods (the API the model calls;
+/// bf16 through `Gpu`'s own): inputs uploaded, outputs downloaded.
 struct OnGpu(Gpu);
+
+/// `Backend`'s methods on a `Gpu` (inherent methods of the same names take other arguments).
+type Be = Gpu;
 
 impl OnGpu {
     fn up<T: cuda::Elem>(&self, x: &[T]) -> CudaSlice<T> {
@@ -50,6 +56,11 @@ impl OnGpu {
     }
     fn down<T: cuda::Elem>(&self, d: &CudaSlice<T>, out: &mut [T]) {
         out.copy_from_slice(&self.0.download(d).unwrap());
+    }
+    fn ids(&self, x: &[u32]) -> cuda::DeviceIds {
+        let mut ids = <Be as Backend>::ids(&self.0, x.len());
+        <Be as Backend>::upload_ids(&self.0, &mut ids, x);
+        ids
     }
 }
 
@@ -61,14 +72,14 @@ impl Exec for OnGpu {
         false
     }
     fn health_scan(&self, x: &[f32]) -> Health {
-        self.0.health_scan(&self.up(x)).unwrap()
+        <Be as Backend>::health_scan(&self.0, self.up(x).slice(..))
     }
     fn health_scan_bf16(&self, x: &[u16]) -> Health {
         self.0.health_scan_bf16(&self.up(x)).unwrap()
     }
     fn scale(&self, x: &mut [f32], s: f32) {
         let mut d = self.up(x);
-        self.0.scale(&mut d, s).unwrap();
+        <Be as Backend>::scale(&self.0, d.slice_mut(..), s);
         self.down(&d, x);
     }
     fn scale_bf16(&self, x: &mut [u16], s: f32) {
@@ -90,14 +101,26 @@ impl Exec for OnGpu {
         t: u64,
     ) -> u64 {
         let (mut p, g, mut dm, mut dv) = (self.up(params), self.up(grads), self.up(m), self.up(v));
-        let sum = self.0.adamw_update(&mut p, &g, &mut dm, &mut dv, lr, beta1, beta2, eps, weight_decay, t).unwrap();
+        let sum = <Be as Backend>::adamw(
+            &self.0,
+            p.slice_mut(..),
+            g.slice(..),
+            dm.slice_mut(..),
+            dv.slice_mut(..),
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            t,
+        );
         self.down(&p, params);
         self.down(&dm, m);
         self.down(&dv, v);
         sum
     }
     fn checksum(&self, x: &[f32]) -> u64 {
-        self.0.checksum(&self.up(x)).unwrap()
+        <Be as Backend>::checksum(&self.0, self.up(x).slice(..))
     }
     fn encoder_forward(
         &self,
@@ -111,7 +134,18 @@ impl Exec for OnGpu {
         v: usize,
     ) {
         let mut o = self.up(out);
-        self.0.encoder_forward(&mut o, &self.up(tokens), &self.up(wte), &self.up(wpe), b, t, c, v).unwrap();
+        let (e, p) = (self.up(wte), self.up(wpe));
+        <Be as Backend>::encoder_forward(
+            &self.0,
+            o.slice_mut(..),
+            &self.ids(tokens),
+            e.slice(..),
+            p.slice(..),
+            b,
+            t,
+            c,
+            v,
+        );
         self.down(&o, out);
     }
     fn encoder_backward(
@@ -124,8 +158,17 @@ impl Exec for OnGpu {
         t: usize,
         c: usize,
     ) {
-        let (mut e, mut p) = (self.up(dwte), self.up(dwpe));
-        self.0.encoder_backward(&mut e, &mut p, &self.up(dout), tokens, b, t, c).unwrap();
+        let (mut e, mut p, d) = (self.up(dwte), self.up(dwpe), self.up(dout));
+        <Be as Backend>::encoder_backward(
+            &self.0,
+            e.slice_mut(..),
+            p.slice_mut(..),
+            d.slice(..),
+            &self.ids(tokens),
+            b,
+            t,
+            c,
+        );
         self.down(&e, dwte);
         self.down(&p, dwpe);
     }
@@ -141,9 +184,18 @@ impl Exec for OnGpu {
         c: usize,
     ) {
         let (mut o, mut m, mut r) = (self.up(out), self.up(mean), self.up(rstd));
-        self.0
-            .layernorm_forward(&mut o, &mut m, &mut r, &self.up(inp), &self.up(weight), &self.up(bias), n, c)
-            .unwrap();
+        let (x, w, bi) = (self.up(inp), self.up(weight), self.up(bias));
+        <Be as Backend>::layernorm_forward(
+            &self.0,
+            o.slice_mut(..),
+            m.slice_mut(..),
+            r.slice_mut(..),
+            x.slice(..),
+            w.slice(..),
+            bi.slice(..),
+            n,
+            c,
+        );
         self.down(&o, out);
         self.down(&m, mean);
         self.down(&r, rstd);
@@ -163,29 +215,41 @@ impl Exec for OnGpu {
     ) {
         let (mut d, mut w, mut b) = (self.up(dinp), self.up(dweight), self.up(dbias));
         let (o, x, g, m, r) = (self.up(dout), self.up(inp), self.up(weight), self.up(mean), self.up(rstd));
-        self.0.layernorm_backward(&mut d, &mut w, &mut b, &o, &x, &g, &m, &r, n, c).unwrap();
+        <Be as Backend>::layernorm_backward(
+            &self.0,
+            d.slice_mut(..),
+            w.slice_mut(..),
+            b.slice_mut(..),
+            o.slice(..),
+            x.slice(..),
+            g.slice(..),
+            m.slice(..),
+            r.slice(..),
+            n,
+            c,
+        );
         self.down(&d, dinp);
         self.down(&w, dweight);
         self.down(&b, dbias);
     }
     fn gelu_forward(&self, out: &mut [f32], inp: &[f32], n: usize) {
-        let mut o = self.up(out);
-        self.0.gelu_forward(&mut o, &self.up(inp), n).unwrap();
+        let (mut o, x) = (self.up(out), self.up(inp));
+        <Be as Backend>::gelu_forward(&self.0, o.slice_mut(..), x.slice(..), n);
         self.down(&o, out);
     }
     fn gelu_backward(&self, dinp: &mut [f32], inp: &[f32], dout: &[f32], n: usize) {
-        let mut d = self.up(dinp);
-        self.0.gelu_backward(&mut d, &self.up(inp), &self.up(dout), n).unwrap();
+        let (mut d, x, o) = (self.up(dinp), self.up(inp), self.up(dout));
+        <Be as Backend>::gelu_backward(&self.0, d.slice_mut(..), x.slice(..), o.slice(..), n);
         self.down(&d, dinp);
     }
     fn residual_forward(&self, out: &mut [f32], inp1: &[f32], inp2: &[f32], n: usize) {
-        let mut o = self.up(out);
-        self.0.residual_forward(&mut o, &self.up(inp1), &self.up(inp2), n).unwrap();
+        let (mut o, a, b) = (self.up(out), self.up(inp1), self.up(inp2));
+        <Be as Backend>::residual_forward(&self.0, o.slice_mut(..), a.slice(..), b.slice(..), n);
         self.down(&o, out);
     }
     fn residual_backward(&self, dinp1: &mut [f32], dinp2: &mut [f32], dout: &[f32], n: usize) {
-        let (mut a, mut b) = (self.up(dinp1), self.up(dinp2));
-        self.0.residual_backward(&mut a, &mut b, &self.up(dout), n).unwrap();
+        let (mut a, mut b, d) = (self.up(dinp1), self.up(dinp2), self.up(dout));
+        <Be as Backend>::residual_backward(&self.0, a.slice_mut(..), b.slice_mut(..), d.slice(..), n);
         self.down(&a, dinp1);
         self.down(&b, dinp2);
     }
@@ -201,8 +265,23 @@ impl Exec for OnGpu {
         c: usize,
         nh: usize,
     ) {
-        let (mut o, mut a) = (self.up(out), self.up(att));
-        self.0.attention_forward_rows(&mut o, &mut a, &self.up(inp), stride, b, t0, t, c, nh).unwrap();
+        let (mut o, mut a, x) = (self.up(out), self.up(att), self.up(inp));
+        if t0 == 0 && stride == t {
+            <Be as Backend>::attention_forward(&self.0, o.slice_mut(..), a.slice_mut(..), x.slice(..), b, t, c, nh);
+        } else {
+            <Be as Backend>::attention_forward_rows(
+                &self.0,
+                o.slice_mut(..),
+                a.slice_mut(..),
+                x.slice(..),
+                stride,
+                b,
+                t0,
+                t,
+                c,
+                nh,
+            );
+        }
         self.down(&o, out);
         self.down(&a, att);
     }
@@ -217,8 +296,18 @@ impl Exec for OnGpu {
         c: usize,
         nh: usize,
     ) {
-        let mut d = self.up(dinp);
-        self.0.attention_backward(&mut d, &self.up(dout), &self.up(inp), &self.up(att), b, t, c, nh).unwrap();
+        let (mut d, o, x, a) = (self.up(dinp), self.up(dout), self.up(inp), self.up(att));
+        <Be as Backend>::attention_backward(
+            &self.0,
+            d.slice_mut(..),
+            o.slice(..),
+            x.slice(..),
+            a.slice(..),
+            b,
+            t,
+            c,
+            nh,
+        );
         self.down(&d, dinp);
     }
     fn logsoftmax_gather_forward(
@@ -230,8 +319,16 @@ impl Exec for OnGpu {
         n: usize,
         v: usize,
     ) {
-        let (mut p, mut s) = (self.up(&logp[..n]), self.up(&lse[..n]));
-        self.0.logsoftmax_gather_forward(&mut p, &mut s, &self.up(logits), &self.up(targets), n, v).unwrap();
+        let (mut p, mut s, l) = (self.up(&logp[..n]), self.up(&lse[..n]), self.up(logits));
+        <Be as Backend>::logsoftmax_gather_forward(
+            &self.0,
+            p.slice_mut(..),
+            s.slice_mut(..),
+            l.slice(..),
+            &self.ids(targets),
+            n,
+            v,
+        );
         self.down(&p, &mut logp[..n]);
         self.down(&s, &mut lse[..n]);
     }
@@ -245,10 +342,86 @@ impl Exec for OnGpu {
         n: usize,
         v: usize,
     ) {
-        let mut d = self.up(dlogits);
-        let (g, l, s, t) = (self.up(dlogp), self.up(logits), self.up(lse), self.up(targets));
-        self.0.logsoftmax_gather_backward(&mut d, &g, &l, &s, &t, n, v).unwrap();
+        let (mut d, g, l, s) = (self.up(dlogits), self.up(dlogp), self.up(logits), self.up(lse));
+        <Be as Backend>::logsoftmax_gather_backward(
+            &self.0,
+            d.slice_mut(..),
+            g.slice(..),
+            l.slice(..),
+            s.slice(..),
+            &self.ids(targets),
+            n,
+            v,
+        );
         self.down(&d, dlogits);
+    }
+    fn grpo_forward(
+        &self,
+        s: &GrpoScalars,
+        logp: &[f32],
+        mask: &[f32],
+        adv: &[f32],
+        old: &[f32],
+        reference: &[f32],
+        b: usize,
+        t: usize,
+        saved: &mut GrpoSaved<Vec<f32>>,
+    ) -> GrpoStats {
+        let (lp, m, a, o, r) = (self.up(logp), self.up(mask), self.up(adv), self.up(old), self.up(reference));
+        let mut dev = saved.clone().map(|x| self.up(&x));
+        let st = <Be as Backend>::grpo_forward(
+            &self.0,
+            s,
+            lp.slice(..),
+            m.slice(..),
+            a.slice(..),
+            o.slice(..),
+            r.slice(..),
+            b,
+            t,
+            &mut dev,
+        );
+        *saved = dev.map(|d| self.0.download(&d).unwrap());
+        st
+    }
+    fn grpo_backward(
+        &self,
+        s: &GrpoScalars,
+        mask: &[f32],
+        adv: &[f32],
+        saved: &GrpoSaved<Vec<f32>>,
+        denom: f32,
+        b: usize,
+        t: usize,
+        grads: &mut GrpoGrads<Vec<f32>>,
+    ) {
+        let (m, a) = (self.up(mask), self.up(adv));
+        let sv = saved.clone().map(|x| self.up(&x));
+        let mut g = grads.clone().map(|x| self.up(&x));
+        <Be as Backend>::grpo_backward(&self.0, s, m.slice(..), a.slice(..), &sv, denom, b, t, &mut g);
+        *grads = g.map(|d| self.0.download(&d).unwrap());
+    }
+    fn sample(
+        &self,
+        out: &mut [u32],
+        logits: &[f32],
+        b: usize,
+        t: usize,
+        v: usize,
+        temperature: f32,
+        uniforms: &[f32],
+    ) {
+        <Be as Backend>::sample(&self.0, out, self.up(logits).slice(..), b, t, v, temperature, uniforms);
+    }
+    fn fill(&self, x: &mut [f32], value: f32) {
+        let mut d = self.up(x);
+        <Be as Backend>::fill(&self.0, d.slice_mut(..), value);
+        self.down(&d, x);
+    }
+    fn copy_2d(&self, dst: &mut [f32], dst_pitch: usize, src: &[f32], src_pitch: usize, width: usize, height: usize) {
+        let (mut d, s) = (self.up(dst), self.up(src));
+        <Be as Backend>::copy_2d(&self.0, d.slice_mut(..), dst_pitch, s.slice(..), src_pitch, width, height);
+        self.down(&d, dst);
     }
     fn matmul_forward(
         &self,
@@ -260,19 +433,18 @@ impl Exec for OnGpu {
         c: usize,
         oc: usize,
     ) -> bool {
-        let mut o = self.up(out);
+        let (mut o, x, w) = (self.up(out), self.up(inp), self.up(weight));
         let bias = bias.map(|b| self.up(b));
-        self.0
-            .matmul_forward(
-                &mut o,
-                &self.up(inp),
-                &self.up(weight),
-                bias.as_ref().map(|b| b.slice(..)).as_ref(),
-                bt,
-                c,
-                oc,
-            )
-            .unwrap();
+        <Be as Backend>::matmul_forward(
+            &self.0,
+            o.slice_mut(..),
+            x.slice(..),
+            w.slice(..),
+            bias.as_ref().map(|b| b.slice(..)),
+            bt,
+            c,
+            oc,
+        );
         self.down(&o, out);
         true
     }
@@ -291,9 +463,18 @@ impl Exec for OnGpu {
         let (mut di, mut dw) = (self.up(dinp), self.up(dweight));
         let mut db = dbias.as_ref().map(|b| self.up(b));
         let (o, x, w) = (self.up(dout), self.up(inp), self.up(weight));
-        self.0
-            .matmul_backward(&mut di, &mut dw, db.as_mut().map(|b| b.slice_mut(..)).as_mut(), &o, &x, &w, bt, c, oc)
-            .unwrap();
+        <Be as Backend>::matmul_backward(
+            &self.0,
+            di.slice_mut(..),
+            dw.slice_mut(..),
+            db.as_mut().map(|b| b.slice_mut(..)),
+            o.slice(..),
+            x.slice(..),
+            w.slice(..),
+            bt,
+            c,
+            oc,
+        );
         self.down(&di, dinp);
         self.down(&dw, dweight);
         if let (Some(host), Some(dev)) = (dbias, db.as_ref()) {
@@ -375,6 +556,46 @@ fn logsoftmax_gather_forward_and_backward_within_exp_tolerance() {
 fn matmul_within_the_dot_product_bound_and_dbias_bitwise() {
     let Some(g) = on_gpu("matmul") else { return };
     assert!(check_matmul(&g), "the GPU runs the dense layer");
+}
+
+#[test]
+fn the_grpo_loss_within_exp_tolerance_and_overflows_where_rolls_does() {
+    let Some(g) = on_gpu("grpo") else { return };
+    let overflowed = check_grpo(&g);
+    assert!(overflowed > 5, "roll: a finite loss with a non-finite gradient in only {overflowed} cases");
+}
+
+#[test]
+fn the_seed_cases_masked_k3_overflow_gives_a_finite_loss_and_a_nan_gradient() {
+    let Some(g) = on_gpu("seed case") else { return };
+    check_seed_case(&g);
+}
+
+#[test]
+fn the_sampler_picks_the_cpus_tokens() {
+    let Some(g) = on_gpu("sample") else { return };
+    check_sample(&g);
+}
+
+#[test]
+fn fill_and_copy_2d_are_exact() {
+    let Some(g) = on_gpu("fill and copy_2d") else { return };
+    check_fill_and_copy_2d(&g);
+}
+
+#[test]
+fn two_runs_of_the_loss_chain_give_the_same_bits() {
+    let Some(g) = on_gpu("repeatability") else { return };
+    // The GPU against itself: the loss chain (its exps, its one-thread sums) twice, bit for bit.
+    let mut rng = gradbus_kernels::rng::Rng::new(&[0x1055, 2]);
+    for case in 0..8 {
+        let c = LossCase::random(&mut rng, case);
+        let s = GrpoScalars { safe: case % 2 == 1, clip: 0.2, kl_coef: 0.01 };
+        let (a, b) = (run_loss(Some(&g), &s, &c), run_loss(Some(&g), &s, &c));
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.dlogits), bits(&b.dlogits), "case {case}: dlogits");
+        assert_eq!(bits(&stats_floats(&a.stats)), bits(&stats_floats(&b.stats)), "case {case}: stats");
+    }
 }
 
 #[test]

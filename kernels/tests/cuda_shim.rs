@@ -2,7 +2,8 @@
 //! (`kernels/shim/cuda_shim.h`: real barriers between fiber threads, blocks one at a time), against
 //! their CPU twins - every kernel the backend launches but the cuBLAS products, with the launch
 //! shapes of `gradbus_kernels::cuda_grid`, on fresh random inputs with NaN, Inf and denormals
-//! (`cuda_twins/mod.rs` has the checks and the tolerances). Every launch runs twice, blocks and
+//! (`cuda_twins/mod.rs` has the checks and the tolerances); the GRPO loss with log-ratio gaps past
+//! exp's overflow, so its kernels overflow exactly where ROLL's loss does. Every launch runs twice, blocks and
 //! threads in index order and in reverse order, and the two must agree bitwise: a kernel whose
 //! result depends on the schedule (a missing barrier, a race) fails here. Needs `g++` (else
 //! `SKIPPED`, capability `cxx`); no GPU, no CUDA.
@@ -13,9 +14,11 @@ mod shim;
 use std::ffi::c_int;
 
 use cuda_twins::*;
+use gradbus_kernels::cuda_grid::LOSS_STATS;
 use gradbus_kernels::cuda_grid::{self, Launch};
 use gradbus_kernels::health::Health;
-use gradbus_kernels::ops::AdamwScalars;
+use gradbus_kernels::ops::grpo::{K3_CLAMP, LOGRATIO_CLAMP};
+use gradbus_kernels::ops::{AdamwScalars, GrpoGrads, GrpoSaved, GrpoScalars, GrpoStats};
 use shim::Lib;
 
 type F = *mut f32;
@@ -445,6 +448,151 @@ impl Exec for Shim {
         });
         dlogits.copy_from_slice(&d);
     }
+    fn grpo_forward(
+        &self,
+        s: &GrpoScalars,
+        logp: &[f32],
+        mask: &[f32],
+        adv: &[f32],
+        old: &[f32],
+        reference: &[f32],
+        b: usize,
+        t: usize,
+        saved: &mut GrpoSaved<Vec<f32>>,
+    ) -> GrpoStats {
+        #[rustfmt::skip]
+        type Fwd = unsafe extern "C" fn(C, C, C, C, C, u64, u64, i32, f32, f32, f32, f32, f32, F, F, F, F, F, F, F, F);
+        type Reduce = unsafe extern "C" fn(C, C, C, C, C, C, C, u64, u64, i32, f32, f32, f32, f32, F);
+        let fwd: Fwd = self.k("loss.cu", "grpo_forward_f32");
+        let reduce: Reduce = self.k("loss.cu", "grpo_reduce_f32");
+        let (n, t64) = ((b * t) as u64, t as u64);
+        let (lim, lo, hi) = (if s.safe { LOGRATIO_CLAMP } else { f32::INFINITY }, 1.0 - s.clip, 1.0 + s.clip);
+        let safe = s.safe as i32;
+        let (sv, stats) = self.orders("grpo_forward", |rev| {
+            let mut sv = saved.clone();
+            let mut stats = vec![f32::NAN; LOSS_STATS];
+            let GrpoSaved { lr1_raw, lr1, ratio, lr2_raw, lr2, e2, k3, terms } = &mut sv;
+            let p = [lr1_raw, lr1, ratio, lr2_raw, lr2, e2, k3, terms].map(|x| x.as_mut_ptr());
+            let sp = stats.as_mut_ptr();
+            let (lp, mp, ap, op, rp) = (logp.as_ptr(), mask.as_ptr(), adv.as_ptr(), old.as_ptr(), reference.as_ptr());
+            // SAFETY: every per-position buffer holds >= B T floats, adv B, stats LOSS_STATS.
+            self.launch("loss.cu", cuda_grid::elementwise(n), rev, &|| unsafe {
+                fwd(
+                    lp, mp, ap, op, rp, n, t64, safe, lim, lo, hi, K3_CLAMP, s.kl_coef, p[0], p[1], p[2], p[3], p[4],
+                    p[5], p[6], p[7],
+                )
+            });
+            // p: lr1_raw 0, lr1 1, ratio 2, lr2_raw 3, lr2 4, e2 5, k3 6, terms 7.
+            // SAFETY: as above; one thread.
+            self.launch("loss.cu", cuda_grid::single(), rev, &|| unsafe {
+                reduce(lp, mp, ap, p[0], p[3], p[2], p[6], n, t64, safe, lo, hi, K3_CLAMP, s.kl_coef, sp)
+            });
+            let GrpoSaved { lr1_raw, lr1, ratio, lr2_raw, lr2, e2, k3, terms } = sv;
+            (((lr1_raw, lr1, ratio), (lr2_raw, lr2, e2), (k3, terms)), stats)
+        });
+        let ((lr1_raw, lr1, ratio), (lr2_raw, lr2, e2), (k3, terms)) = sv;
+        *saved = GrpoSaved { lr1_raw, lr1, ratio, lr2_raw, lr2, e2, k3, terms };
+        cuda_grid::grpo_stats(&stats)
+    }
+    fn grpo_backward(
+        &self,
+        s: &GrpoScalars,
+        mask: &[f32],
+        adv: &[f32],
+        saved: &GrpoSaved<Vec<f32>>,
+        denom: f32,
+        b: usize,
+        t: usize,
+        grads: &mut GrpoGrads<Vec<f32>>,
+    ) {
+        #[rustfmt::skip]
+        type Bwd = unsafe extern "C" fn(C, C, u64, u64, i32, f32, f32, f32, f32, f32, f32, C, C, C, C, C, F, F, F);
+        let bwd: Bwd = self.k("loss.cu", "grpo_backward_f32");
+        let (n, t64) = ((b * t) as u64, t as u64);
+        let (lim, lo, hi) = (if s.safe { LOGRATIO_CLAMP } else { f32::INFINITY }, 1.0 - s.clip, 1.0 + s.clip);
+        let safe = s.safe as i32;
+        let g = self.orders("grpo_backward", |rev| {
+            let mut g = grads.clone();
+            let gp = [g.d_lr1.as_mut_ptr(), g.d_lr2.as_mut_ptr(), g.dlogp.as_mut_ptr()];
+            let sv = saved;
+            let (r1, r2, ra, e2, k3) =
+                (sv.lr1_raw.as_ptr(), sv.lr2_raw.as_ptr(), sv.ratio.as_ptr(), sv.e2.as_ptr(), sv.k3.as_ptr());
+            // SAFETY: every per-position buffer holds >= B T floats, adv B.
+            self.launch("loss.cu", cuda_grid::elementwise(n), rev, &|| unsafe {
+                bwd(
+                    mask.as_ptr(),
+                    adv.as_ptr(),
+                    n,
+                    t64,
+                    safe,
+                    lim,
+                    lo,
+                    hi,
+                    K3_CLAMP,
+                    s.kl_coef,
+                    denom,
+                    r1,
+                    r2,
+                    ra,
+                    e2,
+                    k3,
+                    gp[0],
+                    gp[1],
+                    gp[2],
+                )
+            });
+            (g.d_lr1, g.d_lr2, g.dlogp)
+        });
+        *grads = GrpoGrads { d_lr1: g.0, d_lr2: g.1, dlogp: g.2 };
+    }
+    fn sample(
+        &self,
+        out: &mut [u32],
+        logits: &[f32],
+        b: usize,
+        t: usize,
+        v: usize,
+        temperature: f32,
+        uniforms: &[f32],
+    ) {
+        let k: unsafe extern "C" fn(*mut u32, C, u64, u64, u64, f32, C) = self.k("sample.cu", "sample_f32");
+        let o = self.orders("sample_f32", |rev| {
+            let mut o = vec![u32::MAX; b];
+            let op = o.as_mut_ptr();
+            // SAFETY: out, uniforms (B), logits (B, T, V).
+            self.launch("sample.cu", cuda_grid::elementwise(b as u64), rev, &|| unsafe {
+                k(op, logits.as_ptr(), b as u64, t as u64, v as u64, temperature, uniforms.as_ptr())
+            });
+            o
+        });
+        out[..b].copy_from_slice(&o);
+    }
+    fn fill(&self, x: &mut [f32], value: f32) {
+        let k: unsafe extern "C" fn(F, u64, f32) = self.k("scale.cu", "fill_f32");
+        let n = x.len() as u64;
+        let y = self.orders("fill_f32", |rev| {
+            let mut y = x.to_vec();
+            let p = y.as_mut_ptr();
+            // SAFETY: y has n elements.
+            self.launch("scale.cu", cuda_grid::elementwise(n), rev, &|| unsafe { k(p, n, value) });
+            y
+        });
+        x.copy_from_slice(&y);
+    }
+    fn copy_2d(&self, dst: &mut [f32], dst_pitch: usize, src: &[f32], src_pitch: usize, width: usize, height: usize) {
+        let k: unsafe extern "C" fn(F, u64, C, u64, u64, u64) = self.k("scale.cu", "copy_2d_f32");
+        let (dp, sp, w, h) = (dst_pitch as u64, src_pitch as u64, width as u64, height as u64);
+        let y = self.orders("copy_2d_f32", |rev| {
+            let mut y = dst.to_vec();
+            let p = y.as_mut_ptr();
+            // SAFETY: the last row ends within both buffers (the check's shapes).
+            self.launch("scale.cu", cuda_grid::elementwise(w * h), rev, &|| unsafe {
+                k(p, dp, src.as_ptr(), sp, w, h)
+            });
+            y
+        });
+        dst.copy_from_slice(&y);
+    }
     fn matmul_forward(
         &self,
         _: &mut [f32],
@@ -550,6 +698,32 @@ fn attention_forward_rows_and_backward_are_bitwise_the_cpus() {
 fn logsoftmax_gather_forward_and_backward_are_bitwise_the_cpus() {
     let Some(s) = Shim::new() else { return };
     check_logsoftmax_gather(&s);
+}
+
+#[test]
+fn the_grpo_loss_is_bitwise_the_cpus_in_both_styles_and_overflows_where_rolls_does() {
+    let Some(s) = Shim::new() else { return };
+    // The random gaps past 88.72 must give ROLL's failure (finite loss, NaN gradient) in some cases.
+    let overflowed = check_grpo(&s);
+    assert!(overflowed > 5, "roll: a finite loss with a non-finite gradient in only {overflowed} cases");
+}
+
+#[test]
+fn the_seed_cases_masked_k3_overflow_gives_a_finite_loss_and_a_nan_gradient() {
+    let Some(s) = Shim::new() else { return };
+    check_seed_case(&s);
+}
+
+#[test]
+fn the_sampler_picks_the_cpus_tokens() {
+    let Some(s) = Shim::new() else { return };
+    check_sample(&s);
+}
+
+#[test]
+fn fill_and_copy_2d_are_exact() {
+    let Some(s) = Shim::new() else { return };
+    check_fill_and_copy_2d(&s);
 }
 
 #[test]

@@ -721,7 +721,7 @@ impl Config {
         let (b, t) = (rl.prompts_per_rank.saturating_mul(rl.group_size), rl.response_len.saturating_add(1));
         let bt = b as f64 * t as f64;
         // Activations, the loss's dlogits (B, T, V) and per-position caches.
-        let activations = 4.0 * (crate::model::Activations::numel(m, b, t) + bt * m.vocab as f64 + 16.0 * bt);
+        let activations = 4.0 * (crate::model::activations_numel(m, b, t) + bt * m.vocab as f64 + 16.0 * bt);
         // Weights (trainer, rollout engine, frozen reference) and Adam's two moments.
         let state = 4.0 * 5.0 * params;
         let grads = 4.0 * params;

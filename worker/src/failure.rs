@@ -5,6 +5,7 @@
 //! mini-batch, so `gradbus replay` recomputes exactly the failing gradients.
 
 use gradbus_collectives::{HealthTable, ParamGrads, Report};
+use gradbus_kernels::backend::Cpu;
 
 use crate::artifacts::{self, DumpMeta, HealthRecord, TraceFile};
 use crate::gradients::compute_gradients;
@@ -22,7 +23,7 @@ impl Trainer {
             crate::forensics::Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
         let mut scratch = vec![0.0; layout.len];
         let grads = &mut ParamGrads::new(&mut scratch, &layout);
-        compute_gradients(&self.gpt, &self.cfg, &self.params, &mut self.acts, mb, grads, &mut trace);
+        compute_gradients(&Cpu, &self.gpt, &self.cfg, &self.params, &mut self.work, mb, grads, &mut trace);
         let line = trace
             .first
             .as_ref()

@@ -4,6 +4,7 @@
 //! Invariant: every draw comes from a stream named by (seed, purpose, step, rank), so a rollout is a
 //! pure function of the weights and those keys - also after resume.
 
+use gradbus_kernels::backend::Cpu;
 use gradbus_kernels::rng::Rng;
 
 use crate::probe::NoProbe;
@@ -31,12 +32,12 @@ impl Trainer {
         let len = r + 2;
         // One position at a time through a KV cache (the prompt first). Positions 0..len-1 are fed (the
         // batch's inputs); their logits are bit for bit those of a forward over the batch (model.rs).
-        let mut cache = crate::model::KvCache::new(&self.cfg.model, b, len - 1);
+        let mut cache = crate::model::KvCache::new(&Cpu, &self.cfg.model, b, len - 1);
         let mut all_logits = vec![0.0f32; b * (len - 1) * v];
         for t in 2..len {
             let (p0, tn) = (cache.len(), t - cache.len());
             let new: Vec<u32> = seqs.chunks_exact(len).flat_map(|s| s[p0..t].iter().copied()).collect();
-            let logits = self.gpt.forward_cached(&self.rollout, &new, b, tn, &mut cache, &mut self.acts);
+            let logits = self.gpt.forward_cached(&Cpu, &self.rollout, &new, b, tn, &mut cache, &mut self.work.acts);
             for (j, row) in logits.chunks_exact(v).enumerate() {
                 all_logits[((j / tn) * (len - 1) + p0 + j % tn) * v..][..v].copy_from_slice(row);
             }
@@ -46,7 +47,7 @@ impl Trainer {
                     task::PAD
                 } else {
                     let row = &logits[(i * tn + tn - 1) * v..(i * tn + tn) * v];
-                    sample(row, rl.temperature, &mut rng)
+                    gradbus_kernels::ops::sample(row, rl.temperature, rng.uniform())
                 };
             }
         }
@@ -54,7 +55,7 @@ impl Trainer {
         // Right after a sync the rollout weights ARE the trainer's: the old log-probs are the
         // rollout's own (the same bits as the forward `logp` would run).
         batch.old_logp = if step % self.cfg.rollout_sync_interval == 0 {
-            crate::loss::target_logp(&all_logits, &batch.targets, v)
+            crate::loss::target_logp(&Cpu, &all_logits, &batch.targets, v)
         } else {
             self.logp(&batch, false)
         };
@@ -65,8 +66,8 @@ impl Trainer {
     /// Log-probs of the batch's targets under the trainer (or reference) weights.
     pub(crate) fn logp(&mut self, batch: &Batch, reference: bool) -> Vec<f32> {
         let w = if reference { &self.reference } else { &self.params };
-        let logits = self.gpt.forward(w, &batch.inputs, batch.b, batch.t, &mut self.acts, &mut NoProbe);
-        crate::loss::target_logp(logits, &batch.targets, self.cfg.model.vocab)
+        let logits = self.gpt.forward(&Cpu, w, &batch.inputs, batch.b, batch.t, &mut self.work.acts, &mut NoProbe);
+        crate::loss::target_logp(&Cpu, logits, &batch.targets, self.cfg.model.vocab)
     }
 }
 
@@ -76,19 +77,4 @@ pub(crate) mod purpose {
     pub const PROMPTS: u64 = 2;
     pub const SAMPLE: u64 = 3;
     pub const SHUFFLE: u64 = 4;
-}
-
-/// Sample from softmax(logits / temperature).
-pub fn sample(logits: &[f32], temperature: f32, rng: &mut Rng) -> u32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let w: Vec<f32> = logits.iter().map(|&l| ((l - max) / temperature).exp()).collect();
-    let total: f32 = w.iter().sum();
-    let mut u = rng.uniform() * total;
-    for (i, &p) in w.iter().enumerate() {
-        if u < p {
-            return i as u32;
-        }
-        u -= p;
-    }
-    (w.len() - 1) as u32
 }

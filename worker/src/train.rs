@@ -11,12 +11,14 @@ use std::path::PathBuf;
 
 use gradbus_collectives::spikes::SpikeDetector;
 use gradbus_collectives::{History, Layout, Report, StepId, Transport};
+use gradbus_kernels::backend::Cpu;
 use gradbus_kernels::rng::Rng;
 
 use crate::config::Config;
 use crate::faults::{FaultPhase, FaultPlan};
+use crate::gradients::Work;
 use crate::metrics::open_metrics;
-use crate::model::{self, Gpt};
+use crate::model::Gpt;
 use crate::rank::RankInfo;
 use crate::rollout::purpose;
 use crate::WorkerError;
@@ -69,7 +71,7 @@ pub struct Trainer {
     pub step: u64,
     /// Whether bucket reduces overlap backward (`Config::overlap`, resolved for this node).
     pub overlap: bool,
-    pub(crate) acts: model::Activations,
+    pub(crate) work: Work<Cpu>,
     pub(crate) metrics: Option<std::fs::File>,
 }
 
@@ -99,7 +101,7 @@ impl Trainer {
         gpt.init(&mut params, &mut Rng::new(&[cfg.seed, purpose::INIT]));
         let faults = FaultPlan::new(&cfg.faults, info.rank)?;
         let max_b = cfg.rl.prompts_per_rank * cfg.rl.group_size;
-        let acts = model::Activations::new(&cfg.model, max_b, cfg.rl.response_len + 1);
+        let work = Work::new(&Cpu, &cfg, max_b, cfg.rl.response_len + 1);
         let mut t = Trainer {
             m: vec![0.0; layout.len],
             v: vec![0.0; layout.len],
@@ -118,7 +120,7 @@ impl Trainer {
             faults,
             step: 0,
             overlap: cfg.overlap.resolve(info.nodes, info.local_size),
-            acts,
+            work,
             metrics: None,
             gpt,
             bus,

@@ -7,11 +7,13 @@
 
 use std::time::Instant;
 
+use gradbus_kernels::backend::Cpu;
+
 use gradbus_collectives::{backward_and_reduce, decide, Action, HealthTable, LocalReport, Progress, Report, StepId};
 
 use crate::failure::describe;
 use crate::faults::FaultPhase;
-use crate::gradients::forward_loss;
+use crate::gradients::{backward, forward_loss};
 use crate::loss::{LossStats, EXP_OVERFLOW};
 use crate::metrics::headroom;
 use crate::probe::NoProbe;
@@ -83,9 +85,9 @@ impl Trainer {
     /// when `overlap` says so), with the planned faults of this update. Every fault but the NaN/Inf
     /// plants fires on this thread, never on the backward thread.
     pub(crate) fn forward_backward(&mut self, mb: &Batch, at: StepId) -> Result<LossStats, WorkerError> {
-        let Trainer { gpt, cfg, params, acts, faults, bus, overlap, .. } = self;
+        let Trainer { gpt, cfg, params, work, faults, bus, overlap, .. } = self;
         faults.at_phase(FaultPhase::Forward, at);
-        let (stats, dlogits) = forward_loss(gpt, cfg, params, acts, mb, &mut NoProbe);
+        let stats = forward_loss(&Cpu, gpt, cfg, params, work, mb, &mut NoProbe);
         faults.at_phase(FaultPhase::Backward, at);
         let layout = bus.layout().clone();
         let faults = &*faults;
@@ -94,7 +96,7 @@ impl Trainer {
             at,
             *overlap,
             &mut |p, grad| faults.poison(at, &layout, p, grad),
-            |grads| gpt.backward(params, acts, &dlogits, grads, &mut NoProbe),
+            |grads| backward(&Cpu, gpt, params, work, mb, grads, &mut NoProbe),
             &mut |b| {
                 if b == 0 {
                     faults.at_phase(FaultPhase::BetweenBuckets, at);

@@ -2,7 +2,8 @@
 //! rollout's sampling on device buffers, as methods of a [`Gpu`] (one device, one stream, one
 //! cuBLAS handle), each with its CPU twin's name and argument order. The kernels are the `.cu`
 //! files of `kernels/cuda/` (listed in [`crate::cuda_grid::SOURCES`], launched with the shapes of
-//! [`crate::cuda_grid`]); the dense layer's products are cuBLAS SGEMM. Without the feature,
+//! [`crate::cuda_grid`]); the dense layer's products are cuBLAS SGEMM. `backend.rs` implements
+//! [`crate::backend::Backend`] with them. Without the feature,
 //! `cuda_stub.rs` keeps the entry points and every constructor returns
 //! [`Error::NotCompiledWithCuda`].
 //!
@@ -32,9 +33,14 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceSlice, LaunchC
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use cudarc::nvrtc::CompileOptions;
 
+mod backend;
+pub use backend::DeviceIds;
+
 use crate::cuda_grid::{self as grid, Launch, LOSS_STATS, SOURCES};
 use crate::health::Health;
 use crate::ops::adamw::AdamwScalars;
+use crate::ops::grpo::{K3_CLAMP, LOGRATIO_CLAMP};
+use crate::ops::{GrpoGrads, GrpoSaved, GrpoScalars, GrpoStats};
 use crate::Error;
 
 /// "No first bad index" in a health row.
@@ -146,75 +152,6 @@ fn kernels(ctx: &Arc<CudaContext>) -> Result<Arc<Kernels>, Error> {
     let k = Arc::new(k);
     cache.push((ordinal, k.clone()));
     Ok(k)
-}
-
-/// The loss's settings as the kernels take them (worker/src/loss.rs maps its `LossConfig` here).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LossParams {
-    /// The safe style (masked positions selected out, log-ratios clamped); else ROLL's.
-    pub safe: bool,
-    /// The safe style's bound of a log-ratio before its exp.
-    pub logratio_clamp: f32,
-    /// The bound of the k3 value (both styles).
-    pub k3_clamp: f32,
-    /// PPO clip epsilon.
-    pub clip: f32,
-    /// Coefficient of the k3 KL.
-    pub kl_coef: f32,
-}
-
-/// The loss's per-position buffers on the device, (B T) each, for up to `n` positions: what
-/// forward keeps for backward, the terms and the backward stages (the probe's operands), and the
-/// stats (`cuda_grid::LOSS_STATS` floats, loss.cu's order).
-pub struct LossBufs {
-    n: usize,
-    /// log p of the targets, and the row's logsumexp.
-    pub logp: CudaSlice<f32>,
-    pub lse: CudaSlice<f32>,
-    /// logp - old, ref - logp (before any clamp).
-    pub lr1_raw: CudaSlice<f32>,
-    pub lr2_raw: CudaSlice<f32>,
-    /// The exps' inputs and outputs.
-    pub lr1: CudaSlice<f32>,
-    pub ratio: CudaSlice<f32>,
-    pub lr2: CudaSlice<f32>,
-    pub e2: CudaSlice<f32>,
-    /// k3 and its clamp.
-    pub k3: CudaSlice<f32>,
-    pub k3c: CudaSlice<f32>,
-    /// 1 where the exps were evaluated, else 0.
-    pub evaluated: CudaSlice<f32>,
-    /// pg * m, k3c * m, and the terms.
-    pub pgm: CudaSlice<f32>,
-    pub klm: CudaSlice<f32>,
-    pub terms: CudaSlice<f32>,
-    /// Backward: the gradients of the two exps' inputs, and of logp.
-    pub d_lr1: CudaSlice<f32>,
-    pub d_lr2: CudaSlice<f32>,
-    pub dlogp: CudaSlice<f32>,
-    /// loss, ratio, kl, the 6 log-ratio maxima, min_response_logp, response_tokens, divisor.
-    pub stats: CudaSlice<f32>,
-}
-
-/// One step of the rollout's sampler (`Gpu::sample`): where the logits of each sequence's last
-/// position are, and what to write.
-#[derive(Clone, Copy, Debug)]
-pub struct SampleStep {
-    /// Sequences bb.
-    pub b: usize,
-    /// Vocabulary V.
-    pub v: usize,
-    /// Sequence i's logits row starts at `i * row_stride + row_off` (both in floats).
-    pub row_stride: usize,
-    pub row_off: usize,
-    /// Length of a sequence in `seqs` (B, len); `pos` is written, from the token at `pos - 1`.
-    pub len: usize,
-    pub pos: usize,
-    /// Whether an EOS or PAD at `pos - 1` ends the sequence (PAD written, no draw).
-    pub may_stop: bool,
-    pub eos: u32,
-    pub pad: u32,
-    pub temperature: f32,
 }
 
 /// One CUDA device, the stream its kernels run on, and a cuBLAS handle on that stream.
@@ -1080,253 +1017,217 @@ impl Gpu {
         Ok(())
     }
 
-    // ------------------------------------------------------------------ loss, sampling
+    // ------------------------------------------------------------------ loss, sampling, utilities
 
-    /// The loss's buffers for up to `n` = B T positions.
-    pub fn loss_bufs(&self, n: usize) -> Result<LossBufs, Error> {
-        let z = |k: usize| self.zeros::<f32>(k);
-        Ok(LossBufs {
-            n,
-            logp: z(n)?,
-            lse: z(n)?,
-            lr1_raw: z(n)?,
-            lr2_raw: z(n)?,
-            lr1: z(n)?,
-            ratio: z(n)?,
-            lr2: z(n)?,
-            e2: z(n)?,
-            k3: z(n)?,
-            k3c: z(n)?,
-            evaluated: z(n)?,
-            pgm: z(n)?,
-            klm: z(n)?,
-            terms: z(n)?,
-            d_lr1: z(n)?,
-            d_lr2: z(n)?,
-            dlogp: z(n)?,
-            stats: z(LOSS_STATS)?,
-        })
-    }
-
-    /// Forward of the GRPO loss (worker/src/loss.rs `loss_forward`): log-softmax-gather of the
-    /// targets, the per-position values and terms, then the token means and stats into `bufs`.
-    /// logits: (B, T, V), targets, old_logp, ref_logp, mask: (B, T), adv: (B). Enqueued.
+    /// The GRPO loss's per-position forward (`ops::grpo_forward`): logp, mask, old, reference:
+    /// (B, T), adv: (B); the saved values into `saved` (each >= B T). Returns the stats
+    /// (synchronizes).
     #[allow(clippy::too_many_arguments)]
-    pub fn loss_forward(
+    pub fn grpo_forward(
         &self,
-        p: &LossParams,
-        logits: &impl DevicePtr<f32>,
-        targets: &impl DevicePtr<u32>,
-        old_logp: &impl DevicePtr<f32>,
-        ref_logp: &impl DevicePtr<f32>,
+        s: &GrpoScalars,
+        logp: &impl DevicePtr<f32>,
         mask: &impl DevicePtr<f32>,
         adv: &impl DevicePtr<f32>,
+        old: &impl DevicePtr<f32>,
+        reference: &impl DevicePtr<f32>,
         b: usize,
         t: usize,
-        v: usize,
-        bufs: &mut LossBufs,
-    ) -> Result<(), Error> {
+        saved: &mut GrpoSaved<CudaSlice<f32>>,
+    ) -> Result<GrpoStats, Error> {
         let n = b * t;
+        let sv = &mut *saved;
         lengths(
-            "loss_forward",
+            "grpo_forward",
             &[
-                ("bufs", bufs.n, n),
-                ("old_logp", old_logp.len(), n),
-                ("ref_logp", ref_logp.len(), n),
+                ("logp", logp.len(), n),
                 ("mask", mask.len(), n),
                 ("adv", adv.len(), b),
+                ("old", old.len(), n),
+                ("reference", reference.len(), n),
+                (
+                    "saved",
+                    [&sv.lr1_raw, &sv.lr1, &sv.ratio, &sv.lr2_raw, &sv.lr2, &sv.e2, &sv.k3, &sv.terms]
+                        .iter()
+                        .map(|x| x.len())
+                        .min()
+                        .unwrap_or(0),
+                    n,
+                ),
             ],
         )?;
-        let (logp, lse) = (&mut bufs.logp, &mut bufs.lse);
-        self.logsoftmax_gather_forward(&mut logp.slice_mut(..n), &mut lse.slice_mut(..n), logits, targets, n, v)?;
+        let mut stats = self.zeros::<f32>(LOSS_STATS)?;
+        if n > 0 {
+            let (lim, lo, hi) = (if s.safe { LOGRATIO_CLAMP } else { f32::INFINITY }, 1.0 - s.clip, 1.0 + s.clip);
+            let (safe, n, t) = (s.safe as i32, n as u64, t as u64);
+            let (lp, _g0) = logp.device_ptr(&self.stream);
+            let (mp, _g1) = mask.device_ptr(&self.stream);
+            let (ap, _g2) = adv.device_ptr(&self.stream);
+            let (op, _g3) = old.device_ptr(&self.stream);
+            let (rp, _g4) = reference.device_ptr(&self.stream);
+            let (r1, _g5) = sv.lr1_raw.device_ptr_mut(&self.stream);
+            let (l1, _g6) = sv.lr1.device_ptr_mut(&self.stream);
+            let (ra, _g7) = sv.ratio.device_ptr_mut(&self.stream);
+            let (r2, _g8) = sv.lr2_raw.device_ptr_mut(&self.stream);
+            let (l2, _g9) = sv.lr2.device_ptr_mut(&self.stream);
+            let (e2, _g10) = sv.e2.device_ptr_mut(&self.stream);
+            let (k3, _g11) = sv.k3.device_ptr_mut(&self.stream);
+            let (tm, _g12) = sv.terms.device_ptr_mut(&self.stream);
+            let (st, _g13) = stats.device_ptr_mut(&self.stream);
+            // SAFETY: grpo_forward_f32(logp, mask, adv, old, reference, n, t, safe, lim, lo, hi,
+            // k3_clamp, kl_coef, then the 8 saved buffers): every per-position buffer holds >= n
+            // floats and adv B = n / t (checked above); grid-stride over i < n.
+            launch!(
+                self,
+                "grpo_forward_f32",
+                grid::elementwise(n),
+                [
+                    &lp, &mp, &ap, &op, &rp, &n, &t, &safe, &lim, &lo, &hi, &K3_CLAMP, &s.kl_coef, &r1, &l1, &ra, &r2,
+                    &l2, &e2, &k3, &tm
+                ]
+            )?;
+            // SAFETY: grpo_reduce_f32(logp, mask, adv, lr1_raw, lr2_raw, ratio, k3, n, t, safe, lo, hi,
+            // k3_clamp, kl_coef, stats): one thread reads n floats of each (as above) and writes the
+            // LOSS_STATS floats of `stats`.
+            launch!(
+                self,
+                "grpo_reduce_f32",
+                grid::single(),
+                [&lp, &mp, &ap, &r1, &r2, &ra, &k3, &n, &t, &safe, &lo, &hi, &K3_CLAMP, &s.kl_coef, &st]
+            )?;
+        }
+        Ok(grid::grpo_stats(&self.download(&stats)?))
+    }
+
+    /// Backward of `grpo_forward` (`ops::grpo_backward`) into `grads` (each >= B T); `denom` is the
+    /// forward's `GrpoStats::denom`. Enqueued.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grpo_backward(
+        &self,
+        s: &GrpoScalars,
+        mask: &impl DevicePtr<f32>,
+        adv: &impl DevicePtr<f32>,
+        saved: &GrpoSaved<CudaSlice<f32>>,
+        denom: f32,
+        b: usize,
+        t: usize,
+        grads: &mut GrpoGrads<CudaSlice<f32>>,
+    ) -> Result<(), Error> {
+        let n = b * t;
+        let sv = saved;
+        lengths(
+            "grpo_backward",
+            &[
+                ("mask", mask.len(), n),
+                ("adv", adv.len(), b),
+                (
+                    "saved",
+                    [&sv.lr1_raw, &sv.lr2_raw, &sv.ratio, &sv.e2, &sv.k3].iter().map(|x| x.len()).min().unwrap_or(0),
+                    n,
+                ),
+                ("grads", grads.d_lr1.len().min(grads.d_lr2.len()).min(grads.dlogp.len()), n),
+            ],
+        )?;
         if n == 0 {
             return Ok(());
         }
-        let (lim, lo, hi) = (if p.safe { p.logratio_clamp } else { f32::INFINITY }, 1.0 - p.clip, 1.0 + p.clip);
-        let (safe, n64, t64) = (p.safe as i32, n as u64, t as u64);
-        let bb = &mut *bufs;
-        let (lp, _lp) = bb.logp.device_ptr(&self.stream);
-        let (op, _op) = old_logp.device_ptr(&self.stream);
-        let (rp, _rp) = ref_logp.device_ptr(&self.stream);
-        let (mp, _mp) = mask.device_ptr(&self.stream);
-        let (ap, _ap) = adv.device_ptr(&self.stream);
-        let (r1, _g1) = bb.lr1_raw.device_ptr_mut(&self.stream);
-        let (r2, _g2) = bb.lr2_raw.device_ptr_mut(&self.stream);
-        let (l1, _g3) = bb.lr1.device_ptr_mut(&self.stream);
-        let (ra, _g4) = bb.ratio.device_ptr_mut(&self.stream);
-        let (l2, _g5) = bb.lr2.device_ptr_mut(&self.stream);
-        let (e2, _g6) = bb.e2.device_ptr_mut(&self.stream);
-        let (k3, _g7) = bb.k3.device_ptr_mut(&self.stream);
-        let (kc, _g8) = bb.k3c.device_ptr_mut(&self.stream);
-        let (ev, _g9) = bb.evaluated.device_ptr_mut(&self.stream);
-        let (pg, _g10) = bb.pgm.device_ptr_mut(&self.stream);
-        let (kl, _g11) = bb.klm.device_ptr_mut(&self.stream);
-        let (tm, _g12) = bb.terms.device_ptr_mut(&self.stream);
-        let (st, _g13) = bb.stats.device_ptr_mut(&self.stream);
-        // SAFETY: loss_forward_f32(logp, old, ref, mask, adv, n, t, safe, lim, lo, hi, k3_clamp,
-        // kl_coef, then 12 outputs): every per-position buffer holds >= n floats (bufs.n >= n, the
-        // inputs checked above), adv B = n / t; grid-stride over i < n.
+        let (lim, lo, hi) = (if s.safe { LOGRATIO_CLAMP } else { f32::INFINITY }, 1.0 - s.clip, 1.0 + s.clip);
+        let (safe, n, t) = (s.safe as i32, n as u64, t as u64);
+        let (mp, _g0) = mask.device_ptr(&self.stream);
+        let (ap, _g1) = adv.device_ptr(&self.stream);
+        let (r1, _g2) = sv.lr1_raw.device_ptr(&self.stream);
+        let (r2, _g3) = sv.lr2_raw.device_ptr(&self.stream);
+        let (ra, _g4) = sv.ratio.device_ptr(&self.stream);
+        let (e2, _g5) = sv.e2.device_ptr(&self.stream);
+        let (k3, _g6) = sv.k3.device_ptr(&self.stream);
+        let (g1, _g7) = grads.d_lr1.device_ptr_mut(&self.stream);
+        let (g2, _g8) = grads.d_lr2.device_ptr_mut(&self.stream);
+        let (gp, _g9) = grads.dlogp.device_ptr_mut(&self.stream);
+        // SAFETY: grpo_backward_f32(mask, adv, n, t, safe, lim, lo, hi, k3_clamp, kl_coef, denom,
+        // lr1_raw, lr2_raw, ratio, e2, k3, d_lr1, d_lr2, dlogp): every per-position buffer holds >= n
+        // floats (checked above); grid-stride over i < n.
         launch!(
             self,
-            "loss_forward_f32",
-            grid::elementwise(n64),
+            "grpo_backward_f32",
+            grid::elementwise(n),
             [
-                &lp,
-                &op,
-                &rp,
-                &mp,
-                &ap,
-                &n64,
-                &t64,
-                &safe,
-                &lim,
-                &lo,
-                &hi,
-                &p.k3_clamp,
-                &p.kl_coef,
-                &r1,
-                &r2,
-                &l1,
-                &ra,
-                &l2,
-                &e2,
-                &k3,
-                &kc,
-                &ev,
-                &pg,
-                &kl,
-                &tm
+                &mp, &ap, &n, &t, &safe, &lim, &lo, &hi, &K3_CLAMP, &s.kl_coef, &denom, &r1, &r2, &ra, &e2, &k3, &g1,
+                &g2, &gp
             ]
-        )?;
-        // SAFETY: loss_reduce_f32(logp, mask, lr1_raw, lr2_raw, ratio, k3c, evaluated, pgm, klm, n,
-        // kl_coef, stats): one thread reads n floats of each (as above) and writes LOSS_STATS floats
-        // of `stats` (allocated with LOSS_STATS).
-        launch!(
-            self,
-            "loss_reduce_f32",
-            grid::single(),
-            [&lp, &mp, &r1, &r2, &ra, &kc, &ev, &pg, &kl, &n64, &p.kl_coef, &st]
         )
     }
 
-    /// The stats of the last `loss_forward` on `bufs` (synchronizes), loss.cu's order.
-    pub fn loss_stats(&self, bufs: &LossBufs) -> Result<[f32; LOSS_STATS], Error> {
-        Ok(self.download(&bufs.stats)?.try_into().expect("LOSS_STATS floats"))
-    }
-
-    /// Backward of the loss (worker/src/loss.rs `loss_backward`) after `loss_forward` on `bufs`:
-    /// d_lr1, d_lr2 and dlogp into `bufs`, then dlogits (B, T, V) +=. Enqueued.
+    /// One token per sequence (`ops::sample`) from the last position of logits (B, T, V), row `i`
+    /// with the caller's uniform draw `uniforms[i]`, into host `out` (B). Synchronizes.
     #[allow(clippy::too_many_arguments)]
-    pub fn loss_backward(
+    pub fn sample(
         &self,
-        p: &LossParams,
+        out: &mut [u32],
         logits: &impl DevicePtr<f32>,
-        targets: &impl DevicePtr<u32>,
-        mask: &impl DevicePtr<f32>,
-        adv: &impl DevicePtr<f32>,
         b: usize,
         t: usize,
         v: usize,
-        bufs: &mut LossBufs,
-        dlogits: &mut impl DevicePtrMut<f32>,
+        temperature: f32,
+        uniforms: &[f32],
     ) -> Result<(), Error> {
-        let n = b * t;
-        lengths("loss_backward", &[("bufs", bufs.n, n), ("mask", mask.len(), n), ("adv", adv.len(), b)])?;
+        lengths(
+            "sample",
+            &[("out", out.len(), b), ("uniforms", uniforms.len(), b), ("logits", logits.len(), b * t * v)],
+        )?;
+        if b == 0 {
+            return Ok(());
+        }
+        if t == 0 || v == 0 {
+            return Err(Error::Shape { what: "sample", detail: format!("T {t}, V {v}") });
+        }
+        let u = self.upload(&uniforms[..b])?;
+        let mut tokens = self.zeros::<u32>(b)?;
+        {
+            let (tp, _t) = tokens.device_ptr_mut(&self.stream);
+            let (lp, _l) = logits.device_ptr(&self.stream);
+            let (up, _u) = u.device_ptr(&self.stream);
+            let (b, t, v) = (b as u64, t as u64, v as u64);
+            // SAFETY: sample_f32(out, logits, b, t, v, temperature, uniforms): out and uniforms hold
+            // B, logits B T V (checked); a thread per sequence reads its last row only.
+            launch!(self, "sample_f32", grid::elementwise(b), [&tp, &lp, &b, &t, &v, &temperature, &up])?;
+        }
+        out[..b].copy_from_slice(&self.download(&tokens)?);
+        Ok(())
+    }
+
+    /// Every element of `x` set to `value`. Enqueued.
+    pub fn fill(&self, x: &mut impl DevicePtrMut<f32>, value: f32) -> Result<(), Error> {
+        let n = x.len() as u64;
         if n == 0 {
             return Ok(());
         }
-        let (lim, lo, hi) = (if p.safe { p.logratio_clamp } else { f32::INFINITY }, 1.0 - p.clip, 1.0 + p.clip);
-        let (safe, n64, t64) = (p.safe as i32, n as u64, t as u64);
-        {
-            let bb = &mut *bufs;
-            let (mp, _mp) = mask.device_ptr(&self.stream);
-            let (ap, _ap) = adv.device_ptr(&self.stream);
-            let (r1, _g1) = bb.lr1_raw.device_ptr(&self.stream);
-            let (r2, _g2) = bb.lr2_raw.device_ptr(&self.stream);
-            let (ra, _g3) = bb.ratio.device_ptr(&self.stream);
-            let (e2, _g4) = bb.e2.device_ptr(&self.stream);
-            let (k3, _g5) = bb.k3.device_ptr(&self.stream);
-            let (ev, _g6) = bb.evaluated.device_ptr(&self.stream);
-            let (st, _g7) = bb.stats.device_ptr(&self.stream);
-            let (g1, _g8) = bb.d_lr1.device_ptr_mut(&self.stream);
-            let (g2, _g9) = bb.d_lr2.device_ptr_mut(&self.stream);
-            let (gp, _g10) = bb.dlogp.device_ptr_mut(&self.stream);
-            // SAFETY: loss_backward_f32(mask, adv, n, t, safe, lim, lo, hi, k3_clamp, kl_coef, lr1_raw,
-            // lr2_raw, ratio, e2, k3, evaluated, stats, d_lr1, d_lr2, dlogp): every per-position
-            // buffer holds >= n floats (checked), stats LOSS_STATS; grid-stride over i < n.
-            launch!(
-                self,
-                "loss_backward_f32",
-                grid::elementwise(n64),
-                [
-                    &mp,
-                    &ap,
-                    &n64,
-                    &t64,
-                    &safe,
-                    &lim,
-                    &lo,
-                    &hi,
-                    &p.k3_clamp,
-                    &p.kl_coef,
-                    &r1,
-                    &r2,
-                    &ra,
-                    &e2,
-                    &k3,
-                    &ev,
-                    &st,
-                    &g1,
-                    &g2,
-                    &gp
-                ]
-            )?;
-        }
-        self.logsoftmax_gather_backward(dlogits, &bufs.dlogp.slice(..n), logits, &bufs.lse.slice(..n), targets, n, v)
+        let (xp, _x) = x.device_ptr_mut(&self.stream);
+        // SAFETY: fill_f32(x, n, value), grid-stride over i < n; x holds n f32.
+        launch!(self, "fill_f32", grid::elementwise(n), [&xp, &n, &value])
     }
 
-    /// One step of the rollout's sampling (worker/src/rollout.rs `sample`): token `s.pos` of every
-    /// sequence of `seqs` (B, len), from the logits rows `s` names, with the xoshiro256** state
-    /// `rng` (4 words, advanced by the draws); `scratch`: (B). Enqueued.
-    pub fn sample(
+    /// `height` rows of `width` elements, row `i` of `src` at `i * src_pitch` to row `i` of `dst` at
+    /// `i * dst_pitch`. Enqueued.
+    pub fn copy_2d(
         &self,
-        s: &SampleStep,
-        logits: &impl DevicePtr<f32>,
-        seqs: &mut impl DevicePtrMut<u32>,
-        rng: &mut CudaSlice<u64>,
-        scratch: &mut CudaSlice<f32>,
+        dst: &mut impl DevicePtrMut<f32>,
+        dst_pitch: usize,
+        src: &impl DevicePtr<f32>,
+        src_pitch: usize,
+        width: usize,
+        height: usize,
     ) -> Result<(), Error> {
-        if s.b == 0 {
+        if width * height == 0 {
             return Ok(());
         }
-        if s.pos == 0 || s.pos >= s.len || s.v == 0 {
-            return Err(Error::Shape { what: "sample", detail: format!("{s:?}") });
-        }
-        lengths(
-            "sample",
-            &[
-                ("logits", logits.len(), (s.b - 1) * s.row_stride + s.row_off + s.v),
-                ("seqs", seqs.len(), s.b * s.len),
-                ("rng", rng.len(), 4),
-                ("scratch", scratch.len(), s.b),
-            ],
-        )?;
-        let (lp, _l) = logits.device_ptr(&self.stream);
-        let (sp, _s) = seqs.device_ptr_mut(&self.stream);
-        let (rp, _r) = rng.device_ptr_mut(&self.stream);
-        let (up, _u) = scratch.device_ptr_mut(&self.stream);
-        let (stride, off, v, b, len, pos) =
-            (s.row_stride as u64, s.row_off as u64, s.v as u64, s.b as u64, s.len as u64, s.pos as u64);
-        let may_stop = s.may_stop as i32;
-        // SAFETY: sample_f32(logits, row_stride, row_off, v, seqs, b, len, pos, may_stop, eos, pad,
-        // temperature, rng, u): rows i < B read logits[i stride + off .. + V) (checked), seqs
-        // (B, len) with 0 < pos < len, rng 4 words, u B floats; one block.
-        launch!(
-            self,
-            "sample_f32",
-            grid::one_block(grid::SAMPLE_THREADS),
-            [&lp, &stride, &off, &v, &sp, &b, &len, &pos, &may_stop, &s.eos, &s.pad, &s.temperature, &rp, &up]
-        )
+        let need = |pitch: usize| (height - 1) * pitch + width;
+        lengths("copy_2d", &[("dst", dst.len(), need(dst_pitch)), ("src", src.len(), need(src_pitch))])?;
+        let (dp, _d) = dst.device_ptr_mut(&self.stream);
+        let (sp, _s) = src.device_ptr(&self.stream);
+        let (dpi, spi, w, h) = (dst_pitch as u64, src_pitch as u64, width as u64, height as u64);
+        // SAFETY: copy_2d_f32(dst, dst_pitch, src, src_pitch, width, height): the last row ends within
+        // both buffers (checked above).
+        launch!(self, "copy_2d_f32", grid::elementwise(w * h), [&dp, &dpi, &sp, &spi, &w, &h])
     }
 }
 

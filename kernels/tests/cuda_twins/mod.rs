@@ -23,8 +23,9 @@
 //!   cannot run cuBLAS: the dense layer's products are not covered there.
 #![allow(dead_code)]
 
+use gradbus_kernels::backend::{Backend, Cpu};
 use gradbus_kernels::health::Health;
-use gradbus_kernels::ops::{self, LN_EPS};
+use gradbus_kernels::ops::{self, GrpoGrads, GrpoSaved, GrpoScalars, GrpoStats, LN_EPS};
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::{checksum, health_scan, reference};
 
@@ -154,6 +155,37 @@ pub trait Exec {
         n: usize,
         v: usize,
     );
+    #[allow(clippy::too_many_arguments)]
+    fn grpo_forward(
+        &self,
+        s: &GrpoScalars,
+        logp: &[f32],
+        mask: &[f32],
+        adv: &[f32],
+        old: &[f32],
+        reference: &[f32],
+        b: usize,
+        t: usize,
+        saved: &mut GrpoSaved<Vec<f32>>,
+    ) -> GrpoStats;
+    #[allow(clippy::too_many_arguments)]
+    fn grpo_backward(
+        &self,
+        s: &GrpoScalars,
+        mask: &[f32],
+        adv: &[f32],
+        saved: &GrpoSaved<Vec<f32>>,
+        denom: f32,
+        b: usize,
+        t: usize,
+        grads: &mut GrpoGrads<Vec<f32>>,
+    );
+    /// The backend's `sample`: a token per sequence from the last position of logits (B, T, V).
+    #[allow(clippy::too_many_arguments)]
+    fn sample(&self, out: &mut [u32], logits: &[f32], b: usize, t: usize, v: usize, temperature: f32, uniforms: &[f32]);
+    fn fill(&self, x: &mut [f32], value: f32);
+    #[allow(clippy::too_many_arguments)]
+    fn copy_2d(&self, dst: &mut [f32], dst_pitch: usize, src: &[f32], src_pitch: usize, width: usize, height: usize);
     /// The dense layer; `false` when this executor cannot run it (the shim has no cuBLAS).
     #[allow(clippy::too_many_arguments)]
     fn matmul_forward(
@@ -584,4 +616,235 @@ pub fn check_matmul(e: &dyn Exec) -> bool {
         }
     }
     true
+}
+
+/// A loss problem: logits (B, T, V) and the loss's inputs besides, with ordinary log-ratios and gaps
+/// past exp's overflow at 88.72 planted at random positions (response or masked), advantages of 0
+/// now and then, and a NaN logit in some cases.
+pub struct LossCase {
+    pub b: usize,
+    pub t: usize,
+    pub v: usize,
+    pub logits: Vec<f32>,
+    pub targets: Vec<u32>,
+    pub mask: Vec<f32>,
+    pub adv: Vec<f32>,
+    pub old: Vec<f32>,
+    pub reference: Vec<f32>,
+}
+
+impl LossCase {
+    pub fn random(rng: &mut Rng, k: usize) -> LossCase {
+        let (b, t, v) = ([1, 3, 8, 4][k % 4], [2, 5, 9, 1][k % 4], [4, 16, 7, 33][k % 4]);
+        let n = b * t;
+        let mut logits: Vec<f32> = (0..n * v).map(|_| 2.0 * rng.normal()).collect();
+        if k % 5 == 4 {
+            let i = rng.below(n * v);
+            logits[i] = f32::NAN;
+        }
+        let targets: Vec<u32> = tokens(rng, n, v);
+        let (mut logp, mut lse) = (vec![0f32; n], vec![0f32; n]);
+        ops::logsoftmax_gather_forward(&mut logp, &mut lse, &logits, &targets, n, v);
+        let mask: Vec<f32> = (0..n).map(|i| if i % t == 0 || rng.below(4) == 0 { 0.0 } else { 1.0 }).collect();
+        let adv: Vec<f32> = (0..b).map(|_| if rng.below(5) == 0 { 0.0 } else { rng.normal() }).collect();
+        let gap = |rng: &mut Rng| match rng.below(12) {
+            0 => 89.0 + 40.0 * rng.uniform(), // past ln(f32::MAX) = 88.72
+            1 => -(89.0 + 40.0 * rng.uniform()),
+            2 => 15.0 + 10.0 * rng.uniform(), // around the safe style's clamp at 20
+            _ => 0.3 * rng.normal(),
+        };
+        let old = logp.iter().map(|&l| l - gap(rng)).collect();
+        let reference = logp.iter().map(|&l| l + gap(rng)).collect();
+        LossCase { b, t, v, logits, targets, mask, adv, old, reference }
+    }
+}
+
+/// Every buffer of the loss, computed by `e` (or the CPU when `e` is `None`): logp, lse, the saved
+/// values, the stats, the gradients and dlogits.
+pub struct LossRun {
+    pub logp: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub saved: GrpoSaved<Vec<f32>>,
+    pub stats: GrpoStats,
+    pub grads: GrpoGrads<Vec<f32>>,
+    pub dlogits: Vec<f32>,
+}
+
+/// The loss's chain as worker/src/loss.rs runs it: log-softmax-gather, the GRPO op forward and
+/// backward, log-softmax backward; on `e`, or with the CPU ops.
+pub fn run_loss(e: Option<&dyn Exec>, s: &GrpoScalars, c: &LossCase) -> LossRun {
+    let (n, v) = (c.b * c.t, c.v);
+    let (mut logp, mut lse) = (vec![0f32; n], vec![0f32; n]);
+    let z = || vec![f32::NAN; n];
+    let mut saved =
+        GrpoSaved { lr1_raw: z(), lr1: z(), ratio: z(), lr2_raw: z(), lr2: z(), e2: z(), k3: z(), terms: z() };
+    let mut grads = GrpoGrads { d_lr1: z(), d_lr2: z(), dlogp: z() };
+    let mut dlogits = vec![0f32; n * v];
+    let stats = match e {
+        Some(e) => {
+            e.logsoftmax_gather_forward(&mut logp, &mut lse, &c.logits, &c.targets, n, v);
+            let st = e.grpo_forward(s, &logp, &c.mask, &c.adv, &c.old, &c.reference, c.b, c.t, &mut saved);
+            e.grpo_backward(s, &c.mask, &c.adv, &saved, st.denom(), c.b, c.t, &mut grads);
+            e.logsoftmax_gather_backward(&mut dlogits, &grads.dlogp, &c.logits, &lse, &c.targets, n, v);
+            st
+        }
+        None => {
+            // The CPU backend: each method the `ops` function of its name.
+            let cpu = Cpu;
+            cpu.logsoftmax_gather_forward(&mut logp, &mut lse, &c.logits, &c.targets.to_vec(), n, v);
+            let st = cpu.grpo_forward(s, &logp, &c.mask, &c.adv, &c.old, &c.reference, c.b, c.t, &mut saved);
+            cpu.grpo_backward(s, &c.mask, &c.adv, &saved, st.denom(), c.b, c.t, &mut grads);
+            cpu.logsoftmax_gather_backward(&mut dlogits, &grads.dlogp, &c.logits, &lse, &c.targets.to_vec(), n, v);
+            st
+        }
+    };
+    LossRun { logp, lse, saved, stats, grads, dlogits }
+}
+
+/// The stats as floats, in loss.cu's order (the inverse of `cuda_grid::grpo_stats`).
+pub fn stats_floats(s: &GrpoStats) -> Vec<f32> {
+    vec![
+        s.loss,
+        s.ratio,
+        s.kl,
+        s.max_ratio_logratio_response,
+        s.max_ratio_logratio_masked,
+        s.max_kl_logratio_response,
+        s.max_kl_logratio_masked,
+        s.max_logratio_response,
+        s.max_logratio_masked,
+        s.min_response_logp,
+        s.response_tokens as f32,
+        s.denom(),
+    ]
+}
+
+/// The GRPO loss's chain against the CPU's, in both styles: every saved value, the stats, the
+/// gradients and dlogits; on the GPU within EXP_RTOL of (1 + |value|) (the exps and the logs).
+/// Returns how many cases gave ROLL's failure: a finite loss with a non-finite gradient.
+pub fn check_grpo(e: &dyn Exec) -> usize {
+    let mut rng = Rng::new(&[0x1055, 1]);
+    let mut overflowed = 0;
+    for case in 0..80 {
+        let c = LossCase::random(&mut rng, case);
+        for safe in [false, true] {
+            let s = GrpoScalars { safe, clip: [0.2, 0.1, 0.3][case % 3], kl_coef: [0.01, 0.1][case % 2] };
+            let want = run_loss(None, &s, &c);
+            let got = run_loss(Some(e), &s, &c);
+            let what =
+                |x: &str| format!("{}: grpo case {case} safe {safe} (B {} T {} V {}): {x}", e.name(), c.b, c.t, c.v);
+            let close = |g: &[f32], w: &[f32], x: &str| {
+                let scale: Vec<f32> = w.iter().map(|v| 1.0 + v.abs()).collect();
+                assert_libm_close(e, g, w, &scale, EXP_RTOL, &what(x));
+            };
+            close(&got.logp, &want.logp, "logp");
+            let names = ["lr1_raw", "lr1", "ratio", "lr2_raw", "lr2", "e2", "k3", "terms"];
+            let (g, w) = (&got.saved, &want.saved);
+            let pairs = [
+                (&g.lr1_raw, &w.lr1_raw),
+                (&g.lr1, &w.lr1),
+                (&g.ratio, &w.ratio),
+                (&g.lr2_raw, &w.lr2_raw),
+                (&g.lr2, &w.lr2),
+                (&g.e2, &w.e2),
+                (&g.k3, &w.k3),
+                (&g.terms, &w.terms),
+            ];
+            for ((g, w), name) in pairs.into_iter().zip(names) {
+                close(g, w, name);
+            }
+            close(&stats_floats(&got.stats), &stats_floats(&want.stats), "stats");
+            close(&got.grads.d_lr1, &want.grads.d_lr1, "d_lr1");
+            close(&got.grads.d_lr2, &want.grads.d_lr2, "d_lr2");
+            close(&got.grads.dlogp, &want.grads.dlogp, "dlogp");
+            close(&got.dlogits, &want.dlogits, "dlogits");
+            if !safe && want.stats.loss.is_finite() && want.dlogits.iter().any(|x| !x.is_finite()) {
+                overflowed += 1;
+            }
+        }
+    }
+    overflowed
+}
+
+/// FIELD-NOTES' failing update, on `e`: a k3 gap of 88.8 > 88.72 at a masked position. ROLL's style:
+/// the loss finite, the masked row of dlogits NaN, the other row finite, e2 = +inf; the safe style
+/// all finite.
+pub fn check_seed_case(e: &dyn Exec) {
+    let logits = vec![0.3, -0.2, 0.1, 0.0, -0.5, 0.2, 0.4, 0.1];
+    let targets = vec![1, 2];
+    let (mut logp, mut lse) = (vec![0f32; 2], vec![0f32; 2]);
+    ops::logsoftmax_gather_forward(&mut logp, &mut lse, &logits, &targets, 2, 4);
+    let c = LossCase {
+        b: 1,
+        t: 2,
+        v: 4,
+        logits,
+        targets,
+        mask: vec![0.0, 1.0],
+        adv: vec![1.0],
+        old: logp.clone(),
+        reference: vec![logp[0] + 88.8, logp[1]],
+    };
+    let roll = run_loss(Some(e), &GrpoScalars { safe: false, clip: 0.2, kl_coef: 0.01 }, &c);
+    assert!(roll.stats.loss.is_finite(), "{}: loss {}", e.name(), roll.stats.loss);
+    assert_eq!(roll.saved.e2[0], f32::INFINITY, "{}: exp(88.8) overflowed", e.name());
+    assert!(roll.dlogits[..4].iter().all(|x| x.is_nan()), "{}: the masked row is NaN: {:?}", e.name(), roll.dlogits);
+    assert!(
+        roll.dlogits[4..].iter().all(|x| x.is_finite()),
+        "{}: the other row is finite: {:?}",
+        e.name(),
+        roll.dlogits
+    );
+    let safe = run_loss(Some(e), &GrpoScalars { safe: true, clip: 0.2, kl_coef: 0.01 }, &c);
+    assert!(safe.dlogits.iter().all(|x| x.is_finite()), "{}: the safe style stays finite", e.name());
+}
+
+/// The sampler: the CPU's token for every sequence (exactly: a choice), on peaked, flat, -inf and
+/// NaN rows and uniforms at the edges.
+pub fn check_sample(e: &dyn Exec) {
+    let mut rng = Rng::new(&[0x5a, 1]);
+    for case in 0..60 {
+        let (b, v, t) = ([1, 5, 64, 130][case % 4], [4, 16, 33][case % 3], 1 + case % 3);
+        let temperature = [1.0, 0.7, 2.5][case % 3];
+        let mut logits: Vec<f32> = (0..b * t * v).map(|_| [3.0, 0.01, 30.0][case % 3] * rng.normal()).collect();
+        if case % 4 == 1 {
+            let i = rng.below(logits.len());
+            logits[i] = f32::NEG_INFINITY;
+        }
+        if case % 9 == 8 {
+            let r = rng.below(b);
+            logits[(r * t + t - 1) * v] = f32::NAN;
+        }
+        let uniforms: Vec<f32> =
+            (0..b).map(|i| [0.0, 1.0 - f32::EPSILON / 2.0][i % 2].max(rng.uniform() * (i % 3) as f32 / 2.0)).collect();
+        let want: Vec<u32> =
+            (0..b).map(|i| ops::sample(&logits[(i * t + t - 1) * v..][..v], temperature, uniforms[i])).collect();
+        let mut got = vec![u32::MAX; b];
+        e.sample(&mut got, &logits, b, t, v, temperature, &uniforms);
+        if e.cpu_libm() {
+            assert_eq!(got, want, "{}: sample case {case}", e.name());
+        } else {
+            // CUDA's expf may move a draw that lies within a few ulps of a boundary to the next
+            // token; such a draw is rare (~1e-6 per row here): allow one per case.
+            let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+            assert!(differ <= 1, "{}: sample case {case}: {differ} of {b} tokens differ", e.name());
+        }
+    }
+}
+
+/// fill and the 2D copy (the KV cache's rows, the rollout's logits): exact.
+pub fn check_fill_and_copy_2d(e: &dyn Exec) {
+    let mut rng = Rng::new(&[0xc0da, 15]);
+    for (w, h, sp, dp) in [(1, 1, 1, 1), (5, 3, 7, 5), (48, 9, 48, 100), (3, 40, 10, 3)] {
+        let src = random_input(&mut rng, (h - 1) * sp + w, 2);
+        let init = random_input(&mut rng, (h - 1) * dp + w + 3, 0);
+        let (mut got, mut want) = (init.clone(), init);
+        e.copy_2d(&mut got, dp, &src, sp, w, h);
+        for i in 0..h {
+            want[i * dp..][..w].copy_from_slice(&src[i * sp..][..w]);
+        }
+        assert_bitwise(&got, &want, &format!("{}: copy_2d {w}x{h}", e.name()));
+        e.fill(&mut got, -0.0);
+        assert!(got.iter().all(|x| x.to_bits() == (-0.0f32).to_bits()), "{}: fill", e.name());
+    }
 }
