@@ -34,10 +34,11 @@
 //! - The local health is the GPU scan's: counts and first bad index equal the CPU's, the sum of
 //!   squares may differ from `bucket_health` in its last bits (another order of exact additions),
 //!   so a CPU replay cannot compare this transport's sums bitwise.
-//! - The workload still computes gradients on the CPU, so `grads()` is a host buffer staged through
-//!   the device per bucket (one copy in, one out). All-reduces are deferred to `agree` (one group
-//!   launch per update); a GPU workload would keep its gradients on the device and launch each
-//!   bucket's all-reduce as soon as the bucket is ready, to overlap it with backward.
+//! - `grads()` is a host buffer staged through the device per bucket (one copy in, one out): a CPU
+//!   workload writes it directly, the CUDA backend through `staged::Staged` (device -> host ->
+//!   this transport -> host -> device, two copies more than needed). All-reduces are deferred to
+//!   `agree` (one group launch per update); keeping the gradients on the device and launching each
+//!   bucket's all-reduce as soon as it is ready (to overlap backward) is the next step.
 //! - Deadlines: the id rendezvous has one (`timeout`); `ncclCommInitRank` and the collectives have
 //!   none (blocking communicator): a rank that dies inside them leaves the others waiting until the
 //!   launcher's supervision tears the job down.
@@ -334,7 +335,6 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = id_path(dir.path(), "job-2");
         fs::write(&path, [1u8; 17]).unwrap();
-        let t0 = Instant::now();
         match await_id(&path, Duration::from_millis(100)) {
             Err(Error::Timeout { missing, phase, .. }) => {
                 assert_eq!(missing, vec![0]);
@@ -342,6 +342,5 @@ mod tests {
             }
             other => panic!("expected a timeout, got {:?}", other.map(|_| ())),
         }
-        assert!(t0.elapsed() >= Duration::from_millis(100));
     }
 }
