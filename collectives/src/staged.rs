@@ -4,7 +4,8 @@
 //! host, all-reduces it there (the transport tallies every rank's health on the way, as on the CPU)
 //! and writes the reduced bucket back to the device, where the optimizer finds it
 //! ([`staged_reduced_grads`]). Written for any [`Backend`], so the CPU tests run the very same
-//! code with `Cpu` as the device; `BusBackend for Gpu` (feature `cuda`) is these two functions.
+//! code with `Cpu` as the device; `BusBackend for Gpu` (feature `cuda`) is these two functions,
+//! except on NCCL, where the gradients stay on the device.
 //!
 //! ```text
 //!  backward (device)  ->  for each bucket b, in order:
@@ -157,14 +158,23 @@ pub fn staged_reduced_grads<'a, B: Backend>(be: &B, bus: &'a mut dyn Transport) 
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    //! The CUDA backend's bus: staged through the host transport (module doc above).
+    //! The CUDA backend's bus: on an NCCL transport (a GPU per rank) the gradients stay on the
+    //! device - backward writes the transport's device buffer, which is scanned and all-reduced
+    //! where it is; on any other transport (ranks sharing a GPU: the shared-memory bus) they are
+    //! staged through the host (module doc above).
+    use gradbus_kernels::backend::FlatGrads;
     use gradbus_kernels::cuda::{CudaViewMut, Gpu};
 
     use super::{staged_backward_and_reduce, staged_reduced_grads, StagedSlots};
+    use crate::nccl::NcclTransport;
     use crate::overlap::BusBackend;
     use crate::transport::Transport;
     use crate::verdict::StepId;
     use crate::Error;
+
+    fn nccl(bus: &mut dyn Transport) -> Option<&mut NcclTransport> {
+        bus.as_any_mut().and_then(|a| a.downcast_mut::<NcclTransport>())
+    }
 
     impl BusBackend for Gpu {
         type Slots<'g> = StagedSlots<'g, Gpu>;
@@ -180,9 +190,29 @@ mod cuda {
         where
             F: FnOnce(&mut StagedSlots<'_, Gpu>) + Send,
         {
-            staged_backward_and_reduce(self, bus, at, finalize, backward, after_bucket)
+            let Some(t) = nccl(bus) else {
+                return staged_backward_and_reduce(self, bus, at, finalize, backward, after_bucket);
+            };
+            let slots: Vec<_> = t.layout().slots.iter().map(|s| s.range()).collect();
+            let nb = t.layout().buckets.len();
+            {
+                let dev = t.device_grads();
+                <Gpu as gradbus_kernels::backend::Backend>::fill(self, dev.slice_mut(..), 0.0);
+                let mut g = StagedSlots { flat: FlatGrads::new(self, dev, &slots), finalize };
+                backward(&mut g);
+            }
+            // The transport scans and reduces on its own streams: this backend's work first.
+            self.synchronize()?;
+            for b in 0..nb {
+                t.allreduce_bucket(at, b)?;
+                after_bucket(b);
+            }
+            Ok(())
         }
         fn reduced_grads<'a>(&self, bus: &'a mut dyn Transport) -> CudaViewMut<'a, f32> {
+            if nccl(bus).is_some() {
+                return nccl(bus).expect("checked just above").device_grads().slice_mut(..);
+            }
             staged_reduced_grads(self, bus)
         }
     }
