@@ -19,7 +19,8 @@
 //! Invariants: the reduced gradients are the transport's bits (copies only), so a run gives the
 //! same verdicts, reports and dumps as the CPU path from the same local gradients. Backward and the
 //! reduces do not overlap here (every bucket after backward): `overlap` is accepted and ignored. The
-//! transport's host buffer holds the reduced gradients after the reduces too (dumps read it).
+//! transport's host buffer holds the reduced gradients after the reduces too (dumps read it). For
+//! the CUDA backend, `to_host` copies through page-locked memory (`Gpu::download_f32`).
 
 use std::any::Any;
 use std::ops::Range;

@@ -104,7 +104,7 @@ impl Backend for Gpu {
         v.slice_mut(..)
     }
     fn to_host<'a>(&self, v: Self::View<'a>) -> Cow<'a, [f32]> {
-        Cow::Owned(ok(self.download(&v)))
+        Cow::Owned(ok(self.download_f32(&v)))
     }
     fn write(&self, mut dst: CudaViewMut<'_, f32>, src: &[f32]) {
         ok(self.upload_into(src, &mut dst))

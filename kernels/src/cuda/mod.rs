@@ -165,6 +165,9 @@ pub struct Gpu {
     scan_scratch: Mutex<Option<CudaSlice<u64>>>,
     /// Attention backward's dscore (B, NH, T, T), grown as needed.
     att_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Page-locked host memory that device-to-host copies go through (`download_f32`): the copy
+    /// runs at the link's speed, where pageable memory is staged by the driver. Grown as needed.
+    pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
 }
 
 /// Check that every `(what, have, need)` buffer is long enough.
@@ -214,7 +217,15 @@ impl Gpu {
             return Err(Error::NoCublas("libcublas.so could not be loaded".into()));
         }
         let blas = CudaBlas::new(stream.clone()).map_err(blas("cublasCreate"))?;
-        let gpu = Gpu { ctx, stream, k, blas, scan_scratch: Mutex::new(None), att_scratch: Mutex::new(None) };
+        let gpu = Gpu {
+            ctx,
+            stream,
+            k,
+            blas,
+            scan_scratch: Mutex::new(None),
+            att_scratch: Mutex::new(None),
+            pinned: Mutex::new(None),
+        };
         gpu.allow_tf32(false)?;
         Ok(gpu)
     }
@@ -270,6 +281,25 @@ impl Gpu {
         let v = self.stream.clone_dtoh(x).map_err(driver("copy device to host"))?;
         self.synchronize()?;
         Ok(v)
+    }
+
+    /// A host copy of f32 elements through page-locked memory (synchronizes): the backend's
+    /// `to_host`, the staged bus's per-bucket copy, the probes' and dumps' reads.
+    pub fn download_f32<S: DevicePtr<f32>>(&self, x: &S) -> Result<Vec<f32>, Error> {
+        let n = x.len();
+        let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        if !matches!(pinned.as_ref(), Some(p) if p.len() >= n) {
+            // SAFETY: the memory is uninitialised until written; only the first `n` elements are
+            // read below, after the copy that writes them has completed (`as_slice` waits for it).
+            // Flags 0: cached (not write-combined) memory, which the host reads at full speed.
+            *pinned = Some(
+                unsafe { self.ctx.alloc_pinned_with_flags::<f32>(n.max(1), 0) }
+                    .map_err(driver(format!("cuMemHostAlloc({n} floats)")))?,
+            );
+        }
+        let p = pinned.as_mut().expect("allocated just above");
+        self.stream.memcpy_dtoh(x, p).map_err(driver("copy device to pinned host"))?;
+        Ok(p.as_slice().map_err(driver("wait for the copy to pinned host"))?[..n].to_vec())
     }
 
     /// Device-to-device copy of `src` into `dst` (same length), on the stream.
