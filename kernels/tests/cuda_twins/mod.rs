@@ -815,8 +815,14 @@ pub fn check_sample(e: &dyn Exec) {
             let r = rng.below(b);
             logits[(r * t + t - 1) * v] = f32::NAN;
         }
-        let uniforms: Vec<f32> =
-            (0..b).map(|i| [0.0, 1.0 - f32::EPSILON / 2.0][i % 2].max(rng.uniform() * (i % 3) as f32 / 2.0)).collect();
+        // The edges of [0, 1) (the largest uniform Rng::uniform draws is 1 - 2^-24) and random draws.
+        let uniforms: Vec<f32> = (0..b)
+            .map(|i| match i % 4 {
+                0 => 0.0,
+                1 => 1.0 - f32::EPSILON / 2.0,
+                _ => rng.uniform(),
+            })
+            .collect();
         let want: Vec<u32> =
             (0..b).map(|i| ops::sample(&logits[(i * t + t - 1) * v..][..v], temperature, uniforms[i])).collect();
         let mut got = vec![u32::MAX; b];
