@@ -3,9 +3,8 @@
 //! cuBLAS handle), each with its CPU twin's name and argument order. The kernels are the `.cu`
 //! files of `kernels/cuda/` (listed in [`crate::cuda_grid::SOURCES`], launched with the shapes of
 //! [`crate::cuda_grid`]); the dense layer's products are cuBLAS SGEMM. `backend.rs` implements
-//! [`crate::backend::Backend`] with them. Without the feature,
-//! `cuda_stub.rs` keeps the entry points and every constructor returns
-//! [`Error::NotCompiledWithCuda`].
+//! [`crate::backend::Backend`] with them. Without the feature, `cuda_stub.rs` keeps the entry
+//! points and every constructor returns [`Error::NotCompiledWithCuda`].
 //!
 //! Invariants:
 //! - No CUDA call is made before [`probe`] has found the driver library: cudarc (dynamic loading)
