@@ -312,3 +312,27 @@ impl Backend for Cpu {
         crate::health::health_scan(x)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_mut_gives_each_range_in_the_order_asked_and_refuses_overlaps() {
+        let mut buf: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let views = Cpu.split_mut(&mut buf, &[6..9, 0..2, 2..2, 3..5]);
+        let got: Vec<Vec<f32>> = views.iter().map(|v| v.to_vec()).collect();
+        assert_eq!(got, vec![vec![6.0, 7.0, 8.0], vec![0.0, 1.0], vec![], vec![3.0, 4.0]]);
+        let overlap = std::panic::catch_unwind(|| Cpu.split_mut(&mut vec![0.0; 4], &[0..3, 2..4]).len());
+        assert!(overlap.is_err());
+    }
+
+    #[test]
+    fn copy_2d_moves_rows_between_pitches() {
+        // Two rows of 3 from a (2, 4) source into a (2, 5) destination at column 1.
+        let src: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let mut dst = vec![-1.0f32; 10];
+        Cpu.copy_2d(&mut dst[1..], 5, &src, 4, 3, 2);
+        assert_eq!(dst, vec![-1.0, 0.0, 1.0, 2.0, -1.0, -1.0, 4.0, 5.0, 6.0, -1.0]);
+    }
+}
