@@ -213,15 +213,15 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
             eprintln!("warning: {warning}");
         }
     }
-    if cfg.device == Device::Cuda {
-        return Err(cuda_backend_missing(&info));
-    }
     let run_dir = info.run_dir(args.run_dir.clone());
     std::fs::create_dir_all(&run_dir).map_err(|e| WorkerError::io(&run_dir.display().to_string(), e))?;
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let hash = config_hash ^ layout.hash();
     let bus = transport(&info, &cfg, hash, layout)?;
-    train(Cpu, cfg, hash, canonical, info, run_dir, bus, args.resume)
+    match cfg.device {
+        Device::Cpu => train(Cpu, cfg, hash, canonical, info, run_dir, bus, args.resume),
+        Device::Cuda => train_cuda(cfg, hash, canonical, info, run_dir, bus, args.resume),
+    }
 }
 
 /// The step loop on backend `be` to its end.
@@ -250,20 +250,56 @@ fn train<B: BusBackend>(
     }
 }
 
-/// `device = "cuda"` on a machine where the driver and a GPU were found: this rank's GPU
-/// (`rank::gpu_ordinal`, shared round-robin when the node has fewer GPUs than local ranks), and the
-/// error that the worker has no CUDA backend to train on it yet.
-fn cuda_backend_missing(info: &RankInfo) -> WorkerError {
+/// This rank's GPU: `rank::gpu_ordinal`, shared round-robin when the node has fewer GPUs than local
+/// ranks (`Config::check_device` warned about it).
+#[cfg(feature = "cuda")]
+fn gpu_index(info: &RankInfo) -> Result<usize, WorkerError> {
     let gpus = gradbus_kernels::cuda::probe().unwrap_or(1).max(1);
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let gpu = match rank::gpu_ordinal(info.local_rank, visible.as_deref()) {
-        Ok(ordinal) => format!("GPU {}", ordinal % gpus),
-        Err(rank::RankError::TooFewGpus { devices, .. }) => format!("GPU {}", info.local_rank % devices),
-        Err(e) => return e.into(),
-    };
-    WorkerError::Usage(format!(
-        "device = \"cuda\": rank {} would train on {gpu}, but the CUDA backend is not yet wired into the \
-         worker (hint: use device = \"cpu\"; the CUDA backend implements gradbus_kernels::backend::Backend)",
-        info.rank
-    ))
+    match rank::gpu_ordinal(info.local_rank, visible.as_deref()) {
+        Ok(ordinal) => Ok(ordinal % gpus),
+        Err(rank::RankError::TooFewGpus { devices, .. }) => Ok(info.local_rank % devices),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `device = "cuda"`: the step loop on this rank's GPU (the CUDA backend: parameters, gradients, Adam
+/// moments and activations on the device), its gradients reduced through the host transport
+/// (`gradbus_collectives::Staged`: each bucket to the host, reduced with the transport's tallies,
+/// back to the device), so the verdicts, reports and dumps are the CPU path's.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+fn train_cuda(
+    cfg: Config,
+    hash: u64,
+    canonical: String,
+    info: RankInfo,
+    run_dir: PathBuf,
+    bus: Box<dyn Transport>,
+    resume: bool,
+) -> Result<Code, WorkerError> {
+    let ordinal = gpu_index(&info)?;
+    let gpu = gradbus_kernels::cuda::Gpu::new(ordinal)
+        .map_err(|e| WorkerError::Usage(format!("device = \"cuda\": rank {} on GPU {ordinal}: {e}", info.rank)))?;
+    let bus: Box<dyn Transport> = Box::new(gradbus_collectives::Staged::new(&gpu, bus));
+    train(gpu, cfg, hash, canonical, info, run_dir, bus, resume)
+}
+
+/// Without the `cuda` feature `Config::check_device` refuses `device = "cuda"` before this.
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
+fn train_cuda(
+    _cfg: Config,
+    _hash: u64,
+    _canonical: String,
+    _info: RankInfo,
+    _run_dir: PathBuf,
+    _bus: Box<dyn Transport>,
+    _resume: bool,
+) -> Result<Code, WorkerError> {
+    Err(ConfigError::Device {
+        why: "gradbus was built without the cuda feature".into(),
+        hint: "build it with `cargo build --release --features cuda`".into(),
+    }
+    .into())
 }
