@@ -1,5 +1,5 @@
 //! The CUDA backend's stand-in when gradbus-kernels is built without the `cuda` feature: the entry
-//! points of `cuda/mod.rs` (`driver_present`, `probe`, `compile_sources`, `Gpu::new`), so callers
+//! points of `cuda/mod.rs` (`driver_present`, `probe`, `compile_sources`, `compile_cubins`, `Gpu::new`), so callers
 //! can ask for a GPU without a `cfg` and get [`Error::NotCompiledWithCuda`]. No value of `Gpu` can
 //! exist in this build; its device ops (every op on device buffers) exist only with the feature,
 //! where the code that calls them is compiled.
@@ -21,6 +21,11 @@ pub fn probe() -> Result<usize, Error> {
 
 /// Always [`Error::NotCompiledWithCuda`].
 pub fn compile_sources(_arch: &str) -> Result<Vec<(&'static str, String)>, Error> {
+    Err(Error::NotCompiledWithCuda)
+}
+
+/// Always [`Error::NotCompiledWithCuda`].
+pub fn compile_cubins(_arch: &str) -> Result<Vec<(&'static str, usize)>, Error> {
     Err(Error::NotCompiledWithCuda)
 }
 

@@ -637,6 +637,26 @@ fn kernel_sources_compile_with_nvrtc() {
     }
 }
 
+/// Every source compiles to machine code for the GPUs gradbus targets (A100, H100/H200), as the
+/// backend loads it (a CUBIN: no PTX JIT in the driver). Needs libnvrtc only.
+#[test]
+fn kernel_sources_compile_to_cubins_with_nvrtc() {
+    for arch in ["sm_80", "sm_90"] {
+        let bins = match cuda::compile_cubins(arch) {
+            Ok(b) => b,
+            Err(e @ Error::NoNvrtc(_)) => {
+                skip("nvrtc", &format!("no NVRTC (kernel_sources_compile_to_cubins_with_nvrtc: {e})"));
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(bins.len(), SOURCES.len());
+        for (file, size) in bins {
+            assert!(size > 0, "{arch}: {file} gave an empty CUBIN");
+        }
+    }
+}
+
 /// Without libcuda the API answers `NoCudaDriver`, it does not panic (cudarc itself would).
 #[test]
 fn without_a_driver_the_api_returns_no_cuda_driver() {

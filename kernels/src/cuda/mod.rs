@@ -11,8 +11,8 @@
 //!   panics when libcuda is missing, this module returns [`Error::NoCudaDriver`] instead. The same
 //!   for libnvrtc ([`Error::NoNvrtc`]) before the first compile and libcublas ([`Error::NoCublas`])
 //!   before the handle.
-//! - The sources are compiled with NVRTC at first use, for the device's own architecture, once per
-//!   device per process, with `--fmad=false`, IEEE division and square root and no flush-to-zero:
+//! - The sources are compiled with NVRTC at first use, to machine code for the device's own
+//!   architecture, once per device per process, with `--fmad=false`, IEEE division and square root and no flush-to-zero:
 //!   every kernel does the CPU twin's f32 operations in the CPU twin's order, so the ops without
 //!   `expf`/`logf` give the CPU's bits and the others differ only by CUDA's math library
 //!   (`kernels/tests/cuda_twins/mod.rs` states each op's tolerance and why).
@@ -30,7 +30,6 @@ use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceSlice, LaunchConfig, PushKernelArg};
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
-use cudarc::nvrtc::CompileOptions;
 
 mod backend;
 pub use backend::DeviceIds;
@@ -92,35 +91,81 @@ fn blas(what: &'static str) -> impl FnOnce(cudarc::cublas::result::CublasError) 
     move |e| Error::Driver { what: what.into(), msg: format!("cuBLAS: {e}") }
 }
 
-/// NVRTC compile of one source for `arch` (e.g. `compute_90`): no FMA contraction, IEEE division
-/// and square root, denormals kept.
-fn compile(file: &'static str, src: &str, arch: &str) -> Result<cudarc::nvrtc::Ptx, Error> {
-    let opts = CompileOptions {
-        ftz: Some(false),
-        prec_sqrt: Some(true),
-        prec_div: Some(true),
-        fmad: Some(false),
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++14".into()],
-        name: Some(file.into()),
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| Error::Compile {
-        file,
-        arch: arch.into(),
-        log: match e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
-            other => format!("{other:?}"),
-        },
-    })
+/// What NVRTC gives back: PTX (text; `arch` a virtual architecture, `compute_90`) or a CUBIN
+/// (machine code; `arch` a real one, `sm_90`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Output {
+    Ptx,
+    Cubin,
 }
 
-/// Compile every kernel source for `arch` (e.g. `compute_90`) and return (file, PTX) pairs. Needs
-/// libnvrtc only - no driver, no GPU - so it checks the `.cu` files on any machine that has NVRTC.
-pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, String)>, Error> {
-    if !nvrtc_present() {
-        return Err(Error::NoNvrtc("libnvrtc.so could not be loaded".into()));
+/// NVRTC compile of one source for `arch`: no FMA contraction, IEEE division and square root,
+/// denormals kept. The device loads CUBINs, so the driver never JIT-compiles PTX (a driver older
+/// than the NVRTC would refuse its PTX; it loads the same toolkit major's machine code).
+fn nvrtc(file: &'static str, src: &str, arch: &str, out: Output) -> Result<Vec<u8>, Error> {
+    use cudarc::nvrtc::{result, sys};
+    use std::ffi::{CStr, CString};
+    let fail = |log: String| Error::Compile { file, arch: arch.into(), log };
+    let options = [
+        format!("--gpu-architecture={arch}"),
+        "--fmad=false".into(),
+        "--prec-div=true".into(),
+        "--prec-sqrt=true".into(),
+        "--ftz=false".into(),
+        "--std=c++14".into(),
+    ];
+    let (c_src, c_name) =
+        (CString::new(src).expect("a kernel source has no NUL"), CString::new(file).expect("a file name has no NUL"));
+    let prog = result::create_program(&c_src, Some(&c_name)).map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
+    // SAFETY: `prog` was created just above from strings that outlive it, is used only here, and is
+    // destroyed once, below; the log and the outputs are copied out before that.
+    let r = unsafe {
+        match result::compile_program(prog, &options) {
+            Err(e) => Err(result::get_program_log(prog)
+                .map(|log| CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned())
+                .unwrap_or_else(|_| format!("{e:?}"))),
+            Ok(()) if out == Output::Ptx => result::get_ptx(prog)
+                .map(|p| CStr::from_ptr(p.as_ptr()).to_bytes().to_vec())
+                .map_err(|e| format!("nvrtcGetPTX: {e:?}")),
+            Ok(()) => {
+                let mut n = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut n)
+                    .result()
+                    .and_then(|()| {
+                        let mut bin = vec![0u8; n];
+                        sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast()).result().map(|()| bin)
+                    })
+                    .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))
+            }
+        }
+    };
+    // SAFETY: as above; `prog` is not used after this.
+    let _ = unsafe { result::destroy_program(prog) };
+    r.map_err(fail)
+}
+
+fn nvrtc_or_missing() -> Result<(), Error> {
+    if nvrtc_present() {
+        Ok(())
+    } else {
+        Err(Error::NoNvrtc("libnvrtc.so could not be loaded".into()))
     }
-    SOURCES.iter().map(|s| Ok((s.file, compile(s.file, s.text, arch)?.to_src()))).collect()
+}
+
+/// Compile every kernel source to PTX for `arch` (e.g. `compute_90`) and return (file, PTX) pairs.
+/// Needs libnvrtc only - no driver, no GPU - so it checks the `.cu` files on any machine that has
+/// NVRTC.
+pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, String)>, Error> {
+    nvrtc_or_missing()?;
+    let ptx = |s: &crate::cuda_grid::Source| nvrtc(s.file, s.text, arch, Output::Ptx);
+    SOURCES.iter().map(|s| Ok((s.file, String::from_utf8_lossy(&ptx(s)?).into_owned()))).collect()
+}
+
+/// Compile every kernel source to machine code for `arch` (e.g. `sm_90`), as the backend loads them,
+/// and return (file, CUBIN size in bytes) pairs. Needs libnvrtc only.
+pub fn compile_cubins(arch: &str) -> Result<Vec<(&'static str, usize)>, Error> {
+    nvrtc_or_missing()?;
+    SOURCES.iter().map(|s| Ok((s.file, nvrtc(s.file, s.text, arch, Output::Cubin)?.len()))).collect()
 }
 
 /// The compiled kernels of one device, by name.
@@ -135,15 +180,13 @@ fn kernels(ctx: &Arc<CudaContext>) -> Result<Arc<Kernels>, Error> {
     if let Some((_, k)) = cache.iter().find(|(o, _)| *o == ordinal) {
         return Ok(k.clone());
     }
-    if !nvrtc_present() {
-        return Err(Error::NoNvrtc("libnvrtc.so could not be loaded".into()));
-    }
+    nvrtc_or_missing()?;
     let (major, minor) = ctx.compute_capability().map_err(driver("cuDeviceGetAttribute(compute capability)"))?;
-    let arch = format!("compute_{major}{minor}");
+    let arch = format!("sm_{major}{minor}");
     let mut k = Kernels::new();
     for s in SOURCES {
-        let ptx = compile(s.file, s.text, &arch)?;
-        let module = ctx.load_module(ptx).map_err(driver(format!("cuModuleLoadData({})", s.file)))?;
+        let cubin = cudarc::nvrtc::Ptx::from_binary(nvrtc(s.file, s.text, &arch, Output::Cubin)?);
+        let module = ctx.load_module(cubin).map_err(driver(format!("cuModuleLoadData({})", s.file)))?;
         for &name in s.kernels {
             k.insert(name, module.load_function(name).map_err(driver(format!("cuModuleGetFunction({name})")))?);
         }
