@@ -25,7 +25,7 @@
 
 use gradbus_kernels::backend::{Backend, Cpu};
 use gradbus_kernels::health::Health;
-use gradbus_kernels::ops::{self, GrpoGrads, GrpoSaved, GrpoScalars, GrpoStats, LN_EPS};
+use gradbus_kernels::ops::{self, GrpoGrads, GrpoSaved, GrpoScalars, GrpoStats};
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::{checksum, health_scan, reference};
 
@@ -458,7 +458,6 @@ pub fn check_layernorm(e: &dyn Exec) {
         assert_bitwise(&g.1, &w2.1, &format!("{what}: dweight"));
         assert_bitwise(&g.2, &w2.2, &format!("{what}: dbias"));
     }
-    let _ = LN_EPS; // the kernels' constant (layernorm.cu LN_EPS); a change shows above
 }
 
 pub fn check_gelu_and_residual(e: &dyn Exec) {
@@ -491,12 +490,6 @@ pub fn check_gelu_and_residual(e: &dyn Exec) {
         assert_bitwise(&g1, &w1, &format!("{}: residual_backward d1 case {case}", e.name()));
         assert_bitwise(&g2, &w2, &format!("{}: residual_backward d2 case {case}", e.name()));
     }
-}
-
-/// The per-row sum of |x| over rows of `width`, repeated per element: the scale of a softmax-like
-/// output row.
-fn row_scale(x: &[f32], width: usize) -> Vec<f32> {
-    x.chunks(width).flat_map(|r| std::iter::repeat_n(r.iter().map(|v| v.abs()).sum::<f32>(), r.len())).collect()
 }
 
 pub fn check_attention(e: &dyn Exec) {
