@@ -16,6 +16,8 @@ need=()
 has() { type -P "$1" >/dev/null; } # an executable on PATH, not a shell builtin
 installed() { dpkg -s "$@" >/dev/null 2>&1; }
 { has cc && installed libc6-dev; } || need+=(gcc libc6-dev)
+# g++: kernels/tests/cuda_shim.rs builds the CUDA kernel sources for the CPU (kernels/shim/).
+has g++ || need+=(g++)
 has pkg-config || need+=(pkg-config)
 has git || need+=(git)
 has mpirun || need+=(openmpi-bin libopenmpi-dev)
@@ -73,6 +75,8 @@ if [ "$(id -u)" = 0 ]; then
   fi
   require+=(slurm)
 fi
+# cxx: a C++ compiler, installed above (kernels/tests/cuda_shim.rs runs the .cu sources on the CPU).
+if has g++; then require+=(cxx); fi
 # cuda: a GPU that the driver lists (kernels/tests/cuda.rs, collectives/tests/nccl.rs).
 if has nvidia-smi && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then require+=(cuda); fi
 GRADBUS_REQUIRE=$(IFS=,; echo "${require[*]}")
@@ -138,6 +142,20 @@ run cargo test --release --features cuda -p gradbus-collectives --lib nccl::
 # (~2 min).
 echo "test.sh: python/test.sh"
 python/test.sh
+
+# Every kernels/cuda/*.cu compiles with NVRTC, to PTX and to machine code for sm_80 and sm_90 (no
+# GPU needed; ~15 s), against PyPI's NVRTC that the venv above holds (torch's nvidia-cuda-nvrtc, in
+# nvidia/cu13/lib, beside its builtins). cudarc asks for libnvrtc.so (or .so.12, .so.11, ...), so a
+# link of that name to libnvrtc.so.13 goes first.
+nvrtc_dir=$(ls -d "$PWD"/target/pyvenv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -n 1)
+if [ -z "$nvrtc_dir" ] || [ ! -e "$nvrtc_dir/libnvrtc.so.13" ]; then
+  echo "test.sh: no libnvrtc.so.13 in target/pyvenv (python/test.sh builds it with torch's CUDA wheels)" >&2
+  exit 1
+fi
+mkdir -p "$tmp/nvrtc"
+ln -sf "$nvrtc_dir/libnvrtc.so.13" "$tmp/nvrtc/libnvrtc.so"
+GRADBUS_REQUIRE="$GRADBUS_REQUIRE,nvrtc" LD_LIBRARY_PATH="$tmp/nvrtc:$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  run cargo test --release --features cuda -p gradbus-kernels --test cuda kernel_sources_compile
 
 # Every README command on a fresh clone, in order: the first contact of a new user. Its own
 # install (`cargo install --path .`, into a temporary root) is the check that an install works.

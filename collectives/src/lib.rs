@@ -18,6 +18,7 @@ pub mod nccl;
 pub mod overlap;
 pub mod shm;
 pub mod spikes;
+pub mod staged;
 pub mod transport;
 pub mod verdict;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
@@ -28,6 +29,7 @@ pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use overlap::{backward_and_reduce, BusBackend, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
 pub use spikes::{Spike, SpikeDetector};
+pub use staged::{staged_backward_and_reduce, staged_reduced_grads, Staged, StagedSlots};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
 pub use verdict::{
     decide, Action, Cause, Classification, HealthTable, History, Policy, RankHealth, Report, StepId, Verdict,

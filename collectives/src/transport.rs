@@ -79,6 +79,11 @@ pub unsafe trait Transport {
     fn publish(&mut self, _progress: Progress) {}
     /// Mark this rank as failed so peers stop waiting for it and fail at once (best effort).
     fn mark_failed(&mut self) {}
+    /// The transport as `Any`, for a device backend that reduces through a transport of its own
+    /// kind (`staged::Staged`, which owns the device copy of the gradients). `None`: a host transport.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 /// The health of one bucket's elements as a transport that tallies it in `chunks` reducer chunks

@@ -48,6 +48,7 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_stub.rs"]
 pub mod cuda;
+pub mod cuda_grid;
 pub mod error;
 pub mod health;
 pub mod ops;

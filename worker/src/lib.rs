@@ -166,15 +166,17 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
             eprintln!("warning: {warning}");
         }
     }
-    if cfg.device == Device::Cuda {
-        return Err(cuda_backend_missing(&info));
-    }
     let run_dir = info.run_dir(args.run_dir.clone());
     std::fs::create_dir_all(&run_dir).map_err(|e| WorkerError::io(&run_dir.display().to_string(), e))?;
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let hash = config_hash ^ layout.hash();
-    let bus = transport(&info, &cfg, hash, layout)?;
-    train(Cpu, cfg, hash, canonical, info, run_dir, bus, args.resume)
+    match cfg.device {
+        Device::Cpu => {
+            let bus = transport(&info, &cfg, hash, layout)?;
+            train(Cpu, cfg, hash, canonical, info, run_dir, bus, args.resume)
+        }
+        Device::Cuda => train_cuda(cfg, hash, canonical, info, run_dir, layout, args.resume),
+    }
 }
 
 /// The step loop on backend `be` to its end.
@@ -203,20 +205,73 @@ fn train<B: BusBackend>(
     }
 }
 
-/// `device = "cuda"` on a machine where the driver and a GPU were found: this rank's GPU
-/// (`rank::gpu_ordinal`, shared round-robin when the node has fewer GPUs than local ranks), and the
-/// error that the worker has no CUDA backend to train on it yet.
-fn cuda_backend_missing(info: &RankInfo) -> WorkerError {
+/// This rank's GPU (`rank::gpu_ordinal`, shared round-robin when the node has fewer GPUs than local
+/// ranks: `Config::check_device` warned about it), and whether it is the rank's own.
+#[cfg(feature = "cuda")]
+fn gpu_index(info: &RankInfo) -> Result<(usize, bool), WorkerError> {
     let gpus = gradbus_kernels::cuda::probe().unwrap_or(1).max(1);
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let gpu = match rank::gpu_ordinal(info.local_rank, visible.as_deref()) {
-        Ok(ordinal) => format!("GPU {}", ordinal % gpus),
-        Err(WorkerError::TooFewGpus { devices, .. }) => format!("GPU {}", info.local_rank % devices),
-        Err(e) => return e.into(),
+    let bound = visible.as_deref().is_some_and(|v| v.split(',').filter(|d| !d.trim().is_empty()).count() == 1);
+    match rank::gpu_ordinal(info.local_rank, visible.as_deref()) {
+        Ok(ordinal) => Ok((ordinal % gpus, bound || gpus >= info.local_size)),
+        Err(WorkerError::TooFewGpus { devices, .. }) => Ok((info.local_rank % devices, false)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `device = "cuda"`: the step loop on this rank's GPU (the CUDA backend: parameters, gradients, Adam
+/// moments and activations on the device). The gradients: with a GPU per rank and more than one
+/// rank, NCCL over the GPUs (scanned and reduced on the device, only the health rows to the host);
+/// else through the host transport (`gradbus_collectives::Staged`: each bucket to the host, reduced
+/// with the transport's tallies, back to the device). `GRADBUS_TRANSPORT` keeps the host transport.
+/// Either way the verdicts, reports and dumps are the CPU path's.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+fn train_cuda(
+    cfg: Config,
+    hash: u64,
+    canonical: String,
+    info: RankInfo,
+    run_dir: PathBuf,
+    layout: Layout,
+    resume: bool,
+) -> Result<Code, WorkerError> {
+    let (ordinal, own) = gpu_index(&info)?;
+    let gpu = gradbus_kernels::cuda::Gpu::new(ordinal)
+        .map_err(|e| WorkerError::Usage(format!("device = \"cuda\": rank {} on GPU {ordinal}: {e}", info.rank)))?;
+    let forced = std::env::var(env::TRANSPORT).ok().is_some_and(|v| !v.is_empty());
+    let bus: Box<dyn Transport> = if info.world > 1 && own && !forced {
+        Box::new(gradbus_collectives::nccl::NcclTransport::open(gradbus_collectives::nccl::NcclConfig {
+            rank: info.rank,
+            world: info.world,
+            device: ordinal,
+            run_dir: run_dir.clone(),
+            job_id: info.job_id.clone(),
+            timeout: std::time::Duration::from_secs_f64(cfg.collective_timeout_s),
+            config_hash: hash,
+            layout,
+            values: UpdateValues::names(),
+        })?)
+    } else {
+        Box::new(gradbus_collectives::Staged::new(&gpu, transport(&info, &cfg, hash, layout)?))
     };
-    WorkerError::Usage(format!(
-        "device = \"cuda\": rank {} would train on {gpu}, but the CUDA backend is not yet wired into the \
-         worker (hint: use device = \"cpu\"; the CUDA backend implements gradbus_kernels::backend::Backend)",
-        info.rank
-    ))
+    train(gpu, cfg, hash, canonical, info, run_dir, bus, resume)
+}
+
+/// Without the `cuda` feature `Config::check_device` refuses `device = "cuda"` before this.
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
+fn train_cuda(
+    _cfg: Config,
+    _hash: u64,
+    _canonical: String,
+    _info: RankInfo,
+    _run_dir: PathBuf,
+    _layout: Layout,
+    _resume: bool,
+) -> Result<Code, WorkerError> {
+    Err(WorkerError::Device {
+        why: "gradbus was built without the cuda feature".into(),
+        hint: "build it with `cargo build --release --features cuda`".into(),
+    })
 }
