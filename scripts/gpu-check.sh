@@ -74,6 +74,7 @@ for line in open(sys.argv[2]):
       # Debug info off: the binaries must fit a 64 MiB carry.
       strip -o "$dir/${b#*:}" "${b%%:*}" 2>/dev/null || cp "${b%%:*}" "$dir/${b#*:}"
     done
+    python/gpu-check-step.sh prepare "$dir" # the PyTorch guard's wheel and check (python/gpu_check.py)
     ls -l "$dir"
     echo "prepared: run 'scripts/gpu-check.sh --prebuilt $dir' on the GPU machine"
     exit 0
@@ -121,6 +122,9 @@ run() {
 run kernels "$kbin"
 run nccl "$nbin"
 run throughput "$kbin" --ignored --exact health_scan_throughput --nocapture
+# The PyTorch guard with CUDA tensors (python/gpu_check.py: its own table; exit 3 without a GPU).
+[ "$mode" = prebuilt ] || python/gpu-check-step.sh prepare "$logs" >/dev/null
+python/gpu-check-step.sh run "${dir:-$logs}" 2>&1 | tee "$logs/python.log" || [ "${PIPESTATUS[0]}" = 3 ] || failed=1
 
 # ---------------------------------------------------------------- table
 result() { # the test harness's closing line, shortened; "no result line" when it crashed
@@ -129,7 +133,7 @@ result() { # the test harness's closing line, shortened; "no result line" when i
   echo "${r:-no result line (crashed?)}"
 }
 # Not anchored: with one test thread the harness prints "test NAME ... " before the test's own line.
-skipped=$(cat "$logs/kernels.log" "$logs/nccl.log" "$logs/throughput.log" | grep -o 'SKIPPED: no CUDA' | wc -l)
+skipped=$(cat "$logs/kernels.log" "$logs/nccl.log" "$logs/throughput.log" "$logs/python.log" | grep -o 'SKIPPED: no CUDA' | wc -l)
 
 say "gpu-check summary"
 printf '%-34s %s\n' "check" "result"
@@ -137,6 +141,7 @@ printf '%-34s %s\n' "----------------------------------" "----------------------
 printf '%-34s %s\n' "build --features cuda" "$build_result"
 printf '%-34s %s\n' "kernels vs CPU (tests/cuda.rs)" "$(result kernels)"
 printf '%-34s %s\n' "NCCL world 1 (tests/nccl.rs)" "$(result nccl)"
+printf '%-34s %s\n' "python guard (python/gpu_check.py)" "$(tail -n 1 "$logs/python.log")"
 printf '%-34s %s\n' "tests that skipped (no GPU)" "$skipped"
 verdict=""
 while read -r line; do

@@ -131,11 +131,11 @@ def _torch_health(x: torch.Tensor) -> torch.Tensor:
     scan sums the finite ones only) or when the squares overflow float32. It only feeds spike
     detection, which runs only on finite updates, never the finite/non-finite decision."""
     x = x.reshape(-1)
-    bad = torch.isfinite(x).logical_not_()
-    nbad = bad.sum()
+    finite = torch.isfinite(x)
+    nbad = x.numel() - finite.sum()
     nan = torch.isnan(x).sum()
-    # argmax returns the first maximal index: the first non-finite element when there is one.
-    first = torch.where(nbad > 0, bad.view(torch.uint8).argmax(), torch.full((), -1, device=x.device))
+    # argmin returns the first minimal index: the first non-finite element when there is one.
+    first = torch.where(nbad > 0, finite.view(torch.uint8).argmin(), torch.full((), -1, device=x.device))
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     sumsq = torch.linalg.vector_norm(x, dtype=acc).double().square()
     return torch.stack([nan.double(), (nbad - nan).double(), sumsq, first.double()])
@@ -184,11 +184,9 @@ def replica_checksum(params: List[torch.Tensor], chunk: int = 1 << 22) -> int:
 
 
 def _as_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's bytes (moved to the host, made contiguous and its own storage)."""
-    t = t.cpu().contiguous()
-    if t.untyped_storage().nbytes() != t.nbytes or t.storage_offset() != 0:
-        t = t.clone()
-    return bytes(t.untyped_storage())
+    """An int64 tensor's words as little-endian bytes (on the host; exact: tolist of int64)."""
+    words = t.cpu().tolist()
+    return struct.pack(f"<{len(words)}q", *words)
 
 
 class Guard:

@@ -71,6 +71,22 @@ def snapshot(net: nn.Module, opt: torch.optim.Optimizer):
     return {"weights": w, "adam": state}
 
 
+def same_state(a, b):
+    """Bitwise equality of two snapshots (weights and Adam state)."""
+    assert a["weights"].keys() == b["weights"].keys()
+    for n in a["weights"]:
+        if not torch.equal(a["weights"][n], b["weights"][n]):
+            return False
+    if a["adam"].keys() != b["adam"].keys():
+        return False
+    for n in a["adam"]:
+        for k, v in a["adam"][n].items():
+            w = b["adam"][n][k]
+            if not (torch.equal(v, w) if torch.is_tensor(v) else v == w):
+                return False
+    return True
+
+
 def plant_hook(spec):
     element, value = spec["element"], float(spec["value"])  # float("nan"), float("inf"), or a number
 

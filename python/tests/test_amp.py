@@ -5,8 +5,7 @@ against the same run without the guard."""
 
 import json
 
-from ddp_case import run
-from test_ddp import same_state
+from ddp_case import run, same_state
 
 
 def assert_same_run(plain, guarded):

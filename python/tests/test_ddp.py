@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from ddp_case import run
+from ddp_case import run, same_state
 
 # The runtime's report.json fields (collectives/src/verdict.rs, `Report`): the guard serialises the
 # same Rust type, so a drift in either shows here.
@@ -15,22 +15,6 @@ REPORT_KEYS = {
     "nan", "inf", "per_rank", "loss_finite", "classification", "cause",
     "format", "crc32c",  # sealed by the worker's artifact code, as the runtime's report.json is
 }
-
-
-def same_state(a, b):
-    """Bitwise equality of two snapshots (weights and Adam state)."""
-    assert a["weights"].keys() == b["weights"].keys()
-    for n in a["weights"]:
-        if not torch.equal(a["weights"][n], b["weights"][n]):
-            return False
-    if a["adam"].keys() != b["adam"].keys():
-        return False
-    for n in a["adam"]:
-        for k, v in a["adam"][n].items():
-            w = b["adam"][n][k]
-            if not (torch.equal(v, w) if torch.is_tensor(v) else v == w):
-                return False
-    return True
 
 
 def test_clean_run_is_plain_ddp_bitwise(tmp_path):
