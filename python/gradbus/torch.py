@@ -157,30 +157,44 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-def replica_checksum(params: List[torch.Tensor], chunk: int = 1 << 22) -> int:
-    """A 64-bit checksum of the parameters' bits, computed with torch ops on their device: the
-    wrapping sum over every element of splitmix64(bits ^ index * golden), the index running over the
-    parameters in order. A change to any one element always changes it (each term is a bijection of
-    the element's bits at its index); other changes collide with probability ~2^-64. `chunk` bounds
-    the int64 temporaries (elements per pass). Only the result reaches the host."""
-    total = None
-    offset = 0
+def _torch_checksum(p: torch.Tensor, chunk: int = 1 << 22) -> int:
+    """A 64-bit checksum of one tensor's bits with torch ops on its device: the wrapping sum over its
+    elements of splitmix64(bits ^ index * golden). A change to any one element always changes it
+    (each term is a bijection of the element's bits at its index); other changes collide with
+    probability ~2^-64. `chunk` bounds the int64 temporaries; only the result reaches the host."""
+    flat = p.detach().reshape(-1)
+    bits = flat.view(_INT[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for s in range(0, flat.numel(), chunk):
+        v = bits[s : s + chunk].to(torch.int64)
+        x = v ^ (torch.arange(s, s + v.numel(), device=v.device, dtype=torch.int64) * _GOLDEN)
+        x = x ^ _shr(x, 30)
+        x = x * _MIX1
+        x = x ^ _shr(x, 27)
+        x = x * _MIX2
+        x = x ^ _shr(x, 31)
+        total += x.sum()
+    return int(total.item()) & ((1 << 64) - 1)
+
+
+def replica_checksum(params: List[torch.Tensor]) -> int:
+    """A 64-bit checksum of the parameters, each hashed on its device: float32 CPU tensors
+    by the runtime's own replica checksum (Rust, in place, memory speed), others - CUDA, other
+    dtypes - by `_torch_checksum`; the per-parameter hashes folded in order through splitmix64's
+    bijective finaliser. Every rank must hold each parameter on the same kind of device (as DDP
+    runs them), or the hashes differ."""
+    h = 0
+    mask = (1 << 64) - 1
     for p in params:
-        flat = p.detach().reshape(-1)
-        bits = flat.view(_INT[flat.element_size()])
-        for s in range(0, flat.numel(), chunk):
-            v = bits[s : s + chunk].to(torch.int64)
-            i = torch.arange(offset + s, offset + s + v.numel(), device=v.device, dtype=torch.int64)
-            x = v ^ (i * _GOLDEN)
-            x = x ^ _shr(x, 30)
-            x = x * _MIX1
-            x = x ^ _shr(x, 27)
-            x = x * _MIX2
-            x = x ^ _shr(x, 31)
-            part = x.sum()
-            total = part if total is None else total + part
-        offset += flat.numel()
-    return 0 if total is None else int(total.item()) & ((1 << 64) - 1)
+        t = p.detach()
+        if t.device.type == "cpu" and t.dtype == torch.float32:
+            t = t.contiguous()  # a no-op for a parameter; `t` stays referenced during the call
+            hp = _core.checksum_f32(t.data_ptr(), t.numel())
+        else:
+            hp = _torch_checksum(t)
+        h = (h ^ hp) * 0xBF58476D1CE4E5B9 & mask
+        h ^= h >> 31
+    return h
 
 
 def _as_bytes(t: torch.Tensor) -> bytes:

@@ -28,7 +28,7 @@ use gradbus_collectives::{
     decide, Action, Bucket, Classification, HealthTable, History, Layout, LocalReport, Policy, Slot, SpikeDetector,
     StepId, Summary,
 };
-use gradbus_kernels::{health_scan, Health};
+use gradbus_kernels::{health_scan, Checksum, Health};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -167,6 +167,30 @@ fn scan_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<(u64, u64, f64
         health_scan(x)
     });
     Ok((h.nan, h.inf, h.sumsq, h.first_bad))
+}
+
+/// The runtime's replica checksum (`gradbus_kernels::Checksum`, the hash the runtime's AdamW pass
+/// computes) of `numel` f32 at address `ptr` (a CPU tensor's `data_ptr()`), read in place with the
+/// GIL released. The caller guarantees, as for `scan_f32`, a live contiguous float32 CPU tensor of
+/// `numel` elements that nothing writes meanwhile (the parameters, between optimizer steps).
+#[pyfunction]
+fn checksum_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<u64> {
+    if numel > 0 && (ptr == 0 || ptr % std::mem::align_of::<f32>() != 0) {
+        return Err(PyValueError::new_err(format!(
+            "checksum_f32: address {ptr:#x} is null or not aligned for f32 (hint: pass a float32 tensor's data_ptr())"
+        )));
+    }
+    let addr = ptr;
+    Ok(py.detach(move || {
+        let mut c = Checksum::new();
+        if numel > 0 {
+            // SAFETY: `addr` is non-null and f32-aligned (checked above); the caller guarantees that
+            // it points at `numel` initialised f32 of a live, contiguous CPU tensor that it keeps
+            // alive for this call and that nothing writes meanwhile. Only read; does not outlive the call.
+            c.update(unsafe { std::slice::from_raw_parts(addr as *const f32, numel) });
+        }
+        c.finish()
+    }))
 }
 
 /// This rank's contribution to the summary, from its row (`row_len(buckets)`
@@ -456,6 +480,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CELL", CELL)?;
     m.add("EXTRA", EXTRA)?;
     m.add_function(wrap_pyfunction!(scan_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum_f32, m)?)?;
     m.add_function(wrap_pyfunction!(contribute, m)?)?;
     m.add_function(wrap_pyfunction!(summary_words, m)?)?;
     m.add_class::<Agreement>()?;

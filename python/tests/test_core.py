@@ -239,3 +239,25 @@ def test_spike_skip_skips_an_agreed_loss_spike_with_the_runtime_detector():
         assert d.report is None and d.summary
     assert actions == [("proceed", False)] * 5 + [("skip", True), ("proceed", False)]
     assert a.skipped == 1
+
+
+def test_replica_checksums_change_with_any_one_element_and_only_with_the_bits():
+    from gradbus.torch import _torch_checksum, replica_checksum
+
+    g = torch.Generator().manual_seed(3)
+    w = [torch.randn(1000, generator=g), torch.randn(37, 5, generator=g).to(torch.bfloat16), torch.randn(64, generator=g).double()]
+    base = replica_checksum(w)
+    assert base == replica_checksum([t.clone() for t in w]), "a pure function of the bits"
+    assert gradbus.checksum_f32(w[0].data_ptr(), 1000) == gradbus.checksum_f32(w[0].clone().data_ptr(), 1000)
+    seen = {base}
+    for k, t in enumerate(w):
+        for i in (0, 1, t.numel() // 2, t.numel() - 1):
+            u = [x.clone() for x in w]
+            bits = u[k].view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[u[k].element_size()])
+            bits[i] ^= 1  # one ulp: the lowest bit of one element
+            seen.add(replica_checksum(u))
+            assert _torch_checksum(u[k]) != _torch_checksum(w[k]) or k == 0
+    assert len(seen) == 1 + 3 * 4, "every one-bit change gives its own checksum"
+    swapped = [w[0].flip(0)] + w[1:]
+    assert replica_checksum(swapped) != base, "positions count, not just the values"
+    assert replica_checksum([w[0].view(10, 100).t()] + w[1:]) == replica_checksum([w[0].view(10, 100).t().contiguous()] + w[1:])
