@@ -17,9 +17,10 @@ arches=("$@")
 [ ${#arches[@]} -gt 0 ] || arches=(x86_64 aarch64)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
-
 python=$(command -v "${PYTHON:-python3}") || { echo "build-wheels: no ${PYTHON:-python3} on PATH (set PYTHON)" >&2; exit 2; }
+# Absolute, but not through its symlink (a venv's python is one): zig runs from other folders.
+python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")"
+cd "$(dirname "$0")/.."
 for mod in maturin ziglang; do
   "$python" -c "import $mod" 2>/dev/null ||
     { echo "build-wheels: $python lacks $mod (hint: $python -m pip install maturin ziglang)" >&2; exit 2; }

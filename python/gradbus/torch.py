@@ -113,6 +113,9 @@ class Verdict:
 def describe(report: Dict[str, Any], path: Optional[str], loss_scale: Optional[float] = None) -> str:
     """One line about a non-finite report, the same on every rank."""
     r = report
+    if r["verdict"] == "proceed":  # a rerun that came back finite
+        return (f"gradbus: step {r['step']}: the recomputation (attempt {r['attempt']}) is finite: "
+                f"a {r['classification']} fault; proceeding with it")
     where = f"report {path}" if path else "no run_dir: report not written"
     cls = f" ({r['classification']})" if r.get("classification") else ""
     scale = "" if loss_scale is None else f"; loss scale {loss_scale:g}"
@@ -566,9 +569,11 @@ class GuardedOptimizer:
         self.guard = guard
 
     def step(self, closure: Any = None) -> Verdict:
+        scaler = self.guard.scaler
+        if scaler is not None and closure is not None:
+            raise RuntimeError("gradbus.torch.GuardedOptimizer.step: a closure with a GradScaler (torch.amp.GradScaler.step does not support closures either)")
         v = self.guard.verdict()
         args = () if closure is None else (closure,)
-        scaler = self.guard.scaler
         if scaler is None:
             if v.proceeded:
                 self.optimizer.step(*args)

@@ -190,5 +190,12 @@ def run(world: int, case: dict, outdir: str | None = None):
     """Run the case on `world` processes; one result dict per rank."""
     outdir = outdir or tempfile.mkdtemp(prefix="gradbus-ddp-")
     os.makedirs(outdir, exist_ok=True)
-    mp.start_processes(worker, args=(world, free_port(), case, outdir), nprocs=world, join=True, start_method="spawn")
+    for attempt in range(3):
+        try:
+            mp.start_processes(worker, args=(world, free_port(), case, outdir), nprocs=world, join=True, start_method="spawn")
+            break
+        except mp.ProcessRaisedException as e:
+            # The free port was taken by another job before rank 0 listened on it: a new port.
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
     return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -261,3 +261,46 @@ def test_replica_checksums_change_with_any_one_element_and_only_with_the_bits():
     swapped = [w[0].flip(0)] + w[1:]
     assert replica_checksum(swapped) != base, "positions count, not just the values"
     assert replica_checksum([w[0].view(10, 100).t()] + w[1:]) == replica_checksum([w[0].view(10, 100).t().contiguous()] + w[1:])
+
+
+def test_guarded_optimizer_runs_the_gradscaler_as_a_plain_script_would():
+    # GuardedOptimizer's scaler branch alone, with a stand-in for the guard's verdicts.
+    from gradbus.torch import GuardedOptimizer, Verdict
+
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+
+    class Stand:
+        pass
+
+    guard = Stand()
+    guard.scaler = scaler
+    guarded = GuardedOptimizer(opt, guard)
+
+    def backward(g):
+        opt.zero_grad()
+        scaler.scale((w * g).sum()).backward()
+
+    def step(*verdict):
+        guard.verdict = lambda: Verdict(*verdict)
+        return guarded.step()
+
+    # proceed: scaler.step unscales (gradient 1: w -> 0.9) and steps; update grows the scale (interval 1)
+    backward(1.0)
+    step("proceed", None, None, 0, 0, 8.0, 0.0)
+    assert torch.equal(w.detach(), torch.full((4,), 0.9)) and scaler.get_scale() == 16.0
+    # a spike skip after the script's own unscale_ (for clipping): no step, the scale kept, and the
+    # scaler ready for the next iteration (else the next step would reuse this unscale_'s finding)
+    backward(1.0)
+    scaler.unscale_(opt)
+    step("skip", None, "loss spike", 1, 0, 16.0, 0.0)
+    assert torch.equal(w.detach(), torch.full((4,), 0.9)) and scaler.get_scale() == 16.0
+    # an overflow: the scaler finds the Inf, skips the step, halves the scale
+    backward(float("inf"))
+    v = step("skip", {"classification": "loss-scale"}, None, 2, 0, 16.0, 0.0)
+    assert v.overflow and torch.equal(w.detach(), torch.full((4,), 0.9)) and scaler.get_scale() == 8.0
+    # a verdict the scaler contradicts is an error, not a silent difference
+    backward(float("inf"))
+    with pytest.raises(RuntimeError, match="disagree"):
+        step("proceed", None, None, 3, 0, 8.0, 0.0)
