@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # readme-test: run every command of README.md's ```sh blocks, in order, on a fresh clone of this
-# repository (its committed HEAD: what a new user gets), the way a new user would type them.
+# repository (its committed HEAD: what a new user gets), the way a new user would type them; then
+# those of the docs pages listed in DOC_PAGES below, the same way.
 #
 #   scripts/readme-test.sh           # scripts/test.sh (and so .ci/run) runs it after the tests
 #   scripts/readme-test.sh --cold    # without the build cache below: every crate built from scratch
@@ -34,6 +35,9 @@ case "${1:-}" in
   *) echo "readme-test: unknown argument $1 (see --help)" >&2; exit 2 ;;
 esac
 
+# Docs pages whose ```sh blocks run after the README's, in this order, under the same rules.
+DOC_PAGES=(docs/pytorch.md)
+
 # Command (exactly as in the README, without its trailing comment) -> why it is not run here.
 declare -A SKIP=(
   ["scripts/test.sh"]="runs every test and then this README test: it is the command that runs this (CI: .ci/run)"
@@ -42,14 +46,22 @@ declare -A SKIP=(
   ["scripts/gpu-check.sh"]="needs an NVIDIA GPU with its driver (CI has none)"
   ["scripts/gpu-check.sh --prepare target/gpu-check"]="builds test binaries for the GPU machine only; scripts/test.sh builds and runs the same cuda test targets here (their GPU parts print SKIPPED)"
   ["scripts/gpu-check.sh --prebuilt target/gpu-check"]="needs an NVIDIA GPU and the binaries of --prepare"
+  ["python/build-wheels.sh dist"]="python/test.sh builds the x86_64 wheel this way and tests it; the aarch64 cross build adds minutes and cannot run here"
 )
 
 # Commands of the PyTorch section: they run in "the environment that has torch", which is
 # python/test.sh's venv (target/pyvenv of this checkout; scripts/test.sh makes it before this runs).
 # Without that venv they are skipped, saying so.
 NEEDS_TORCH=(
-  "maturin build --release -m python/Cargo.toml -o dist && pip install dist/gradbus-*.whl"
+  "pip install ./python"
   "python bench/pytorch_grpo.py examples/roll-193.toml --np 2 --set optim.lr=3e-2 --set rollout_sync_interval=200 --set steps=30 --guard abort --run-dir runs/twin"
+  "pip install maturin ziglang"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --plant-nan 7"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --plant-nan 7 --policy rerun"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --plant-nan 7 --policy abort --run-dir runs/guard"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --amp fp16"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --amp bf16"
 )
 pyvenv="$src/target/pyvenv"
 if ! [ -e "$pyvenv/.complete" ]; then
@@ -69,7 +81,7 @@ mapfile -t commands < <(awk '
     else { sub(/^[[:space:]]+/, " ", line) }
     if (line ~ /\\[[:space:]]*$/) { sub(/[[:space:]]*\\[[:space:]]*$/, "", line); cmd = cmd line; next }
     print cmd line; cmd = ""
-  }' "$src/README.md")
+  }' "$src/README.md" "${DOC_PAGES[@]/#/$src/}")
 [ ${#commands[@]} -gt 0 ] || { echo "readme-test: no \`\`\`sh commands in README.md" >&2; exit 1; }
 
 strip() { # the command without its trailing comment and surrounding blanks
