@@ -239,6 +239,34 @@ fn two_and_four_ranks_succeed_with_prefixed_output_and_rank_logs() {
 }
 
 #[test]
+fn version_names_the_crate_and_the_commit_it_was_built_from() {
+    let job = Job::new("exit 0");
+    let version = run(job.gradbus(&["--version"]));
+    version.assert_code(0);
+    let ran = &version;
+    let want = format!("gradbus {} (commit ", env!("CARGO_PKG_VERSION"));
+    assert!(ran.stdout.starts_with(&want), "{}", ran.explain());
+    let head = Command::new("git").args(["-C", env!("CARGO_MANIFEST_DIR"), "rev-parse", "HEAD"]).output();
+    match head {
+        Ok(out) if out.status.success() => {
+            let hash = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            assert!(ran.stdout.starts_with(&format!("{want}{hash}, ")), "built from HEAD {hash}?\n{}", ran.explain());
+        }
+        _ => assert!(ran.stdout.starts_with(&format!("{want}unknown: ")), "{}", ran.explain()),
+    }
+    // launch.json names the same build.
+    let ran = run(job.gradbus(&["run", "--run-dir", "run", "c.toml"]));
+    ran.assert_code(0);
+    let launch: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job.path().join("run/launch.json")).unwrap()).unwrap();
+    assert_eq!(launch["gradbus"]["version"], env!("CARGO_PKG_VERSION"), "{launch}");
+    match launch["gradbus"]["commit"].as_str() {
+        Some(c) => assert!(version.stdout.contains(&format!("(commit {c}, ")), "{launch}\n{}", version.stdout),
+        None => assert!(version.stdout.contains("(commit unknown: "), "{launch}\n{}", version.stdout),
+    }
+}
+
+#[test]
 fn leftover_children_of_a_worker_that_exited_are_killed() {
     // The worker exits 0 but leaves a sleeping child in its process group (holding its stdout).
     let job = Job::new(r#"sleep 300 & echo $! > "$D/child-$R"; exit 0"#);

@@ -30,6 +30,7 @@ USAGE:
     gradbus worker [--run-dir DIR] [--resume] CONFIG.toml [--set key=value ...]
                                                   one rank (started by `run`, or by a bare mpirun)
     gradbus --help | gradbus run --help | gradbus bench --help | gradbus worker --help
+    gradbus --version                             the version and the git commit it was built from
 
 EXIT CODES (gradbus_worker::exit::Code):
     0    done
@@ -49,6 +50,8 @@ ENVIRONMENT:
 pub enum Command {
     /// Print this help text and exit 0.
     Help(&'static str),
+    /// `gradbus --version`: print the version and commit, exit 0.
+    Version,
     /// `gradbus run`.
     Run(RunArgs),
     /// `gradbus replay` (arguments not parsed yet).
@@ -80,6 +83,7 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Command, Error>
     match arg {
         None => Err(Error::usage("missing subcommand", "try `gradbus run --help`")),
         Some(Short('h') | Long("help")) => Ok(Command::Help(HELP)),
+        Some(Short('V') | Long("version")) => Ok(Command::Version),
         Some(Value(v)) => match v.to_str() {
             Some("run") => command(run::parse(&mut parser), Command::Run),
             Some("replay") => Ok(Command::Replay(rest(&mut parser))),
@@ -109,6 +113,10 @@ pub fn execute(cmd: Command) -> Result<Code, Error> {
             print!("{text}");
             Ok(Code::Done)
         }
+        Command::Version => {
+            println!("gradbus {}", gradbus_worker::version::describe());
+            Ok(Code::Done)
+        }
         Command::Run(args) => run::execute(args),
         Command::Replay(args) => crate::replay::execute(args),
         Command::Bench(args) => crate::bench::execute(args),
@@ -129,6 +137,8 @@ mod tests {
     #[test]
     fn dispatches_subcommands_and_help() {
         assert_eq!(p(&["--help"]).unwrap(), Command::Help(HELP));
+        assert_eq!(p(&["--version"]).unwrap(), Command::Version);
+        assert_eq!(p(&["-V"]).unwrap(), Command::Version);
         assert_eq!(p(&["run", "--help"]).unwrap(), Command::Help(run::HELP));
         assert!(matches!(p(&["run", "c.toml"]).unwrap(), Command::Run(_)));
         assert_eq!(p(&["replay", "d", "--x"]).unwrap(), Command::Replay(vec!["d".into(), "--x".into()]));

@@ -293,6 +293,7 @@ fn prepare_run_dir(args: &RunArgs, job_id: &str) -> Result<PathBuf, Error> {
 /// What `launch.json` records, for `gradbus report` and for humans.
 #[derive(serde::Serialize)]
 struct LaunchRecord<'a> {
+    gradbus: gradbus_worker::version::Build,
     job_id: &'a str,
     launcher: &'a str,
     config: &'a Path,
@@ -430,6 +431,7 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
     let run_dir = prepare_run_dir(&args, &job_id)?;
     let resume = args.resume.is_some();
     let record = LaunchRecord {
+        gradbus: gradbus_worker::version::build(),
         job_id: &job_id,
         launcher: args.launcher.name(),
         config: &config,

@@ -13,7 +13,7 @@ from ddp_case import run
 REPORT_KEYS = {
     "step", "minibatch", "attempt", "verdict", "ranks", "bucket", "param", "element",
     "nan", "inf", "per_rank", "loss_finite", "classification", "cause",
-    "format", "crc32c",  # sealed by the worker's artifact code, as the runtime's report.json is
+    "format", "gradbus", "crc32c",  # sealed by the worker's artifact code, as the runtime's report.json is
 }
 
 
@@ -75,7 +75,8 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
         plant["step"], [plant["rank"]], plant["param"], plant["element"])
     assert (report["nan"], report["inf"], report["verdict"], report["loss_finite"]) == (int(nan), int(not nan), "abort", True)
     assert report["cause"] == "local_gradients", report
-    assert report["format"] == 1 and re.fullmatch(r"[0-9a-f]{8}", report["crc32c"]), report
+    assert report["format"] == 2 and re.fullmatch(r"[0-9a-f]{8}", report["crc32c"]), report
+    assert set(report["gradbus"]) == {"version", "commit"}, report
     assert report["per_rank"] == [{"rank": plant["rank"], "nan": int(nan), "inf": int(not nan), "first_bucket": report["bucket"]}]
     msg = errors.pop()
     assert f"param {plant['param']} element {plant['element']}" in msg and f"rank(s) [{plant['rank']}]" in msg, msg

@@ -31,10 +31,12 @@ use gradbus_collectives::spikes::SpikeDetector;
 use gradbus_collectives::{Action, Report};
 use gradbus_kernels::Health;
 
+use crate::version::Build;
+
 /// Format version of a `metrics.jsonl` line.
 pub const METRICS_FORMAT: u32 = 1;
-/// Format version of `report.json`.
-pub const REPORT_FORMAT: u32 = 1;
+/// Format version of `report.json` (2 adds `gradbus`, the build that wrote it; 1 is still read).
+pub const REPORT_FORMAT: u32 = 2;
 /// Format version of a checkpoint's `DONE` marker.
 pub const DONE_FORMAT: u32 = 1;
 /// Format version of a checkpoint's `state.bin` metadata.
@@ -150,6 +152,16 @@ pub fn seal<T: Serialize>(format: u32, body: &T, pretty: bool) -> String {
 /// Verify and parse a sealed JSON object written by [`seal`]; `file` names it in errors (with
 /// `:LINE` for a line of a JSON-lines file).
 pub fn unseal<T: DeserializeOwned>(text: &str, format: u32, file: &str) -> Result<T, ArtifactError> {
+    let (version, v) = unseal_value(text, file)?;
+    if version != format as u64 {
+        return Err(ArtifactError::Version { file: file.into(), what: "format", found: version, expected: format });
+    }
+    from_value(serde_json::Value::Object(v)).map_err(|what| ArtifactError::Schema { file: file.to_string(), what })
+}
+
+/// Verify a sealed JSON object's checksum; its format version and its other keys (for a reader of
+/// several versions).
+fn unseal_value(text: &str, file: &str) -> Result<(u64, serde_json::Map<String, serde_json::Value>), ArtifactError> {
     let schema = |what: String| ArtifactError::Schema { file: file.to_string(), what };
     // The checksum first: a damaged byte is reported as what it is, whatever it broke.
     let written = text.rfind(CRC_KEY).and_then(|k| {
@@ -172,15 +184,13 @@ pub fn unseal<T: DeserializeOwned>(text: &str, format: u32, file: &str) -> Resul
     if expected != found {
         return Err(ArtifactError::Checksum { file: file.into(), section: "content".into(), expected, found });
     }
-    let mut v = parsed.map_err(|e| schema(format!("not JSON: {e}")))?;
-    let obj = v.as_object_mut().ok_or_else(|| schema("not a JSON object".into()))?;
+    let serde_json::Value::Object(mut obj) = parsed.map_err(|e| schema(format!("not JSON: {e}")))? else {
+        return Err(schema("not a JSON object".into()));
+    };
     obj.remove("crc32c");
     let version = obj.remove("format").ok_or_else(|| schema("missing key `format`".into()))?;
     let version = version.as_u64().ok_or_else(|| schema("key `format` is not an integer".into()))?;
-    if version != format as u64 {
-        return Err(ArtifactError::Version { file: file.into(), what: "format", found: version, expected: format });
-    }
-    from_value(v).map_err(schema)
+    Ok((version, obj))
 }
 
 /// Deserialize a JSON value; an error names the key (`history.skipped: invalid type: ...`).
@@ -249,7 +259,7 @@ pub mod hex64 {
 
 /// A field that must be present although it may be `null` (serde defaults a missing `Option` to
 /// `None`; here a missing key is an error).
-fn required<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+pub(crate) fn required<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
     T::deserialize(d)
 }
 
@@ -343,16 +353,41 @@ pub fn read_metrics(path: &Path) -> Result<Vec<MetricsLine>, ArtifactError> {
 // ------------------------------------------------------------------------------------------------
 // report.json
 
-/// `report.json` (pretty, for people too).
+/// `report.json` as written: the build that wrote it, then the report's own keys.
+#[derive(Serialize)]
+struct ReportFile<'a> {
+    gradbus: Build,
+    #[serde(flatten)]
+    report: &'a Report,
+}
+
+/// `report.json` (pretty, for people too), naming this build.
 pub fn report_text(report: &Report) -> String {
-    seal(REPORT_FORMAT, report, true) + "\n"
+    seal(REPORT_FORMAT, &ReportFile { gradbus: crate::version::build(), report }, true) + "\n"
+}
+
+/// Verify and parse the text of a `report.json` of format 2, or of format 1 (before reports named
+/// their build); `file` names it in errors.
+pub fn parse_report(text: &str, file: &str) -> Result<Report, ArtifactError> {
+    let schema = |what: String| ArtifactError::Schema { file: file.to_string(), what };
+    let (version, mut v) = unseal_value(text.trim_end_matches('\n'), file)?;
+    match version {
+        1 => {}
+        2 => {
+            let build = v.remove("gradbus").ok_or_else(|| schema("missing key `gradbus`".into()))?;
+            from_value::<Build>(build).map_err(|e| schema(format!("key `gradbus`: {e}")))?;
+        }
+        found => {
+            return Err(ArtifactError::Version { file: file.into(), what: "format", found, expected: REPORT_FORMAT })
+        }
+    }
+    from_value(serde_json::Value::Object(v)).map_err(schema)
 }
 
 /// Read and verify `report.json`.
 pub fn read_report(path: &Path) -> Result<Report, ArtifactError> {
     let bytes = read(path)?;
-    let text = String::from_utf8_lossy(&bytes);
-    unseal(text.trim_end_matches('\n'), REPORT_FORMAT, &path.display().to_string())
+    parse_report(&String::from_utf8_lossy(&bytes), &path.display().to_string())
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ pub mod rollout;
 pub mod task;
 pub mod train;
 pub mod update;
+pub mod version;
 
 use std::path::PathBuf;
 

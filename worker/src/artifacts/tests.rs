@@ -113,7 +113,8 @@ fn sealed_json_round_trips_with_non_finite_numbers_as_null() {
     assert_eq!((back.reward, back.checksum, back.verdict), (l.reward, l.checksum, l.verdict));
     let r = report();
     let text = report_text(&r);
-    assert_eq!(unseal::<Report>(text.trim_end(), REPORT_FORMAT, "r").unwrap(), r);
+    assert!(text.starts_with("{\n  \"format\": 2,\n  \"gradbus\": {\n    \"version\": "), "{text}");
+    assert_eq!(parse_report(&text, "r").unwrap(), r);
 }
 
 #[test]
@@ -155,17 +156,26 @@ fn report_refuses_flips_truncation_missing_key_and_unknown_version() {
     let good = report_text(&report()).into_bytes();
     let check = |b: &[u8]| {
         let t = std::str::from_utf8(b).map_err(|e| ArtifactError::Schema { file: "t".into(), what: e.to_string() })?;
-        unseal::<Report>(t.trim_end_matches('\n'), REPORT_FORMAT, "t").map(|_| ())
+        parse_report(t, "t").map(|_| ())
     };
     // The final newline is not content: every other byte is.
     every_flip_is_refused(&good[..good.len() - 1], check, "report.json");
     every_truncation_is_refused(&good[..good.len() - 1], check, "report.json");
     let mut v = serde_json::to_value(report()).unwrap();
     v.as_object_mut().unwrap().remove("classification");
-    let e = unseal::<Report>(&seal(REPORT_FORMAT, &v, true), REPORT_FORMAT, "report.json").unwrap_err();
+    let e = parse_report(&seal(1, &v, true), "report.json").unwrap_err();
     assert!(e.to_string().contains("missing field `classification`"), "{e}");
-    let e = unseal::<Report>(&seal(2, &report(), true), REPORT_FORMAT, "report.json").unwrap_err();
-    assert!(matches!(e, ArtifactError::Version { found: 2, .. }), "{e}");
+    // Format 2 must name its build.
+    let e = parse_report(&seal(REPORT_FORMAT, &report(), true), "report.json").unwrap_err();
+    assert!(e.to_string().contains("report.json: missing key `gradbus`"), "{e}");
+    let e = parse_report(&seal(3, &report(), true), "report.json").unwrap_err();
+    assert!(matches!(e, ArtifactError::Version { found: 3, expected: 2, .. }), "{e}");
+}
+
+#[test]
+fn a_report_of_format_1_is_still_read() {
+    // As gradbus wrote it before reports named their build: no `gradbus` key.
+    assert_eq!(parse_report(&seal(1, &report(), true), "report.json").unwrap(), report());
 }
 
 #[test]
