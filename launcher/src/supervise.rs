@@ -53,7 +53,7 @@ pub struct ProcSpec {
     pub args: Vec<OsString>,
     /// Variables added to (or replacing in) the launcher's environment.
     pub env: Vec<(OsString, OsString)>,
-    /// File that receives the process's stdout and stderr lines, unprefixed.
+    /// File that receives the process's stdout and stderr lines, unprefixed (appended to).
     pub log: Option<PathBuf>,
 }
 
@@ -383,7 +383,8 @@ pub fn supervise(specs: Vec<ProcSpec>, opts: &Options, progress: &mut dyn Progre
             break;
         }
         let log = match &spec.log {
-            Some(path) => match File::create(path) {
+            // Appended to: a resumed run keeps the logs of the runs before it.
+            Some(path) => match File::options().create(true).append(true).open(path) {
                 Ok(f) => Some(Arc::new(Mutex::new(f))),
                 Err(source) => {
                     abort_started(&mut procs);

@@ -39,8 +39,9 @@ pub const METRICS_FORMAT: u32 = 1;
 pub const REPORT_FORMAT: u32 = 2;
 /// Format version of a checkpoint's `DONE` marker.
 pub const DONE_FORMAT: u32 = 1;
-/// Format version of a checkpoint's `state.bin` metadata.
-pub const CHECKPOINT_FORMAT: u32 = 1;
+/// Format version of a checkpoint's `state.bin` metadata (2 adds `run`: what it was trained with;
+/// 1 is still read).
+pub const CHECKPOINT_FORMAT: u32 = 2;
 /// Format version of a failure dump's metadata.
 pub const DUMP_FORMAT: u32 = 1;
 /// Version of the binary container (`GBTF`).
@@ -428,6 +429,12 @@ pub trait Kind: Serialize + DeserializeOwned {
     const KIND: &'static str;
     /// Format version of the metadata.
     const FORMAT: u32;
+
+    /// Brings the metadata JSON of an older `format` up to [`Kind::FORMAT`]; false when this build
+    /// does not read that format (the load then fails with a version error).
+    fn upgrade(_format: u64, _meta: &mut serde_json::Value) -> bool {
+        false
+    }
 }
 
 /// Encode `meta` and `tensors` into the container.
@@ -501,7 +508,7 @@ pub fn decode<M: Kind>(bytes: &[u8], file: &str) -> Result<Loaded<M>, ArtifactEr
     if expected != found {
         return Err(ArtifactError::Checksum { file: file.into(), section: "header".into(), expected, found });
     }
-    let raw: serde_json::Value = serde_json::from_slice(header).map_err(|e| schema(format!("header: {e}")))?;
+    let mut raw: serde_json::Value = serde_json::from_slice(header).map_err(|e| schema(format!("header: {e}")))?;
     match raw.get("kind").and_then(|k| k.as_str()) {
         Some(k) if k == M::KIND => {}
         Some(k) => return Err(schema(format!("a {k}, not a {} (hint: pass the right file)", M::KIND))),
@@ -509,6 +516,7 @@ pub fn decode<M: Kind>(bytes: &[u8], file: &str) -> Result<Loaded<M>, ArtifactEr
     }
     match raw.get("format").map(|f| f.as_u64()) {
         Some(Some(f)) if f == M::FORMAT as u64 => {}
+        Some(Some(f)) if raw.get_mut("meta").is_some_and(|meta| M::upgrade(f, meta)) => {}
         Some(Some(f)) => {
             return Err(ArtifactError::Version { file: file.into(), what: "format", found: f, expected: M::FORMAT })
         }
@@ -692,11 +700,104 @@ pub struct CheckpointMeta {
     pub warnings: u32,
     /// The verdict history.
     pub history: SavedHistory,
+    /// The config, world size and build the state was trained with (null in a checkpoint of
+    /// format 1, which did not record them).
+    #[serde(deserialize_with = "required")]
+    pub run: Option<RunRecord>,
 }
 
 impl Kind for CheckpointMeta {
     const KIND: &'static str = "checkpoint";
     const FORMAT: u32 = CHECKPOINT_FORMAT;
+
+    fn upgrade(format: u64, meta: &mut serde_json::Value) -> bool {
+        match (format, meta.as_object_mut()) {
+            (1, Some(m)) => m.insert("run".into(), serde_json::Value::Null).is_none(),
+            _ => false,
+        }
+    }
+}
+
+/// What a run's state was trained with: `--resume` compares it with the config it is given.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunRecord {
+    /// The build of gradbus.
+    pub gradbus: Build,
+    /// World size.
+    pub world: usize,
+    /// The canonical config text (`--set` overrides applied).
+    pub config: String,
+}
+
+// ------------------------------------------------------------------------------------------------
+// The run directory's owner and history (`crate::rundir`).
+
+/// Format version of `gradbus.lock`'s content.
+pub const LOCK_FORMAT: u32 = 1;
+/// Format version of a `resumes.jsonl` line.
+pub const RESUME_FORMAT: u32 = 1;
+
+/// `RUN_DIR/gradbus.lock`: the job that holds (or last held) the directory's lock.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LockHolder {
+    /// The job id (the launcher's, or the worker's under a bare mpirun or srun).
+    pub job_id: String,
+    /// The process that holds the lock.
+    pub pid: u32,
+    /// Its host.
+    pub host: String,
+    /// When it took the lock, UTC (`2026-12-01T05:17:00Z`).
+    pub started: String,
+    /// Its command line.
+    pub command: String,
+    /// Its build.
+    pub gradbus: Build,
+}
+
+impl LockHolder {
+    /// The file's text (one line).
+    pub fn to_text(&self) -> String {
+        seal(LOCK_FORMAT, self, false) + "\n"
+    }
+}
+
+/// One changed key of a resumed run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Change {
+    /// The dotted config key, or `world size`.
+    pub key: String,
+    /// The value the checkpoint was trained with (TOML), or `(not set)`.
+    pub old: String,
+    /// The value of this run.
+    pub new: String,
+}
+
+/// One line of `RUN_DIR/resumes.jsonl`: a resume, and what it changed (written by rank 0).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeRecord {
+    /// The step the run resumed at (the checkpoint's).
+    pub step: u64,
+    /// The resuming job.
+    pub job_id: String,
+    /// When, UTC.
+    pub at: String,
+    /// The resuming build.
+    pub gradbus: Build,
+    /// Seed, world size and data-affecting keys that differ from the checkpoint's run; null when
+    /// the checkpoint (format 1) did not record its run.
+    #[serde(deserialize_with = "required")]
+    pub changes: Option<Vec<Change>>,
+}
+
+impl ResumeRecord {
+    /// The line as written (no newline).
+    pub fn to_line(&self) -> String {
+        seal(RESUME_FORMAT, self, false)
+    }
 }
 
 /// `DONE`: written last, it says the checkpoint is complete and holds `state.bin`'s checksum.

@@ -38,6 +38,7 @@ impl Trainer {
                 recent: self.history.recent.clone(),
                 suspects: self.history.suspects.clone(),
             },
+            run: Some(crate::rundir::record(&self.config_text, self.info.world)),
         };
         let tensors: [(&str, &[f32]); 4] =
             [("params", &self.params), ("m", &self.m), ("v", &self.v), ("rollout", &self.rollout)];
@@ -64,6 +65,7 @@ impl Trainer {
             }
         }
         let meta = &l.meta;
+        crate::rundir::resumed(&dir, meta, &self.config_text, &self.info, &self.run_dir)?;
         if meta.layout_hash != self.layout().hash() {
             return Err(WorkerError::Usage(format!("{}: saved for a different model or bucket layout", dir.display())));
         }

@@ -76,6 +76,7 @@ mod tests {
         }
         let c = git::commit_of(root).expect("the repository's commit");
         assert_eq!(c.hash.len(), 40);
+        assert!(c.date.len() == 10 && c.date.as_bytes()[4] == b'-', "{}", c.date);
         assert!(c.watch.iter().any(|p| p.ends_with("HEAD")), "{:?}", c.watch);
     }
 
