@@ -5,8 +5,8 @@
 //! worker. Every script prints its environment, writes its pid (and its child's pid) to files in the
 //! temp dir and creates a fake shared-memory segment `/dev/shm/gradbus-{job}-nK` (the bus's naming
 //! rule `gradbus-{job}-n{node}`, with the rank standing in for the node) that the launcher must
-//! remove. Waits are bounded polls on conditions; time bounds are generous (the workers that must be
-//! stopped sleep 300 s, the bounds are 60 s).
+//! remove. Waits are bounded polls on conditions; the bounds only catch a hang (the workers that must
+//! be stopped sleep 300 s, the bounds are 60 s), no test asserts how fast anything is.
 
 mod common;
 
@@ -16,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const GRADBUS: &str = env!("CARGO_BIN_EXE_gradbus");
-/// Generous bound for anything that should take a second or two.
+/// Bound of every wait: only a hang reaches it.
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// A temp directory with a config file and a worker script.
@@ -293,7 +293,6 @@ fn failing_rank_stops_the_others_and_is_named_first() {
     let ran = run(job.gradbus(&["run", "--np", "3", "c.toml"]));
     ran.assert_code(4);
     ran.assert_stderr("root cause: rank 1 failed first: exited with code 7");
-    assert!(ran.elapsed < LIMIT, "{}", ran.explain());
     job.assert_clean(&ran, 3);
 }
 
