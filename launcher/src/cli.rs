@@ -64,6 +64,9 @@ pub enum Command {
     Report(Vec<OsString>),
     /// `gradbus worker`: one rank (the worker library parses the arguments).
     Worker(Vec<OsString>),
+    /// The hidden `gradbus __sweep-shm JOB`: remove job JOB's shared-memory segments on this node
+    /// (one task per node of the sweep step after a multi-node `srun`, see `srun::sweep_command_line`).
+    SweepShm(String),
 }
 
 /// A subcommand parser's outcome as a [`Command`]: its help text, or `args` wrapped by `wrap`.
@@ -91,6 +94,12 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Command, Error>
             Some("__bench-rank") => crate::bench::parse_rank(&mut parser).map(Command::BenchRank),
             Some("report") => Ok(Command::Report(rest(&mut parser))),
             Some("worker") => Ok(Command::Worker(rest(&mut parser))),
+            Some("__sweep-shm") => match rest(&mut parser).as_slice() {
+                [job] => Ok(Command::SweepShm(job.to_string_lossy().into_owned())),
+                _ => {
+                    Err(Error::usage("__sweep-shm takes one job id", "it is started by `gradbus run --launcher srun`"))
+                }
+            },
             Some("help") => Ok(Command::Help(HELP)),
             _ => Err(Error::usage(
                 format!("unknown subcommand `{}`", v.to_string_lossy()),
@@ -123,6 +132,10 @@ pub fn execute(cmd: Command) -> Result<Code, Error> {
         Command::BenchRank(args) => crate::bench::execute_rank(args),
         Command::Report(args) => crate::report::execute(args),
         Command::Worker(args) => Ok(gradbus_worker::cli::main_with_args(args)),
+        Command::SweepShm(job) => {
+            crate::shm::sweep_node(std::path::Path::new(crate::shm::SHM_DIR), &job)?;
+            Ok(Code::Done)
+        }
     }
 }
 

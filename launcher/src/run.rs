@@ -463,6 +463,7 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
     );
 
     let wargs = worker.args(worker_args(&run_dir, mode, &config, &args.sets));
+    let sweeper = starter.clone();
     let specs = match (args.launcher, starter) {
         (LauncherKind::Mpirun, Some(mpirun)) => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -501,6 +502,14 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         (0..plan.nodes.len()).map(|node| ShmBus::segment_path(Path::new(shm::SHM_DIR), &job_id, node)).collect();
     let mut progress = ShmProgress::new(segments, total_steps);
     let outcome = supervise_job(specs, &opts, &mut progress, &job_id)?;
+    // A rank killed on another node of a Slurm step leaves its segment there: sweep every node.
+    let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    if let (LauncherKind::Srun, Some(srun), Some(nodes)) = (args.launcher, sweeper, srun::allocation_nodes(get)) {
+        if nodes > 1 && outcome.code() != Code::Done {
+            let me = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("gradbus"));
+            srun::sweep_nodes(&srun::sweep_command_line(&srun, nodes, &me, &job_id));
+        }
+    }
     Ok(outcome.code())
 }
 
