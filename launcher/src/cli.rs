@@ -164,6 +164,8 @@ mod tests {
             assert_eq!(e.code(), Code::Usage);
             assert!(e.to_string().contains("hint:"), "{e}");
         }
+        assert_eq!(p(&["__sweep-shm", "j7"]).unwrap(), Command::SweepShm("j7".into()));
+        assert_eq!(p(&["__sweep-shm"]).unwrap_err().code(), Code::Usage);
         assert_eq!(
             p(&["report", "r", "--margin", "5"]).unwrap(),
             Command::Report(vec!["r".into(), "--margin".into(), "5".into()])

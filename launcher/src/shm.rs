@@ -240,6 +240,20 @@ mod tests {
     }
 
     #[test]
+    fn a_node_sweep_removes_that_jobs_segments_only() {
+        let dir = tempfile::tempdir().unwrap();
+        for n in ["gradbus-j1-n1", "gradbus-j12-n1", "unrelated"] {
+            std::fs::write(dir.path().join(n), b"").unwrap();
+        }
+        sweep_node(dir.path(), "j1").unwrap();
+        let mut left: Vec<_> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        assert_eq!(left, ["gradbus-j12-n1", "unrelated"]);
+        assert!(sweep_node(&dir.path().join("missing"), "j1").is_err());
+    }
+
+    #[test]
     fn job_sweep_removes_every_node_of_the_job_only() {
         let dir = tempfile::tempdir().unwrap();
         for n in ["gradbus-j1-n0", "gradbus-j1-n1", "gradbus-j12-n0", "gradbus-j2-n0"] {
