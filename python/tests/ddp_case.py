@@ -120,6 +120,7 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
     except gt.NonFiniteGradients as e:  # the tests inspect it
         out["error"] = str(e)
         out["report"] = e.report
+        out["after_error"] = snapshot(net, inner)  # the state once the poisoned step has raised
     finally:
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         dist.destroy_process_group()

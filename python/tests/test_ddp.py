@@ -80,10 +80,12 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
     assert report["per_rank"] == [{"rank": plant["rank"], "nan": int(nan), "inf": int(not nan), "first_bucket": report["bucket"]}]
     msg = errors.pop()
     assert f"param {plant['param']} element {plant['element']}" in msg and f"rank(s) [{plant['rank']}]" in msg, msg
-    # Weights never took the poisoned update, and the replicas are identical.
+    # Weights and Adam state after the raise are those before the poisoned update (it was never
+    # applied), finite, and the same on every replica.
     for r in res:
-        assert all(torch.isfinite(w).all() for w in r["snapshots"][-1]["weights"].values())
-        assert same_state(r["snapshots"][-1], res[0]["snapshots"][-1])
+        assert same_state(r["after_error"], r["snapshots"][-1]), "the poisoned update changed the state"
+        assert all(torch.isfinite(w).all() for w in r["after_error"]["weights"].values())
+        assert same_state(r["after_error"], res[0]["after_error"])
 
 
 def test_skip_leaves_weights_and_adam_state_untouched_and_replicas_identical(tmp_path):
