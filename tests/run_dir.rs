@@ -120,10 +120,17 @@ fn a_crashed_run_is_kept_too_and_a_resume_keeps_its_logs() {
     r.expect_code(2);
     assert!(r.stderr().contains("holds an earlier run"), "{}", r.stderr());
     assert_eq!(snapshot(&d), before);
+    let launch = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join(name)).unwrap()).unwrap()
+    };
+    let crashed = launch("launch.json")["job_id"].as_str().unwrap().to_string();
     let mut resume = args.clone();
     let at = resume.iter().position(|a| a == "--run-dir").unwrap();
     resume[at] = "--resume".into();
     gb(&resume).expect_code(0);
+    // Both launches are on record.
+    assert_eq!(launch(&format!("launch-{crashed}.json"))["job_id"], crashed.as_str());
+    assert_eq!(launch("launch.json")["resume"], true);
     // The rank logs hold the crashed run and the resumed one.
     let log = std::fs::read_to_string(d.join("rank-0.log")).unwrap();
     assert!(log.contains("resumed from") && log.find("step 0 done") < log.find("resumed from"), "{log}");

@@ -12,6 +12,8 @@
 //! - **Kept data.** A directory that holds a run ([`run_files`]: its metrics, checkpoints, logs, ...)
 //!   is never written over by a new run: [`Mode::Fresh`] refuses it with exit 2 and a hint
 //!   (`--resume`, another `--run-dir`, or `--overwrite`, which deletes exactly those files first).
+//!   A resume keeps what the runs before it wrote: the launcher appends to the rank logs, and the
+//!   earlier `launch.json` is kept as `launch-JOB.json`.
 //! - **Honest resumes.** A checkpoint records the config, world size and build it was trained with
 //!   ([`RunRecord`]); `--resume` ([`resumed`]) refuses a change of the model or the bucket layout,
 //!   warns about every other change that affects the data (the seed, the world size, any key but
@@ -112,6 +114,7 @@ fn is_run_file(name: &str) -> bool {
             | RESUMES_FILE
     ) || between("rank-", ".log")
         || between("trace-rank-", ".json")
+        || between("launch-", ".json")
 }
 
 /// The files of a run in `dir` (directories with a trailing `/`), sorted; empty when it holds none
@@ -201,7 +204,7 @@ fn lock(dir: &Path, job_id: &str) -> Result<Result<Owner, Result<LockHolder, Str
 fn check(dir: &Path, mode: Mode) -> Result<(), RunDirError> {
     let files = run_files(dir);
     match mode {
-        Mode::Resume => Ok(()),
+        Mode::Resume => keep_launch_record(dir),
         Mode::Fresh if files.is_empty() => Ok(()),
         Mode::Fresh => Err(RunDirError::HoldsRun { dir: dir.to_path_buf(), files }),
         Mode::Overwrite => {
@@ -216,6 +219,26 @@ fn check(dir: &Path, mode: Mode) -> Result<(), RunDirError> {
             Ok(())
         }
     }
+}
+
+/// Renames the launch record of the run being resumed, `launch.json`, to `launch-JOB.json` (JOB its
+/// job id), so that the resuming launch's record does not replace it.
+fn keep_launch_record(dir: &Path) -> Result<(), RunDirError> {
+    let path = dir.join("launch.json");
+    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(()) };
+    let job = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v.get("job_id")?.as_str().map(String::from))
+        .filter(|j| !j.is_empty() && j.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or_else(|| "unknown".into());
+    let mut kept = dir.join(format!("launch-{job}.json"));
+    for n in 2.. {
+        if !kept.exists() {
+            break;
+        }
+        kept = dir.join(format!("launch-{job}-{n}.json"));
+    }
+    std::fs::rename(&path, &kept).map_err(io(dir, "cannot keep launch.json"))
 }
 
 /// `gradbus run`: takes the lock of `dir` (which exists) for job `job_id`, then checks or clears
@@ -398,7 +421,9 @@ mod tests {
         assert!(e.contains("holds an earlier run (checkpoints/, metrics.jsonl, rank-0.log, trace-rank-1.json)"), "{e}");
         assert!(e.contains("--resume") && e.contains("--run-dir") && e.contains("--overwrite"), "{e}");
         assert_eq!(run_files(d).len(), 4, "a refusal deletes nothing");
+        std::fs::write(d.join("launch.json"), r#"{"job_id": "20261201T000000p7"}"#).unwrap();
         drop(claim(d, Mode::Resume, "j").unwrap());
+        assert!(!d.join("launch.json").exists() && d.join("launch-20261201T000000p7.json").exists());
         drop(claim(d, Mode::Overwrite, "j").unwrap());
         assert!(run_files(d).is_empty());
         // The user's own files stay.
