@@ -3,15 +3,17 @@
 //! Stages, each of which can only fail with a usage error (exit 2) before anything is started:
 //! parse the flags ([`parse`]) -> check the config file exists -> build and validate the
 //! [`LaunchPlan`] -> check the config's values and the job's memory with the worker crate's own
-//! code (`gradbus_worker::config`) -> find the worker (or `mpirun`, `srun`) -> create the run directory,
-//! take its lock and check that it holds no earlier run unless told what to do with it
+//! code (`gradbus_worker::config`) -> find the worker (or `mpirun`, `srun`) -> create the run
+//! directory, take its lock and check that it holds no earlier run unless told what to do with it
 //! (`gradbus_worker::rundir`; the lock is held until the job's last process is gone) -> record the
-//! launch in `RUN_DIR/launch.json`. Then stale segments of dead launchers are swept ([`shm::sweep_stale`]),
-//! the job runs under [`supervise`] with a [`ShmProgress`] display, the job's leftover
-//! shared-memory segments are removed after the last process is gone, the root-cause summary is
-//! printed, and the policy code is returned.
+//! launch in `RUN_DIR/launch.json`. Then stale segments of dead launchers are swept
+//! ([`shm::sweep_stale`]), the job runs under [`supervise`] with a [`ShmProgress`] display, the job's
+//! leftover shared-memory segments are removed after the last process is gone (on every node of a
+//! failed multi-node `srun` step, [`srun::sweep_command_line`]), the root-cause summary is printed,
+//! and the policy code is returned.
 //!
-//! The worker command line is `gradbus worker --run-dir DIR [--resume | --overwrite] CONFIG [--set key=value ...]`,
+//! The worker command line is
+//! `gradbus worker --run-dir DIR [--resume | --overwrite] CONFIG [--set key=value ...]`,
 //! `gradbus` being this very executable ([`worker_command`]), with the environment contract of
 //! `gradbus_worker::env` (rank, local rank, sizes, node id, job id, run directory). Paths handed to
 //! workers are absolute, so a worker's working directory does not matter.

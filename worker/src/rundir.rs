@@ -8,7 +8,7 @@
 //!   new file while a second still locks the old one). `gradbus run` takes the lock itself; rank 0 of
 //!   a worker takes it unless its own launcher holds it (the holder's job id is the worker's), so a
 //!   bare `mpirun`/`srun` of `gradbus worker` is owned too. Every host that shares the directory must
-//!   see the same locks: a local file system, or NFSv4 (whose locks `flock` uses).
+//!   see the same locks: a local file system, or NFS (where Linux implements `flock` with NFS locks).
 //! - **Kept data.** A directory that holds a run ([`run_files`]: its metrics, checkpoints, logs, ...)
 //!   is never written over by a new run: [`Mode::Fresh`] refuses it with exit 2 and a hint
 //!   (`--resume`, another `--run-dir`, or `--overwrite`, which deletes exactly those files first).
@@ -163,9 +163,16 @@ fn read_holder(file: &mut File, path: &Path) -> Result<LockHolder, String> {
     Err(last)
 }
 
-/// Takes the lock of `dir` for `job_id` and records this process as its holder; `Err(Ok(holder))`
-/// when another process holds it, `Err(Err(description))` when its holder cannot be read.
-fn lock(dir: &Path, job_id: &str) -> Result<Result<Owner, Result<LockHolder, String>>, RunDirError> {
+/// Who holds a lock that this process could not take.
+enum Taken {
+    /// This job, as its lock file says.
+    By(LockHolder),
+    /// A job the lock file does not name (why not).
+    Unreadable(String),
+}
+
+/// Tries to take the lock of `dir` for `job_id`; when it does, records this process as the holder.
+fn lock(dir: &Path, job_id: &str) -> Result<Result<Owner, Taken>, RunDirError> {
     let path = dir.join(LOCK_FILE);
     let mut file = std::fs::OpenOptions::new()
         .read(true)
@@ -182,7 +189,7 @@ fn lock(dir: &Path, job_id: &str) -> Result<Result<Owner, Result<LockHolder, Str
         if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
             return Err(io(dir, format!("cannot lock {LOCK_FILE}"))(e));
         }
-        return Ok(Err(read_holder(&mut file, &path)));
+        return Ok(Err(read_holder(&mut file, &path).map_or_else(Taken::Unreadable, Taken::By)));
     }
     let me = LockHolder {
         job_id: job_id.to_string(),
@@ -244,10 +251,8 @@ fn keep_launch_record(dir: &Path) -> Result<(), RunDirError> {
 /// `gradbus run`: takes the lock of `dir` (which exists) for job `job_id`, then checks or clears
 /// it according to `mode`. Keep the [`Owner`] for the whole job.
 pub fn claim(dir: &Path, mode: Mode, job_id: &str) -> Result<Owner, RunDirError> {
-    match lock(dir, job_id)? {
-        Ok(owner) => check(dir, mode).map(|()| owner),
-        Err(holder) => Err(in_use(dir, holder)),
-    }
+    let owner = lock(dir, job_id)?.map_err(|taken| in_use(dir, taken))?;
+    check(dir, mode).map(|()| owner)
 }
 
 /// Rank 0 of a worker: the same as [`claim`], except that when this job's own launcher holds the
@@ -255,15 +260,16 @@ pub fn claim(dir: &Path, mode: Mode, job_id: &str) -> Result<Owner, RunDirError>
 pub fn claim_as_worker(dir: &Path, mode: Mode, job_id: &str) -> Result<Option<Owner>, RunDirError> {
     match lock(dir, job_id)? {
         Ok(owner) => check(dir, mode).map(|()| Some(owner)),
-        Err(Ok(holder)) if holder.job_id == job_id => Ok(None),
-        Err(holder) => Err(in_use(dir, holder)),
+        Err(Taken::By(holder)) if holder.job_id == job_id => Ok(None),
+        Err(taken) => Err(in_use(dir, taken)),
     }
 }
 
-fn in_use(dir: &Path, holder: Result<LockHolder, String>) -> RunDirError {
-    let holder = match holder {
-        Ok(h) => describe(&h),
-        Err(why) => format!("another job (its {LOCK_FILE} cannot be read: {why})"),
+/// The refusal of a lock another job holds.
+fn in_use(dir: &Path, taken: Taken) -> RunDirError {
+    let holder = match taken {
+        Taken::By(h) => describe(&h),
+        Taken::Unreadable(why) => format!("another job (its {LOCK_FILE} cannot be read: {why})"),
     };
     RunDirError::InUse { dir: dir.to_path_buf(), holder }
 }
