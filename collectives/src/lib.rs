@@ -25,7 +25,7 @@ mod wire;
 
 pub use agreement::{AgreementPath, Anomaly, ExactSum, Stat, Summary};
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
-pub use overlap::{backward_and_reduce, GradMut, ParamGrads};
+pub use overlap::{backward_and_reduce, BusBackend, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
 pub use spikes::{Spike, SpikeDetector};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};

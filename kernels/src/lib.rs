@@ -41,6 +41,7 @@ macro_rules! simd_dispatch {
     }};
 }
 
+pub mod backend;
 pub mod checksum;
 #[cfg(feature = "cuda")]
 pub mod cuda;

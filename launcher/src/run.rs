@@ -419,9 +419,12 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
     // (the workers check again for a bare mpirun). Memory is this machine's only for a local launch.
     let (cfg, _, _) = gradbus_worker::config::Config::load(&config, &args.sets)?;
     cfg.check_world(plan.world_size)?;
+    let local = (0..plan.world_size).map(|r| plan.local_size(r)).max().unwrap_or(1);
     if args.launcher == LauncherKind::Local {
-        let local = (0..plan.world_size).map(|r| plan.local_size(r)).max().unwrap_or(1);
         cfg.check_memory(local, plan.world_size > 1, &gradbus_worker::config::Machine::probe())?;
+    }
+    if let Some(warning) = cfg.check_device(local, args.launcher == LauncherKind::Local)? {
+        eprintln!("gradbus: warning: {warning}");
     }
     let worker = worker_command()?;
     let path = std::env::var_os("PATH");

@@ -78,6 +78,14 @@ pub enum ConfigError {
         /// What the TOML parser said, with the line.
         source: toml::de::Error,
     },
+    /// `device = "cuda"` where this build or machine cannot run it.
+    #[error("config key `device` = \"cuda\": {why}\n  hint: {hint}")]
+    Device {
+        /// What is missing (the build's feature, the driver, a GPU).
+        why: String,
+        /// What to do.
+        hint: String,
+    },
     /// The job would not fit in this machine's memory.
     #[error("{estimate}\n  hint: {hint}")]
     Memory {
@@ -114,6 +122,10 @@ pub struct Config {
     /// a multi-node job on nodes with two cores per local rank. The same bits either way.
     #[serde(default)]
     pub overlap: Overlap,
+    /// Where each rank computes: "cpu", or "cuda" (one GPU per local rank; a build with the `cuda`
+    /// feature on a machine with the CUDA driver).
+    #[serde(default)]
+    pub device: Device,
     /// The policy model.
     #[serde(default)]
     pub model: GptConfig,
@@ -154,6 +166,17 @@ pub enum PolicyName {
     Skip,
     /// Recompute the update to classify the cause.
     Rerun,
+}
+
+/// Where each rank computes.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    /// The CPU kernels (`gradbus_kernels::backend::Cpu`).
+    #[default]
+    Cpu,
+    /// One CUDA GPU per local rank (`rank::gpu_ordinal`); more local ranks than GPUs share them.
+    Cuda,
 }
 
 /// When to all-reduce a bucket: as soon as backward has finished it, or after backward.
@@ -721,7 +744,7 @@ impl Config {
         let (b, t) = (rl.prompts_per_rank.saturating_mul(rl.group_size), rl.response_len.saturating_add(1));
         let bt = b as f64 * t as f64;
         // Activations, the loss's dlogits (B, T, V) and per-position caches.
-        let activations = 4.0 * (crate::model::Activations::numel(m, b, t) + bt * m.vocab as f64 + 16.0 * bt);
+        let activations = 4.0 * (crate::model::activations_numel(m, b, t) + bt * m.vocab as f64 + 16.0 * bt);
         // Weights (trainer, rollout engine, frozen reference) and Adam's two moments.
         let state = 4.0 * 5.0 * params;
         let grads = 4.0 * params;
@@ -782,6 +805,21 @@ impl Config {
         Ok(())
     }
 
+    /// The check of `device` for a node of `local_ranks` ranks: `device = "cuda"` needs a build
+    /// with the `cuda` feature and, on the machine that runs the ranks (`here`: this one), the CUDA
+    /// driver (libcuda.so) and a GPU; a launcher whose ranks run elsewhere checks only the build.
+    /// More local ranks than GPUs is allowed: the warning to print is returned.
+    pub fn check_device(&self, local_ranks: usize, here: bool) -> Result<Option<String>, ConfigError> {
+        if self.device == Device::Cpu {
+            return Ok(None);
+        }
+        let probe = gradbus_kernels::cuda::probe();
+        if !here && !matches!(probe, Err(gradbus_kernels::Error::NotCompiledWithCuda)) {
+            return Ok(None);
+        }
+        cuda_check(probe, local_ranks)
+    }
+
     /// The collectives' policy from the config.
     pub fn policy(&self) -> Policy {
         match self.policy {
@@ -793,6 +831,32 @@ impl Config {
                 window: self.skip.window,
             },
         }
+    }
+}
+
+/// [`Config::check_device`] for `device = "cuda"` given the driver probe's answer (the number of
+/// GPUs it sees).
+fn cuda_check(probe: Result<usize, gradbus_kernels::Error>, local_ranks: usize) -> Result<Option<String>, ConfigError> {
+    use gradbus_kernels::Error as E;
+    let err = |why: String, hint: &str| ConfigError::Device { why, hint: hint.into() };
+    match probe {
+        Err(E::NotCompiledWithCuda) => Err(err(
+            "this gradbus was built without the cuda feature".into(),
+            "build it with `cargo build --release --features cuda` (or `cargo install --path . --features cuda`), or set device = \"cpu\"",
+        )),
+        Err(E::NoCudaDriver(why)) => Err(err(
+            format!("no CUDA driver: {why}"),
+            "install the NVIDIA driver (it provides libcuda.so) and run on a machine with a GPU, or set device = \"cpu\"",
+        )),
+        Err(e) => Err(err(e.to_string(), "check `nvidia-smi`, or set device = \"cpu\"")),
+        Ok(0) => Err(err(
+            "the CUDA driver sees no GPU".into(),
+            "check `nvidia-smi` and CUDA_VISIBLE_DEVICES, or set device = \"cpu\"",
+        )),
+        Ok(gpus) if gpus < local_ranks => Ok(Some(format!(
+            "device = \"cuda\": {local_ranks} local ranks share {gpus} GPU(s) (rank r takes GPU r mod {gpus})"
+        ))),
+        Ok(_) => Ok(None),
     }
 }
 
@@ -880,6 +944,27 @@ mod tests {
         let c = load(&["faults=[{kind=\"kill\",rank=2,step=0}]"]).unwrap();
         assert_eq!(key_of(c.check_world(2).unwrap_err()), "faults[0].rank");
         c.check_world(3).unwrap();
+    }
+
+    #[test]
+    fn device_cuda_names_the_missing_feature_driver_or_gpu_and_allows_sharing_with_a_warning() {
+        use gradbus_kernels::Error as E;
+        let msg = |r: Result<Option<String>, ConfigError>| r.unwrap_err().to_string();
+        let m = msg(cuda_check(Err(E::NotCompiledWithCuda), 1));
+        assert!(
+            m.contains("`device`") && m.contains("without the cuda feature") && m.contains("--features cuda"),
+            "{m}"
+        );
+        let m = msg(cuda_check(Err(E::NoCudaDriver("libcuda.so could not be loaded".into())), 1));
+        assert!(m.contains("libcuda.so") && m.contains("NVIDIA driver"), "{m}");
+        assert!(msg(cuda_check(Ok(0), 1)).contains("no GPU"));
+        assert_eq!(cuda_check(Ok(2), 2).unwrap(), None);
+        let w = cuda_check(Ok(1), 4).unwrap().expect("a warning");
+        assert!(w.contains("4 local ranks share 1 GPU"), "{w}");
+        let cpu = load(&["device=\"cpu\""]).unwrap();
+        assert_eq!((cpu.device, cpu.check_device(64, true).unwrap()), (Device::Cpu, None));
+        assert_eq!(load(&["device=\"cuda\""]).unwrap().device, Device::Cuda);
+        assert_eq!(key_of(load(&["device=\"tpu\""]).unwrap_err()), "device");
     }
 
     #[test]

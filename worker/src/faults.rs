@@ -7,6 +7,7 @@
 use serde::Deserialize;
 
 use gradbus_collectives::{Layout, StepId};
+use gradbus_kernels::backend::Backend;
 
 use crate::config::ConfigError;
 
@@ -155,7 +156,7 @@ impl FaultPlan {
     }
 
     /// Plant the nan/inf/scale faults of this update into parameter `param`'s final gradient `grad`.
-    pub fn poison(&self, at: StepId, layout: &Layout, param: usize, grad: &mut [f32]) {
+    pub fn poison<B: Backend>(&self, be: &B, at: StepId, layout: &Layout, param: usize, mut grad: B::ViewMut<'_>) {
         for f in self.matching(at).filter(|f| matches!(f.kind, FaultKind::Nan | FaultKind::Inf | FaultKind::Scale)) {
             if f.transient && at.attempt > 0 {
                 continue;
@@ -167,15 +168,18 @@ impl FaultPlan {
             if slot.map(|s| s.param) != Some(param) {
                 continue;
             }
+            // Through the host (a test's fault, not a hot path): the same values on any backend.
+            let mut g = be.to_host(B::reborrow(&grad)).into_owned();
             if f.kind == FaultKind::Scale {
                 let max = f32::MAX as f64;
-                for g in grad.iter_mut() {
-                    *g = (*g as f64 * f.factor).clamp(-max, max) as f32;
+                for x in g.iter_mut() {
+                    *x = (*x as f64 * f.factor).clamp(-max, max) as f32;
                 }
-            } else if !grad.is_empty() {
-                let i = f.element.min(grad.len() - 1);
-                grad[i] = if f.kind == FaultKind::Nan { f32::NAN } else { f32::INFINITY };
+            } else if !g.is_empty() {
+                let i = f.element.min(g.len() - 1);
+                g[i] = if f.kind == FaultKind::Nan { f32::NAN } else { f32::INFINITY };
             }
+            be.write(B::reborrow_mut(&mut grad), &g);
         }
     }
 

@@ -12,11 +12,12 @@ use serde::Serialize;
 
 use gradbus_collectives::transport::bucket_health;
 use gradbus_collectives::{Layout, ParamGrads};
+use gradbus_kernels::backend::{Backend, Cpu};
 
 pub use crate::artifacts::Finding;
 use crate::artifacts::{self, ArtifactError, DumpMeta, HealthRecord, Loaded};
 use crate::config::Config;
-use crate::gradients;
+use crate::gradients::{self, Work};
 use crate::model::{self, Gpt};
 use crate::probe::{ExpOp, Phase, Probe};
 use crate::task::Batch;
@@ -46,10 +47,19 @@ fn phase_name(p: Phase) -> &'static str {
 }
 
 impl Probe for Trace {
-    fn check(&mut self, op: &'static str, layer: Option<usize>, phase: Phase, data: &[f32], dims: &[usize]) {
+    fn check<B: Backend>(
+        &mut self,
+        be: &B,
+        op: &'static str,
+        layer: Option<usize>,
+        phase: Phase,
+        data: B::View<'_>,
+        dims: &[usize],
+    ) {
         if self.first.is_some() {
             return;
         }
+        let data = be.to_host(data);
         if let Some(i) = data.iter().position(|v| !v.is_finite()) {
             let (sample, token) = unravel(i, dims);
             self.first = Some(Finding {
@@ -66,10 +76,11 @@ impl Probe for Trace {
         }
     }
 
-    fn grad(&mut self, param: usize, data: &[f32]) {
+    fn grad<B: Backend>(&mut self, be: &B, param: usize, data: B::View<'_>) {
         if self.first.is_some() {
             return;
         }
+        let data = be.to_host(data);
         if let Some(i) = data.iter().position(|v| !v.is_finite()) {
             let name = self.param_names.get(param).cloned().unwrap_or_else(|| format!("param {param}"));
             self.first = Some(Finding {
@@ -86,22 +97,23 @@ impl Probe for Trace {
         }
     }
 
-    fn exp(&mut self, e: ExpOp<'_>) {
+    fn exp<B: Backend>(&mut self, be: &B, e: ExpOp<'_, B>) {
         if self.first.is_some() {
             return;
         }
-        let bad = |i: &usize| e.evaluated[*i] && !e.output[*i].is_finite();
-        let n = (0..e.output.len()).filter(bad).count();
-        if let Some(i) = (0..e.output.len()).find(bad) {
+        let (input, output, mask) = (be.to_host(e.input), be.to_host(e.output), be.to_host(e.mask));
+        let bad = |i: &usize| (!e.safe || mask[*i] != 0.0) && !output[*i].is_finite();
+        let n = (0..output.len()).filter(bad).count();
+        if let Some(i) = (0..output.len()).find(bad) {
             self.first = Some(Finding {
                 op: e.op.to_string(),
                 layer: None,
                 phase: "forward",
                 sample: Some(i / e.dims[1]),
                 token: Some(i % e.dims[1]),
-                value: e.output[i],
-                exp_input: Some(e.input[i]),
-                masked: Some(e.mask[i] == 0.0),
+                value: output[i],
+                exp_input: Some(input[i]),
+                masked: Some(mask[i] == 0.0),
                 overflows: Some(n),
             });
         }
@@ -214,14 +226,14 @@ pub fn replay(path: &Path, trace: bool) -> Result<Replay, ReplayError> {
         old_logp: l.get("old_logp")?.to_vec(),
         ref_logp: l.get("ref_logp")?.to_vec(),
     };
-    let mut acts = model::Activations::new(&cfg.model, b, t);
+    let mut work = Work::new(&Cpu, &cfg, b, t);
     let mut grads = vec![0.0; layout.len];
     let mut probe = Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
     let g = &mut ParamGrads::new(&mut grads, &layout);
     let stats = if trace {
-        gradients::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut probe)
+        gradients::compute_gradients(&Cpu, &gpt, &cfg, &params, &mut work, &mb, g, &mut probe)
     } else {
-        gradients::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut crate::probe::NoProbe)
+        gradients::compute_gradients(&Cpu, &gpt, &cfg, &params, &mut work, &mb, g, &mut crate::probe::NoProbe)
     };
     let chunks = meta.health_chunks.max(1);
     let buckets: Vec<HealthRecord> =

@@ -16,9 +16,11 @@ pub mod faults;
 pub mod forensics;
 pub mod gradients;
 pub mod host;
+pub mod judge;
 pub mod loss;
 pub mod metrics;
 pub mod model;
+pub mod policy;
 pub mod probe;
 pub mod rank;
 pub mod rollout;
@@ -32,7 +34,10 @@ use std::path::PathBuf;
 
 use gradbus_collectives::{Layout, Solo, Transport};
 
-use crate::config::{Config, ConfigError};
+use gradbus_collectives::BusBackend;
+use gradbus_kernels::backend::Cpu;
+
+use crate::config::{Config, ConfigError, Device};
 
 use crate::exit::Code;
 use crate::rank::RankInfo;
@@ -213,6 +218,14 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     // and each rank can only see its own share (the others may already hold theirs).
     cfg.check_world(info.world)?;
     cfg.check_memory(1, info.world > 1, &config::Machine { shm_free: None, ..config::Machine::probe() })?;
+    if let Some(warning) = cfg.check_device(info.local_size, true)? {
+        if info.local_rank == 0 {
+            eprintln!("warning: {warning}");
+        }
+    }
+    if cfg.device == Device::Cuda {
+        return Err(cuda_backend_missing(&info));
+    }
     let run_dir = info.run_dir(args.run_dir.clone());
     std::fs::create_dir_all(&run_dir).map_err(|e| WorkerError::io(&run_dir.display().to_string(), e))?;
     // Rank 0 owns the run directory unless this job's launcher does (held to the end of the run).
@@ -221,7 +234,22 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let hash = config_hash ^ layout.hash();
     let bus = transport(&info, &cfg, hash, layout)?;
-    let mut trainer = Trainer::new(cfg, hash, canonical, info, run_dir, bus, args.resume)?;
+    train(Cpu, cfg, hash, canonical, info, run_dir, bus, args.resume)
+}
+
+/// The step loop on backend `be` to its end.
+#[allow(clippy::too_many_arguments)]
+fn train<B: BusBackend>(
+    be: B,
+    cfg: Config,
+    hash: u64,
+    canonical: String,
+    info: RankInfo,
+    run_dir: PathBuf,
+    bus: Box<dyn Transport>,
+    resume: bool,
+) -> Result<Code, WorkerError> {
+    let mut trainer = Trainer::new(be, cfg, hash, canonical, info, run_dir, bus, resume)?;
     match trainer.run() {
         Ok(Outcome::Done) => Ok(Code::Done),
         Ok(Outcome::Aborted(report)) => {
@@ -233,4 +261,22 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
             Err(e)
         }
     }
+}
+
+/// `device = "cuda"` on a machine where the driver and a GPU were found: this rank's GPU
+/// (`rank::gpu_ordinal`, shared round-robin when the node has fewer GPUs than local ranks), and the
+/// error that the worker has no CUDA backend to train on it yet.
+fn cuda_backend_missing(info: &RankInfo) -> WorkerError {
+    let gpus = gradbus_kernels::cuda::probe().unwrap_or(1).max(1);
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let gpu = match rank::gpu_ordinal(info.local_rank, visible.as_deref()) {
+        Ok(ordinal) => format!("GPU {}", ordinal % gpus),
+        Err(rank::RankError::TooFewGpus { devices, .. }) => format!("GPU {}", info.local_rank % devices),
+        Err(e) => return e.into(),
+    };
+    WorkerError::Usage(format!(
+        "device = \"cuda\": rank {} would train on {gpu}, but the CUDA backend is not yet wired into the \
+         worker (hint: use device = \"cpu\"; the CUDA backend implements gradbus_kernels::backend::Backend)",
+        info.rank
+    ))
 }
