@@ -100,6 +100,10 @@ pub enum Error {
         hint: String,
     },
 
+    /// The run directory is another job's, or holds an earlier run (see `gradbus_worker::rundir`).
+    #[error(transparent)]
+    RunDirOwner(#[from] gradbus_worker::rundir::RunDirError),
+
     /// A process of the job could not be started (the others already started were stopped).
     #[error("cannot start {label} ({}): {source}\n  hint: check that the file is an executable for this machine", program.display())]
     Spawn {
@@ -141,6 +145,7 @@ impl Error {
             | Error::WorkerMissing { .. }
             | Error::MpirunMissing
             | Error::RunDir { .. }
+            | Error::RunDirOwner(_)
             | Error::Spawn { .. }
             | Error::LogFile { .. }
             | Error::Signals(_) => Code::Usage,

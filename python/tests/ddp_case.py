@@ -175,6 +175,7 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
         out["error"] = str(e)
         out["error_type"] = type(e).__name__
         out["report"] = e.report
+        out["after_error"] = snapshot(net, inner)  # the state once the poisoned step has raised
     finally:
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         dist.destroy_process_group()

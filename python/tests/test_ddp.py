@@ -13,7 +13,7 @@ from ddp_case import run, same_state
 REPORT_KEYS = {
     "step", "minibatch", "attempt", "verdict", "ranks", "bucket", "param", "element",
     "nan", "inf", "per_rank", "loss_finite", "classification", "cause",
-    "format", "crc32c",  # sealed by the worker's artifact code, as the runtime's report.json is
+    "format", "gradbus", "crc32c",  # sealed by the worker's artifact code, as the runtime's report.json is
 }
 
 
@@ -64,14 +64,17 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
         plant["step"], [plant["rank"]], plant["param"], plant["element"])
     assert (report["nan"], report["inf"], report["verdict"], report["loss_finite"]) == (int(nan), int(not nan), "abort", True)
     assert report["cause"] == "local_gradients", report
-    assert report["format"] == 1 and re.fullmatch(r"[0-9a-f]{8}", report["crc32c"]), report
+    assert report["format"] == 2 and re.fullmatch(r"[0-9a-f]{8}", report["crc32c"]), report
+    assert set(report["gradbus"]) == {"version", "commit"}, report
     assert report["per_rank"] == [{"rank": plant["rank"], "nan": int(nan), "inf": int(not nan), "first_bucket": report["bucket"]}]
     msg = errors.pop()
     assert f"param {plant['param']} element {plant['element']}" in msg and f"rank(s) [{plant['rank']}]" in msg, msg
-    # Weights never took the poisoned update, and the replicas are identical.
+    # Weights and Adam state after the raise are those before the poisoned update (it was never
+    # applied), finite, and the same on every replica.
     for r in res:
-        assert all(torch.isfinite(w).all() for w in r["snapshots"][-1]["weights"].values())
-        assert same_state(r["snapshots"][-1], res[0]["snapshots"][-1])
+        assert same_state(r["after_error"], r["snapshots"][-1]), "the poisoned update changed the state"
+        assert all(torch.isfinite(w).all() for w in r["after_error"]["weights"].values())
+        assert same_state(r["after_error"], res[0]["after_error"])
 
 
 def test_skip_leaves_weights_and_adam_state_untouched_and_replicas_identical(tmp_path):
