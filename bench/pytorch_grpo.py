@@ -229,8 +229,11 @@ def worker(rank, world, cfg, port, out):
             raise
         sys.stdout.write(f"[rank {rank}] {e}\n")  # one write: the ranks share the pipe
         sys.stdout.flush()
+        sys.stderr.flush()
         dist.destroy_process_group()
-        sys.exit(3)
+        # As a finished run (above): skip the teardown where torch 2.15's gloo may abort ("terminate
+        # called without an active exception"), which turned this exit 3 into 250 once under load.
+        os._exit(3)
 
 
 def train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard):

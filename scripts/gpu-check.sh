@@ -87,6 +87,8 @@ for line in open(sys.argv[2]):
   cp bench/pytorch_grpo.py bench/workload_config.py bench/compare.py "$bundle/bench/"
   cp "$here/gpu-check.sh" "$bundle/"
   cp "$here"/gpu-check.d/* "$bundle/gpu-check.d/"
+  # The PyTorch guard's wheel and check (python/gpu_check.py; run by gpu-check.d/80-python-guard).
+  python/gpu-bundle.sh "$bundle" >/dev/null
   {
     echo "gradbus GPU check bundle, built $(date -u +%Y-%m-%dT%H:%MZ) from $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
     echo "run on the GPU machine: bash $bundle/gpu-check.sh --prebuilt $bundle"
@@ -127,7 +129,7 @@ fi
 libs="$logs/lib"
 mkdir -p "$libs"
 # A library of the torch venv's nvidia/cu13/lib (CUDA 13: NVRTC and its builtins, cuBLAS), by soname.
-py=$(command -v python3 || true)
+py=${GPU_CHECK_PYTHON:-$(command -v python3 || true)} # the python with torch (GPU machine: the torch venv)
 cu13=""
 if [ -n "$py" ]; then
   cu13=$("$py" -c 'import nvidia, os

@@ -123,8 +123,15 @@ run cargo test --workspace --release
 # (collectives/tests/mpi.rs, tests/mpi.rs); the line above already ran everything else, and keeps the
 # default build (no MPI) tested. Costs the feature's build (~2-3 min on 2 cores) and ~40 s of tests.
 run cargo test --workspace --release --features mpi --test mpi
-# Slurm's `srun --mpi=pmix` with the MPI transport (tests/slurm.rs, the `pmix_` test only; ~20 s).
-run cargo test --workspace --release --features mpi --test slurm pmix_
+# Slurm with the MPI transport (tests/slurm.rs): `srun --mpi=pmix` on one node, and two nodes in
+# network namespaces (`two_nodes_`); the other Slurm tests ran above.
+run cargo test --workspace --release --features mpi --test slurm pmix_ two_nodes_
+
+# The fault matrix (docs/reliability.md): every fault ends with its documented exit code and leaves
+# no process or segment, nothing is lost where nothing should be, and every damaged artifact is
+# refused naming the file; it exits 1 if any row is not as expected (~1-2 min).
+echo "test.sh: scripts/fault-matrix.py"
+python3 scripts/fault-matrix.py
 
 # The `cuda` feature builds without CUDA (cudarc loads libcuda/libnvrtc/libnccl at run time), so CI
 # keeps it compiling; on this GPU-less machine its GPU tests print "SKIPPED: no CUDA driver" and the

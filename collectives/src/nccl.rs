@@ -364,11 +364,33 @@ mod tests {
         let path = id_path(dir.path(), "job-2");
         fs::write(&path, [1u8; 17]).unwrap();
         match await_id(&path, Duration::from_millis(100)) {
-            Err(Error::Timeout { missing, phase, .. }) => {
+            Err(Error::Timeout { missing, phase, secs, .. }) => {
                 assert_eq!(missing, vec![0]);
                 assert!(phase.contains("nccl-job-2.id"), "{phase}");
+                assert_eq!(secs, 0.1);
             }
             other => panic!("expected a timeout, got {:?}", other.map(|_| ())),
         }
+    }
+
+    /// A reader that finds a partial file keeps waiting, and takes the id once rank 0 has renamed
+    /// it into place (the 60 s deadline only bounds a hang).
+    #[test]
+    fn a_partial_id_is_waited_past_until_the_whole_one_arrives() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = id_path(dir.path(), "job-3");
+        fs::write(&path, [1u8; 17]).unwrap();
+        let internal = [7 as std::ffi::c_char; ID_BYTES];
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                tx.send(()).unwrap();
+                await_id(&path, Duration::from_secs(60)).map(|id| *id.internal())
+            })
+        };
+        rx.recv().unwrap();
+        publish_id(&path, &Id::uninit(internal)).unwrap();
+        assert_eq!(reader.join().unwrap().unwrap(), internal);
     }
 }

@@ -201,6 +201,9 @@ pub enum Classification {
     Transient,
     /// Skipping ran out of its budget (`skip.max_consecutive` or `skip.max_fraction`).
     SkipBudget,
+    /// An fp16 loss scaler's overflow (the PyTorch guard with a `GradScaler`): skipped while the
+    /// scaler lowers its scale; an abort when the scale had already reached its floor.
+    LossScale,
 }
 
 impl std::fmt::Display for Classification {
@@ -209,6 +212,7 @@ impl std::fmt::Display for Classification {
             Classification::Deterministic => "deterministic",
             Classification::Transient => "transient",
             Classification::SkipBudget => "skip-budget",
+            Classification::LossScale => "loss-scale",
         })
     }
 }
@@ -632,6 +636,13 @@ mod tests {
         let small = HealthTable::summarized(t.world, t.summary.clone()).unwrap();
         assert!(!small.is_detailed() && small.nonfinite_ranks().is_empty() && small.replica_outliers().is_empty());
         assert_eq!((small.mean_loss(), small.grad_norm()), (t.mean_loss(), t.grad_norm()));
+    }
+
+    #[test]
+    fn the_loss_scale_classification_reads_as_written() {
+        let json = serde_json::to_string(&Classification::LossScale).unwrap();
+        assert_eq!((json.as_str(), Classification::LossScale.to_string().as_str()), ("\"loss-scale\"", "loss-scale"));
+        assert_eq!(serde_json::from_str::<Classification>(&json).unwrap(), Classification::LossScale);
     }
 
     #[test]

@@ -43,6 +43,17 @@ pub fn remove_job(shm_dir: &Path, job_id: &str) {
     }
 }
 
+/// One task of the sweep step after a multi-node `srun` step: removes every segment of `job_id` in
+/// `shm_dir` on this node and says how many, naming the node.
+pub fn sweep_node(shm_dir: &Path, job_id: &str) -> Result<(), crate::Error> {
+    let n = gradbus_collectives::shm::remove_job_segments(shm_dir, job_id).map_err(|e| {
+        crate::Error::usage(format!("cannot sweep {}: {e}", shm_dir.display()), "check the node's /dev/shm")
+    })?;
+    let host = gradbus_worker::host::hostname().unwrap_or_else(|| "?".into());
+    println!("{host}: removed {n} leftover shared-memory segment(s) of job {job_id}");
+    Ok(())
+}
+
 /// The launcher pid embedded in a job id made by [`crate::run::new_job_id`]
 /// (`YYYYMMDDTHHMMSSp{pid}`); `None` for any other shape (a test's or a bare `mpirun`'s job id).
 pub fn launcher_pid(job_id: &str) -> Option<u32> {
@@ -227,6 +238,20 @@ mod tests {
                 "unrelated"
             ]
         );
+    }
+
+    #[test]
+    fn a_node_sweep_removes_that_jobs_segments_only() {
+        let dir = tempfile::tempdir().unwrap();
+        for n in ["gradbus-j1-n1", "gradbus-j12-n1", "unrelated"] {
+            std::fs::write(dir.path().join(n), b"").unwrap();
+        }
+        sweep_node(dir.path(), "j1").unwrap();
+        let mut left: Vec<_> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        assert_eq!(left, ["gradbus-j12-n1", "unrelated"]);
+        assert!(sweep_node(&dir.path().join("missing"), "j1").is_err());
     }
 
     #[test]

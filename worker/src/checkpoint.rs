@@ -12,10 +12,11 @@ use std::path::{Path, PathBuf};
 
 use gradbus_collectives::Layout;
 
-use crate::artifacts::{self, CheckpointMeta, SavedHistory};
+use crate::artifacts::{self, CheckpointMeta, RunRecord, SavedHistory};
 use crate::config::Config;
 use crate::faults::FaultPlan;
 use crate::judge::Judge;
+use crate::rank::RankInfo;
 use crate::WorkerError;
 
 /// The state a checkpoint holds, as host slices (a backend's `to_host`: borrowed on the CPU).
@@ -54,12 +55,14 @@ fn checkpoint_dir(run_dir: &Path) -> PathBuf {
     run_dir.join("checkpoints")
 }
 
-/// Write `s` as `checkpoints/step-N` (rank 0 calls this; replicas are identical).
+/// Write `s`, trained as `run` says, as `checkpoints/step-N` (rank 0 calls this; replicas are
+/// identical).
 pub(crate) fn save(
     run_dir: &Path,
     config_hash: u64,
     layout: &Layout,
     s: &State<'_>,
+    run: RunRecord,
     faults: &FaultPlan,
 ) -> Result<(), WorkerError> {
     let dir = checkpoint_dir(run_dir).join(format!("step-{:06}", s.step));
@@ -77,6 +80,7 @@ pub(crate) fn save(
             recent: h.recent.clone(),
             suspects: h.suspects.clone(),
         },
+        run: Some(run),
     };
     let tensors: [(&str, &[f32]); 4] = [("params", s.params), ("m", s.m), ("v", s.v), ("rollout", s.rollout)];
     let step = s.step;
@@ -85,8 +89,17 @@ pub(crate) fn save(
     Ok(())
 }
 
-/// Load the newest checkpoint under `run_dir` that is complete and verifies, for `layout`.
-pub(crate) fn restore(run_dir: &Path, layout: &Layout, cfg: &Config, rank: usize) -> Result<Restored, WorkerError> {
+/// Load the newest checkpoint under `run_dir` that is complete and verifies, for `layout`; the run
+/// it was trained with is compared with this one (`config_text` on `info.world` ranks, see
+/// `crate::rundir::resumed`).
+pub(crate) fn restore(
+    run_dir: &Path,
+    layout: &Layout,
+    cfg: &Config,
+    config_text: &str,
+    info: &RankInfo,
+) -> Result<Restored, WorkerError> {
+    let rank = info.rank;
     let root = checkpoint_dir(run_dir);
     let (dir, l, refused) = artifacts::newest_intact_checkpoint(&root).map_err(|refused| {
         let why: Vec<String> = refused.iter().map(|e| format!("\n  {e}")).collect();
@@ -102,6 +115,7 @@ pub(crate) fn restore(run_dir: &Path, layout: &Layout, cfg: &Config, rank: usize
         }
     }
     let meta = &l.meta;
+    crate::rundir::resumed(&dir, meta, config_text, info, run_dir)?;
     if meta.layout_hash != layout.hash() {
         return Err(WorkerError::Usage(format!("{}: saved for a different model or bucket layout", dir.display())));
     }

@@ -234,6 +234,34 @@ pub enum WorkerError {
         devices: usize,
     },
 
+    // The run directory (`rundir`): who owns it and what it holds.
+    /// Another job holds the lock.
+    #[error("run directory {} is in use by {holder}\n  hint: wait for that job to end (or stop it), or give this one another --run-dir", dir.display())]
+    RunDirInUse {
+        /// The directory.
+        dir: PathBuf,
+        /// The holder, described.
+        holder: String,
+    },
+    /// The directory holds an earlier run and the job was not told what to do with it.
+    #[error("run directory {} holds an earlier run ({})\n  hint: `--resume {}` continues it from its last checkpoint; a new `--run-dir` starts another run; `--overwrite` deletes those files and starts this run there", dir.display(), files.join(", "), dir.display())]
+    RunDirHoldsRun {
+        /// The directory.
+        dir: PathBuf,
+        /// What of a run it holds.
+        files: Vec<String>,
+    },
+    /// The lock file or an earlier run's file could not be used.
+    #[error("run directory {}: {what}: {source}\n  hint: check that the directory is writable", dir.display())]
+    RunDirIo {
+        /// The directory.
+        dir: PathBuf,
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+
     // Running the job.
     /// Bad arguments or input, with the hint in the message.
     #[error("{0}")]

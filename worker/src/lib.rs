@@ -16,6 +16,7 @@ pub mod failure;
 pub mod faults;
 pub mod forensics;
 pub mod gradients;
+pub mod host;
 pub mod judge;
 pub mod loss;
 pub mod metrics;
@@ -24,9 +25,11 @@ pub mod policy;
 pub mod probe;
 pub mod rank;
 pub mod rollout;
+pub mod rundir;
 pub mod task;
 pub mod train;
 pub mod update;
+pub mod version;
 
 use std::path::PathBuf;
 
@@ -56,6 +59,8 @@ pub struct WorkerArgs {
     pub run_dir: Option<PathBuf>,
     /// `--resume`: continue from the run dir's latest complete checkpoint.
     pub resume: bool,
+    /// `--overwrite`: delete an earlier run in the run dir, then start a new one there.
+    pub overwrite: bool,
 }
 
 /// The multi-rank transports a worker can pick (a world of one uses `Solo`).
@@ -168,6 +173,9 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     }
     let run_dir = info.run_dir(args.run_dir.clone());
     std::fs::create_dir_all(&run_dir).map_err(|e| WorkerError::io(&run_dir.display().to_string(), e))?;
+    // Rank 0 owns the run directory unless this job's launcher does (held to the end of the run).
+    let mode = rundir::Mode::of(args.resume, args.overwrite);
+    let _owner = if info.rank == 0 { rundir::claim_as_worker(&run_dir, mode, &info.job_id)? } else { None };
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let hash = config_hash ^ layout.hash();
     match cfg.device {

@@ -107,7 +107,7 @@ impl<B: BusBackend> Trainer<B> {
         let (mut policy, mut rollout) = (Policy::new(&be, &init, None, 0), RolloutEngine::new(&be, &cfg, &init));
         let (mut judge, mut step) = (Judge::new(&cfg), 0);
         if resume {
-            let r = checkpoint::restore(&run_dir, &layout, &cfg, info.rank)?;
+            let r = checkpoint::restore(&run_dir, &layout, &cfg, &config_text, &info)?;
             policy = Policy::new(&be, &r.params, Some((&r.m, &r.v)), r.adam_t);
             be.write(be.all_mut(&mut rollout.weights), &r.rollout);
             (judge, step) = (r.judge, r.step);
@@ -195,7 +195,8 @@ impl<B: BusBackend> Trainer<B> {
             params_checksum: p.checksum(),
             judge: &self.judge,
         };
-        checkpoint::save(&self.run_dir, self.config_hash, self.layout(), &state, &self.faults)
+        let run = crate::rundir::record(&self.config_text, self.info.world);
+        checkpoint::save(&self.run_dir, self.config_hash, self.layout(), &state, run, &self.faults)
     }
 
     /// One RL step: rollout, then every update of every epoch. Returns the abort report, if any.
