@@ -120,7 +120,7 @@ pub fn execute(cmd: Command) -> Result<Code, Error> {
             Ok(Code::Done)
         }
         Command::Version => {
-            println!("gradbus {}", gradbus_worker::version::describe());
+            println!("gradbus {}", gradbus_artifacts::version::describe());
             Ok(Code::Done)
         }
         Command::Run(args) => run::execute(args),

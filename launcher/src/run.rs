@@ -299,7 +299,7 @@ fn prepare_run_dir(args: &RunArgs, job_id: &str) -> Result<PathBuf, Error> {
 /// What `launch.json` records, for `gradbus report` and for humans.
 #[derive(serde::Serialize)]
 struct LaunchRecord<'a> {
-    gradbus: gradbus_worker::version::Build,
+    gradbus: gradbus_artifacts::version::Build,
     job_id: &'a str,
     launcher: &'a str,
     config: &'a Path,
@@ -445,7 +445,7 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
     // Held until the last process of the job is gone: no other job may use the directory meanwhile.
     let _owner = rundir::claim(&run_dir, mode, &job_id)?;
     let record = LaunchRecord {
-        gradbus: gradbus_worker::version::build(),
+        gradbus: gradbus_artifacts::version::build(),
         job_id: &job_id,
         launcher: args.launcher.name(),
         config: &config,

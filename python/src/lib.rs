@@ -342,7 +342,7 @@ impl Agreement {
         }
         self.history.record(t, &verdict);
         out.action = action_name(verdict.action).into();
-        out.report = verdict.report.as_ref().map(gradbus_worker::artifacts::report_text);
+        out.report = verdict.report.as_ref().map(gradbus_artifacts::report_text);
         Ok(out)
     }
 }

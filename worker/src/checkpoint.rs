@@ -1,6 +1,6 @@
 //! Checkpoints: `RUN_DIR/checkpoints/step-N/` with `state.bin` (weights, Adam moments, rollout
 //! weights, step, skip history) and a `DONE` marker, written by rank 0 (replicas are identical).
-//! The formats are in [`crate::artifacts`].
+//! The formats are in [`gradbus_artifacts`].
 //!
 //! Invariants: `state.bin` is renamed into place before `DONE` (which holds its checksum) is
 //! written, so a crash leaves at most a directory without `DONE`. `--resume` loads the newest
@@ -12,12 +12,12 @@ use std::path::{Path, PathBuf};
 
 use gradbus_collectives::Layout;
 
-use crate::artifacts::{self, CheckpointMeta, RunRecord, SavedHistory};
 use crate::config::Config;
+use crate::error::WorkerError;
 use crate::faults::FaultPlan;
 use crate::judge::Judge;
 use crate::rank::RankInfo;
-use crate::WorkerError;
+use gradbus_artifacts::{self as artifacts, CheckpointMeta, RunRecord, SavedHistory};
 
 /// The state a checkpoint holds, as host slices (a backend's `to_host`: borrowed on the CPU).
 pub(crate) struct State<'a> {

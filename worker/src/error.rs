@@ -279,7 +279,7 @@ pub enum WorkerError {
     },
     /// An artifact (checkpoint, dump, report, metrics) was refused or could not be written.
     #[error(transparent)]
-    Artifact(#[from] crate::artifacts::ArtifactError),
+    Artifact(#[from] gradbus_artifacts::ArtifactError),
     /// Replicas diverged: the parameter checksums disagree.
     #[error("{0}")]
     Diverged(String),
@@ -299,7 +299,7 @@ impl WorkerError {
         use gradbus_collectives::Error as E;
         use WorkerError as W;
         match self {
-            W::Artifact(crate::artifacts::ArtifactError::Io { .. }) => Code::RankFailed,
+            W::Artifact(gradbus_artifacts::ArtifactError::Io { .. }) => Code::RankFailed,
             W::Bus(E::Timeout { .. }) => Code::Timeout,
             W::Bus(E::ShmFull { .. } | E::BadSegment { .. } | E::Mpi { .. } | E::Config { .. }) => Code::Usage,
             W::Bus(_) | W::Io { .. } | W::Diverged(_) => Code::RankFailed,

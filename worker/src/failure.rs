@@ -9,13 +9,13 @@ use std::path::Path;
 use gradbus_collectives::{HealthTable, Layout, Report};
 use gradbus_kernels::backend::{Backend, FlatGrads};
 
-use crate::artifacts::{self, DumpMeta, HealthRecord, TraceFile};
 use crate::config::Config;
 use crate::error::WorkerError;
 use crate::gradients::{compute_gradients, Work};
 use crate::model::Gpt;
 use crate::rank::RankInfo;
 use crate::task::Batch;
+use gradbus_artifacts::{self as artifacts, DumpMeta, HealthRecord, TraceFile};
 
 /// On abort, a rank whose gradients were non-finite recomputes its update with the trace on (into
 /// scratch gradients: the bus is left as it is) and reports the first non-finite op, in its log

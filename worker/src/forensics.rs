@@ -14,14 +14,14 @@ use gradbus_collectives::transport::bucket_health;
 use gradbus_collectives::{Layout, ParamGrads};
 use gradbus_kernels::backend::{Backend, Cpu};
 
-pub use crate::artifacts::Finding;
-use crate::artifacts::{self, DumpMeta, HealthRecord, Loaded};
 use crate::config::Config;
 use crate::error::WorkerError;
 use crate::gradients::{self, Work};
 use crate::model::{self, Gpt};
 use crate::probe::{ExpOp, Phase, Probe};
 use crate::task::Batch;
+pub use gradbus_artifacts::Finding;
+use gradbus_artifacts::{self as artifacts, DumpMeta, HealthRecord, Loaded};
 
 /// A probe that keeps the first non-finite output it sees.
 #[derive(Debug, Default)]
@@ -117,28 +117,6 @@ impl Probe for Trace {
                 masked: Some(mask[i] == 0.0),
                 overflows: Some(n),
             });
-        }
-    }
-}
-
-impl Finding {
-    /// One human line.
-    pub fn describe(&self) -> String {
-        let at = match (self.sample, self.token) {
-            (Some(s), Some(t)) => format!(" at sample {s}, token {t}"),
-            _ => String::new(),
-        };
-        let layer = self.layer.map(|l| format!(" (block {l})")).unwrap_or_default();
-        match (self.exp_input, self.masked) {
-            (Some(x), Some(m)) => format!(
-                "{} {}{layer}: exp of a log-ratio of {x:.2} (> ln(f32::MAX) = 88.72) = {}{at}, a {} position; {} position(s) overflowed",
-                self.phase,
-                self.op,
-                self.value,
-                if m { "MASKED" } else { "response" },
-                self.overflows.unwrap_or(1)
-            ),
-            _ => format!("{} {}{layer}: {}{at}", self.phase, self.op, self.value),
         }
     }
 }

@@ -4,7 +4,6 @@
 //! [`cli::main_with_args`] is the `gradbus worker` subcommand (the `gradbus` binary calls it): it
 //! parses arguments and maps `WorkerError`s to the exit codes of [`exit::Code`].
 
-pub mod artifacts;
 pub mod bench;
 pub mod checkpoint;
 pub mod cli;
@@ -29,7 +28,6 @@ pub mod rundir;
 pub mod task;
 pub mod train;
 pub mod update;
-pub mod version;
 
 use std::path::PathBuf;
 

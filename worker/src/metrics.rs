@@ -1,5 +1,5 @@
 //! `metrics.jsonl`: one line per optimizer update, written by rank 0 from the agreed table (the
-//! line's format is [`crate::artifacts::MetricsLine`]).
+//! line's format is [`gradbus_artifacts::MetricsLine`]).
 //!
 //! Invariant: every field but the wall-clock `time_*` ones is a function of the agreed table, so two
 //! runs with the same seed and world size write the same lines (also after resume, which keeps the
@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use gradbus_collectives::{Action, HealthTable, StepId};
 
-use crate::artifacts::{self, MetricsLine};
 use crate::error::WorkerError;
 use crate::update::Agreed;
+use gradbus_artifacts::{self as artifacts, MetricsLine};
 
 /// Rank 0's `metrics.jsonl` (nothing on the other ranks).
 pub struct MetricsWriter {

@@ -26,9 +26,9 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use crate::artifacts::{self, Change, CheckpointMeta, LockHolder, ResumeRecord, RunRecord};
 use crate::error::WorkerError;
 use crate::rank::RankInfo;
+use gradbus_artifacts::{self as artifacts, Change, CheckpointMeta, LockHolder, ResumeRecord, RunRecord};
 
 /// The lock file, in the run directory.
 pub const LOCK_FILE: &str = "gradbus.lock";
@@ -166,7 +166,7 @@ fn lock(dir: &Path, job_id: &str) -> Result<Result<Owner, Taken>, WorkerError> {
         host: crate::host::hostname().unwrap_or_else(|| "?".into()),
         started: crate::host::utc_stamp(SystemTime::now()),
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        gradbus: crate::version::build(),
+        gradbus: gradbus_artifacts::version::build(),
     };
     file.set_len(0)
         .and_then(|_| file.rewind())
@@ -245,7 +245,7 @@ fn in_use(dir: &Path, taken: Taken) -> WorkerError {
 
 /// What this run trains with, for its checkpoints.
 pub fn record(config: &str, world: usize) -> RunRecord {
-    RunRecord { gradbus: crate::version::build(), world, config: config.to_string() }
+    RunRecord { gradbus: gradbus_artifacts::version::build(), world, config: config.to_string() }
 }
 
 /// Every leaf of a TOML table as (dotted key, value as TOML); arrays (the fault plan) are one value.
@@ -350,7 +350,7 @@ pub fn resumed(
         step: meta.step,
         job_id: info.job_id.clone(),
         at: crate::host::utc_stamp(SystemTime::now()),
-        gradbus: crate::version::build(),
+        gradbus: gradbus_artifacts::version::build(),
         changes,
     }
     .to_line();

@@ -1,7 +1,8 @@
 //! Every file gradbus writes and reads back, defined once: `metrics.jsonl` lines, `report.json`,
 //! failure dumps (`dumps/rank-K.bin`) and checkpoints (`checkpoints/step-N/state.bin` and `DONE`).
-//! Writers and readers (the worker, `gradbus replay`, `gradbus report`, `--resume`) use these types
-//! and functions only.
+//! Writers and readers (the worker, `gradbus replay`, `gradbus report`, `--resume`, the Python
+//! guard's `report.json`) use these types and functions only. A crate of its own, below the worker:
+//! the launcher and the Python package read and write these formats without linking the worker.
 //!
 //! Invariants: every artifact carries its format version and a CRC-32C of its content, written with
 //! the data, and every load verifies both before it trusts a byte; a missing key is an error, never
@@ -32,6 +33,8 @@ use gradbus_collectives::{Action, Report};
 use gradbus_kernels::Health;
 
 use crate::version::Build;
+
+pub mod version;
 
 /// Format version of a `metrics.jsonl` line.
 pub const METRICS_FORMAT: u32 = 1;
@@ -640,6 +643,28 @@ pub struct Finding {
     pub overflows: Option<usize>,
 }
 
+impl Finding {
+    /// One human line.
+    pub fn describe(&self) -> String {
+        let at = match (self.sample, self.token) {
+            (Some(s), Some(t)) => format!(" at sample {s}, token {t}"),
+            _ => String::new(),
+        };
+        let layer = self.layer.map(|l| format!(" (block {l})")).unwrap_or_default();
+        match (self.exp_input, self.masked) {
+            (Some(x), Some(m)) => format!(
+                "{} {}{layer}: exp of a log-ratio of {x:.2} (> ln(f32::MAX) = 88.72) = {}{at}, a {} position; {} position(s) overflowed",
+                self.phase,
+                self.op,
+                self.value,
+                if m { "MASKED" } else { "response" },
+                self.overflows.unwrap_or(1)
+            ),
+            _ => format!("{} {}{layer}: {}{at}", self.phase, self.op, self.value),
+        }
+    }
+}
+
 /// `trace-rank-K.json`: the first non-finite op of a rank's failing update.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TraceFile {
@@ -731,7 +756,7 @@ pub struct RunRecord {
 }
 
 // ------------------------------------------------------------------------------------------------
-// The run directory's owner and history (`crate::rundir`).
+// The run directory's owner and history (`gradbus_worker::rundir`).
 
 /// Format version of `gradbus.lock`'s content.
 pub const LOCK_FORMAT: u32 = 1;

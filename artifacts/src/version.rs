@@ -1,5 +1,5 @@
 //! Which gradbus this is: the crate version and the git commit it was built from, recorded at build
-//! time by `worker/build.rs`. `gradbus --version` prints [`describe`]; `launch.json`, `report.json`
+//! time by `artifacts/build.rs`. `gradbus --version` prints [`describe`]; `launch.json`, `report.json`
 //! and checkpoints carry [`Build`], so a run directory says which build wrote it.
 //!
 //! Invariant: a commit is never guessed. A tree that is not a git checkout of its own (a source
@@ -22,7 +22,7 @@ pub struct Build {
     pub version: String,
     /// The full git hash of the commit it was built from; null when the source tree was not a git
     /// checkout.
-    #[serde(deserialize_with = "crate::artifacts::required")]
+    #[serde(deserialize_with = "Option::deserialize")]
     pub commit: Option<String>,
 }
 

@@ -1,5 +1,5 @@
-//! Which git commit a source tree is, for the build script (`worker/build.rs`) and its unit test
-//! (`worker/src/version.rs`). Only std: a build script has no dependencies.
+//! Which git commit a source tree is, for the build script (`artifacts/build.rs`) and its unit test
+//! (`artifacts/src/version.rs`). Only std: a build script has no dependencies.
 //!
 //! The tree is the repository root, the parent of `worker/`. It counts as a checkout only when git
 //! says that root IS the top level of a work tree: a copy of the sources inside some other

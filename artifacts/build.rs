@@ -1,5 +1,5 @@
 //! Records the git commit the crate is built from (`GRADBUS_GIT_COMMIT`, `GRADBUS_GIT_DATE`), or
-//! why there is none (`GRADBUS_GIT_UNKNOWN`), for `gradbus_worker::version`. The script reruns
+//! why there is none (`GRADBUS_GIT_UNKNOWN`), for `gradbus_artifacts::version`. The script reruns
 //! when HEAD moves (a commit, a checkout), not on every edit: uncommitted changes are not marked.
 
 #[path = "build/git.rs"]
