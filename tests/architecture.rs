@@ -55,7 +55,7 @@ fn module_imports(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
                 stack.push(path);
                 continue;
             }
-            if path.extension().is_none_or(|e| e != "rs") {
+            if path.extension().map_or(true, |e| e != "rs") {
                 continue;
             }
             let rel = path.strip_prefix(src).unwrap();
