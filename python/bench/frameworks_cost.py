@@ -10,7 +10,7 @@ CPU time: on a loaded machine the A/B ratios wander by several percent both ways
 does not. A benchmark: asserts nothing.
 
   --framework megatron   megatron-core GPTModel (local spec) in Megatron's DDP, overlap_grad_reduce,
-                         with the CPU stand-ins of python/tests/megatron_case.py; optimizer: torch
+                         with the CPU stand-ins of python/examples/megatron_guard.py; optimizer: torch
                          Adam on main_grad (Megatron's own needs CUDA)
   --framework fsdp       FSDP2: a GPT-like stack of fully_shard'ed blocks; torch Adam
   --framework ddp        plain DDP with gradbus.torch's hook vs DDP's built-in all-reduce (what the
@@ -37,7 +37,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+for d in ("tests", "examples"):  # ddp_case.free_port; megatron_guard's CPU stand-ins
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", d))
 SEQ = 128
 
 
@@ -130,7 +131,7 @@ def build(a, guarded):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
-    from megatron_case import MainGradAdam
+    from megatron_guard import MainGradAdam
 
     cfg = TransformerConfig(
         num_layers=a.layers, hidden_size=a.width, num_attention_heads=4, use_cpu_initialization=True,
@@ -163,7 +164,7 @@ def worker(rank, world, port, a):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     if a.framework == "megatron":
         from megatron.core import parallel_state
-        from megatron_case import cpu_stand_ins
+        from megatron_guard import cpu_stand_ins
 
         parallel_state.initialize_model_parallel(1, 1)
         cpu_stand_ins()

@@ -5,13 +5,12 @@ download) trained with DDP over gloo on the CPU, optionally with a NaN planted i
     torchrun --nproc-per-node 2 python/examples/hf_trainer.py --policy skip  --plant 1:3:transformer.h.1.mlp.c_fc.weight:42
 
 --plant RANK:STEP:PARAM:ELEMENT writes a NaN into PARAM's gradient element ELEMENT on rank RANK at
-global step STEP (0-based), through a tensor hook (a stand-in for a loss that goes non-finite).
+global step STEP (0-based; example_cli.py: a stand-in for a loss gone non-finite).
 --guard none runs the Trainer alone. --out DIR writes each rank's outcome (result-rankK.json: the
 Trainer's global_step, log history, the scheduler's step count, the optimizer's step count, a
 checksum of the weights, the error and report) for the tests. Exit: 0, or 3 when the guard aborted.
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -19,6 +18,7 @@ import os
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+import example_cli
 import gradbus.hf
 import gradbus.torch as gbt
 
@@ -38,21 +38,13 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Plant(TrainerCallback):
-    """NaN into one gradient element on one rank at one step (test stand-in for a bad batch)."""
+    """The planted NaN (example_cli.plant) at its global step, on its rank."""
 
     def __init__(self, model: torch.nn.Module, spec: str):
-        rank, step, self.param, element = spec.split(":")
-        self.rank, self.at, self.element = int(rank), int(step), int(element)
-        self.model, self.handle = model, None
+        self.model, self.spec, self.handle = model, spec, None
 
     def on_step_begin(self, args, state, control, **kw):
-        if state.global_step == self.at and args.process_index == self.rank:
-            def hook(g):
-                g = g.clone()
-                g.view(-1)[self.element] = float("nan")
-                return g
-
-            self.handle = dict(self.model.named_parameters())[self.param].register_hook(hook)
+        self.handle = example_cli.plant(self.spec, args.process_index, state.global_step, dict(self.model.named_parameters()).__getitem__)
 
     def on_step_end(self, args, state, control, **kw):
         if self.handle is not None:
@@ -69,12 +61,9 @@ def checksum(model: torch.nn.Module) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policy", choices=["abort", "skip", "rerun", "none"], default="abort")
-    ap.add_argument("--plant", default=None, help="RANK:STEP:PARAM:ELEMENT")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--run-dir", default="runs/hf")
-    ap.add_argument("--out", default=None)
+    ap = example_cli.parser(__doc__, "runs/hf")
+    ap.set_defaults(steps=6)
+    ap.add_argument("--out", default=None, help="where each rank writes result-rankK.json (for the tests)")
     a = ap.parse_args()
     torch.set_num_threads(1)
 

@@ -27,7 +27,7 @@ case "$mode" in
     "$venv/bin/maturin" build --release --quiet -m python/Cargo.toml -o "$dir"
     "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --platform manylinux_2_28_x86_64 megatron-core==0.19.2 -d "$dir"
-    cp python/gpu/megatron_check.py python/tests/megatron_case.py python/tests/ddp_case.py "$dir"/
+    cp python/gpu/megatron_check.py python/examples/megatron_guard.py python/tests/ddp_case.py "$dir"/
     ls -l "$dir"
     echo "prepared: run 'python/gpu/megatron-check.sh --prebuilt $dir' on the GPU machine"
     ;;

@@ -18,7 +18,7 @@ Transformer Engine:
 
 Prints one line per check and a table; exit 0 all passed, 1 a check failed, 3 no CUDA device
 (SKIPPED). `--cpu` runs the same checks on the CPU over gloo, with the stand-ins of
-python/tests/megatron_case.py and its stand-in optimizer (a dry run of this script's logic).
+python/examples/megatron_guard.py and its stand-in optimizer (a dry run of this script's logic).
 """
 
 import argparse
@@ -34,7 +34,9 @@ import traceback
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]  # megatron_case/ddp_case: beside us in the bundle, or in python/tests
+# megatron_guard (the example: CPU stand-ins) and ddp_case (plant_hook): beside us in the bundle, or in
+# python/examples and python/tests.
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples"), os.path.join(HERE, "..", "tests")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -77,7 +79,7 @@ def build(env, bf16=False, width=64, layers=2, seq=32, vocab=128, check=True, gu
     ddp_config = DistributedDataParallelConfig(check_for_nan_in_grad=check, overlap_grad_reduce=True, bucket_size=max(10**6, width * width * 4), grad_reduce_in_fp32=bf16)
     ddp = DistributedDataParallel(cfg, ddp_config, model)
     if env.cpu:
-        from megatron_case import MainGradAdam
+        from megatron_guard import MainGradAdam
 
         inner = MainGradAdam(ddp.parameters())
     else:
@@ -247,7 +249,7 @@ def main() -> int:
     dist.init_process_group("gloo" if a.cpu else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     if a.cpu:
-        from megatron_case import cpu_stand_ins
+        from megatron_guard import cpu_stand_ins
 
         cpu_stand_ins()
     print(f"megatron-core {megatron.core.__version__}, torch {torch.__version__}, "

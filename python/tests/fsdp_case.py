@@ -12,7 +12,7 @@ A case is a dict:
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
+import sys
 from datetime import timedelta
 
 import torch
@@ -21,24 +21,9 @@ import torch.nn as nn
 
 from ddp_case import plant_hook, spawn
 
-# Widths not divisible by 2 or 3: FSDP pads the dim-0 shards, and the guard maps around the padding.
-D_IN, D_H, D_OUT = 24, 67, 5
-
-
-def model() -> nn.Module:
-    torch.manual_seed(1234)
-    return nn.Sequential(
-        OrderedDict(
-            inp=nn.Sequential(OrderedDict(lin=nn.Linear(D_IN, D_H), act=nn.Tanh())),
-            mid=nn.Sequential(OrderedDict(lin=nn.Linear(D_H, D_H), act=nn.Tanh())),
-            head=nn.Linear(D_H, D_OUT),
-        )
-    )
-
-
-def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, D_IN, generator=g), torch.randn(8, D_OUT, generator=g)
+# The example's model and its access to FSDP's unsharded parameters (python/examples/fsdp_guard.py).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from fsdp_guard import batch, model, unsharded  # noqa: E402
 
 
 def snapshot(net: nn.Module, opt: torch.optim.Optimizer):
@@ -50,19 +35,6 @@ def snapshot(net: nn.Module, opt: torch.optim.Optimizer):
         "weights": {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()},
         "adam": {names[id(p)]: {k: local(v) for k, v in s.items()} for p, s in opt.state.items()},
     }
-
-
-def unsharded(net: nn.Module, name: str) -> torch.Tensor:
-    """FSDP's unsharded parameter for `name` (exists after the forward)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in net.modules():
-        if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
-                for p in group.fsdp_params:
-                    if p._param_fqn == name:
-                        return p.unsharded_param
-    raise KeyError(name)
 
 
 def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:

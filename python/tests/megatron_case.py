@@ -3,17 +3,10 @@
 wrapped in Megatron's own DistributedDataParallel over gloo on the CPU, with or without the gradbus
 guard, optionally planting a NaN/Inf in one parameter's gradient on one rank.
 
-What runs is megatron-core's code: parallel_state, GPTModel, DistributedDataParallel with its
-_ParamAndGradBuffer / buckets / bucket groups, start_grad_sync and its collectives. Three CPU
-stand-ins, and only these (Megatron assumes a GPU there):
-- `torch.cuda.current_device` returns "cpu": Megatron's DDP allocates its grad buffers on it;
-- `torch.cuda.current_stream` returns a no-op stream (0.19's start_grad_sync waits on CUDA-graph
-  events through it; there are none);
-- the model-parallel RNG tracker's `fork` is a no-op: it swaps CUDA RNG states around dropout, and
-  dropout is 0 here.
-Megatron's optimizer (FP32Optimizer) allocates on 'cuda' in its constructor, so the optimizer is a
-stand-in that does what FP32Optimizer does with fp32 params: grad = main_grad, then torch Adam,
-returning Megatron's (update_successful, grad_norm, num_zeros). The GPU check
+What runs is megatron-core's code (parallel_state, GPTModel, DistributedDataParallel with its
+buffers, buckets, bucket groups, start_grad_sync and collectives), with the three CPU stand-ins and
+the stand-in optimizer of python/examples/megatron_guard.py (`cpu_stand_ins`, `MainGradAdam`: Megatron
+assumes a GPU there, and its optimizer allocates on 'cuda'). The GPU check
 (python/gpu/megatron_check.py) runs Megatron's own optimizer.
 
 A case is a dict:
@@ -28,8 +21,8 @@ A case is a dict:
 
 from __future__ import annotations
 
-import contextlib
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -37,70 +30,16 @@ import torch.distributed as dist
 
 from ddp_case import plant_hook, spawn
 
-VOCAB, SEQ, BATCH = 64, 16, 2
-
-
-class _NoStream:
-    def wait_event(self, event):  # pragma: no cover - no CUDA-graph events on the CPU
-        raise AssertionError("no CUDA events on the CPU")
-
-
-def cpu_stand_ins() -> None:
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.current_stream = lambda *a, **k: _NoStream()
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-
-
-def gpt():
-    """A tiny GPTModel in Megatron's DDP (2 layers, hidden 32, 4 heads, vocab 64: ~30K parameters)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    cfg = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
-    torch.manual_seed(1234)  # the same initial weights on every rank
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                     position_embedding_type="learned_absolute")
-    return cfg, model
-
-
-class MainGradAdam:
-    """FP32Optimizer's step for fp32 params, on the CPU: grad = main_grad, torch Adam."""
-
-    def __init__(self, params):
-        self.params = list(params)
-        self.inner = torch.optim.Adam(self.params, lr=1e-2)
-
-    def step(self):
-        for p in self.params:
-            p.grad = p.main_grad
-        self.inner.step()
-        return True, None, None
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
+# The example's CPU stand-ins and model (python/examples/megatron_guard.py; beside this file in the
+# GPU bundle of python/gpu/megatron-check.sh).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from megatron_guard import MainGradAdam, batch, cpu_stand_ins, gpt  # noqa: E402
 
 
 def snapshot(model, opt: MainGradAdam):
     names = {id(p): n for n, p in model.named_parameters()}
     state = {names[id(p)]: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for p, s in opt.inner.state.items()}
     return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "adam": state}
-
-
-def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-    mask = torch.tril(torch.ones(1, 1, SEQ, SEQ)) < 0.5
-    return ids, pos, mask
 
 
 def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
@@ -116,7 +55,7 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
 
         parallel_state.initialize_model_parallel(1, 1)
         cpu_stand_ins()
-        cfg, model = gpt()
+        cfg, model = gpt(cpu=True)
         overlap = case.get("overlap", True)
         ddp_config = DistributedDataParallelConfig(
             check_for_nan_in_grad=case.get("nan_check", True), overlap_grad_reduce=overlap,
@@ -138,7 +77,7 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
             for p in case.get("plants", []):
                 if p["rank"] == rank and p["step"] == step:
                     handles.append(params[p["param"]].register_hook(plant_hook(p)))
-            ids, pos, mask = batch(rank, step)
+            ids, pos, mask = batch(rank, step, "cpu")
             loss = ddp(ids, pos, mask, labels=ids).float().mean()
             out["losses"].append(loss.item())
             loss.backward()
