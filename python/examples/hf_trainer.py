@@ -8,7 +8,7 @@ download) trained with DDP over gloo on the CPU, optionally with a NaN planted i
 global step STEP (0-based; example_cli.py: a stand-in for a loss gone non-finite).
 --guard none runs the Trainer alone. --out DIR writes each rank's outcome (result-rankK.json: the
 Trainer's global_step, log history, the scheduler's step count, the optimizer's step count, a
-checksum of the weights, the error and report) for the tests. Exit: 0, or 3 when the guard aborted.
+checksum of the weights, the parameters holding a non-finite value, the error and report) for the tests. Exit: 0, or 3 when the guard aborted.
 """
 
 import hashlib
@@ -95,6 +95,7 @@ def main() -> int:
         scheduler_steps=trainer.lr_scheduler.last_epoch,
         optimizer_steps=sorted({int(s["step"]) for s in opt.state.values()}),
         weights=checksum(model),
+        nonfinite_params=[n for n, p in model.named_parameters() if not torch.isfinite(p).all()],
         skipped=None if guard is None else guard.skipped,
     )
     if a.out:

@@ -57,7 +57,7 @@ def test_planted_nan_stops_every_rank_with_the_report(tmp_path):
     assert (report["step"], report["ranks"], report["param"], report["element"], report["nan"]) == (3, [1], PARAM, 42, 1)
     assert all(r["report"] == report for r in res)
     assert all(r["global_step"] == 3 and r["optimizer_steps"] == [3] for r in res), "stopped before the poisoned update"
-    assert res[0]["weights"] == res[1]["weights"]
+    assert res[0]["weights"] == res[1]["weights"] and res[0]["nonfinite_params"] == []
 
 
 def test_clean_run_is_the_trainer_alone_bitwise(tmp_path):
@@ -88,4 +88,4 @@ def test_skip_keeps_the_trainers_step_counter_lr_schedule_and_logs_consistent(tm
         assert math.isnan(logged[3]["grad_norm"]) and all(math.isfinite(e["grad_norm"]) for i, e in enumerate(logged) if i != 3)
         assert [e["gradbus_skipped"] for e in logged] == [0, 0, 0, 1, 1, 1]
     assert res[0]["weights"] == res[1]["weights"], "replicas differ"
-    assert res[0]["weights"] != clean[0]["weights"]
+    assert res[0]["weights"] != clean[0]["weights"] and res[0]["nonfinite_params"] == []
