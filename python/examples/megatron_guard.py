@@ -61,9 +61,10 @@ class MainGradAdam:
             p.grad = None
 
 
-def gpt(cpu: bool):
+def gpt(cpu: bool, bf16: bool = False):
     """(config, model): a tiny GPTModel (2 layers, hidden 32, 4 heads, vocab 64: ~30K parameters),
-    the same initial weights on every rank."""
+    the same initial weights on every rank; bf16: bf16 parameters in Megatron's Float16Module (its
+    parameter names then start with "module.", as in Megatron)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -73,14 +74,19 @@ def gpt(cpu: bool):
         num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=cpu,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
     torch.manual_seed(1234)
     if not cpu:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
                      position_embedding_type="learned_absolute")
-    return cfg, model if cpu else model.cuda()
+    model = model if cpu else model.cuda()
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
+    return cfg, model
 
 
 def batch(rank: int, step: int, device: str):

@@ -17,6 +17,9 @@ A case is a dict:
   nan_check Megatron's own check_for_nan_in_grad (default True, as the seed's run had it)
   dist_opt  Megatron's use_distributed_optimizer (reduce-scatter, padded parameter offsets); the
             optimizer stand-in then updates with partly reduced gradients: only for aborts at step 0
+  bf16      None, "bf16-grads" or "fp32-grads": bf16 parameters (Float16Module) with bf16 grad
+            buffers, or fp32 ones (grad_reduce_in_fp32); the stand-in optimizer cannot step bf16
+            parameters: only for aborts at step 0
 """
 
 from __future__ import annotations
@@ -55,11 +58,12 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
 
         parallel_state.initialize_model_parallel(1, 1)
         cpu_stand_ins()
-        cfg, model = gpt(cpu=True)
+        cfg, model = gpt(cpu=True, bf16=case.get("bf16") is not None)
         overlap = case.get("overlap", True)
         ddp_config = DistributedDataParallelConfig(
             check_for_nan_in_grad=case.get("nan_check", True), overlap_grad_reduce=overlap,
             bucket_size=8000 if overlap else None, use_distributed_optimizer=case.get("dist_opt", False),
+            grad_reduce_in_fp32=case.get("bf16") == "fp32-grads",
         )
         ddp = DistributedDataParallel(cfg, ddp_config, model)
         inner = MainGradAdam(ddp.parameters())

@@ -46,8 +46,11 @@ def test_clean_run_is_megatron_ddp_bitwise(tmp_path):
         ({"overlap": False}, {"rank": 0, "step": 1, "param": "decoder.final_layernorm.weight", "element": 5, "value": "inf"}),
         # The distributed optimizer: reduce-scatter, parameters at padded offsets in the bucket.
         ({"overlap": True, "dist_opt": True}, {"rank": 1, "step": 0, "param": "embedding.word_embeddings.weight", "element": 1000, "value": "nan"}),
+        # bf16 (Megatron's Float16Module): bf16 grad buffers (scanned in bf16), and fp32 ones.
+        ({"bf16": "bf16-grads"}, {"rank": 1, "step": 0, "param": "module.decoder.layers.1.self_attention.linear_proj.weight", "element": 500, "value": "nan"}),
+        ({"bf16": "fp32-grads"}, {"rank": 0, "step": 0, "param": "module.embedding.position_embeddings.weight", "element": 33, "value": "inf"}),
     ],
-    ids=["overlap-buckets-nan-rank1", "one-bucket-inf-rank0", "distributed-optimizer-padded-nan-rank1"],
+    ids=["overlap-buckets-nan-rank1", "one-bucket-inf-rank0", "distributed-optimizer-padded-nan-rank1", "bf16-grads-nan-rank1", "bf16-fp32-grads-inf-rank0"],
 )
 def test_planted_non_finite_aborts_every_rank_with_one_report_naming_megatrons_parameter(tmp_path, capfd, config, plant):
     run_dir = tmp_path / "run"
