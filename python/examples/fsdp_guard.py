@@ -1,8 +1,8 @@
 """FSDP2 (`fully_shard`) with the gradbus guard: a small model, each block and the root sharded on a 1-D
 mesh, optionally with a NaN planted in one rank's gradient.
 
-    torchrun --nproc-per-node 2 python/examples/fsdp_guard.py --policy abort --plant 1:2:mid.lin.weight:4000
-    torchrun --nproc-per-node 2 python/examples/fsdp_guard.py --policy skip --plant 1:2:mid.lin.weight:4000
+    torchrun --standalone --nproc-per-node 2 python/examples/fsdp_guard.py --policy abort --plant 1:2:mid.lin.weight:4000
+    torchrun --standalone --nproc-per-node 2 python/examples/fsdp_guard.py --policy skip --plant 1:2:mid.lin.weight:4000
 
 The two lines a script adds are marked "gradbus". --plant RANK:STEP:PARAM:ELEMENT writes a NaN into
 PARAM's gradient element ELEMENT (of the unsharded parameter) on rank RANK at update STEP, through a

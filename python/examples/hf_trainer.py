@@ -1,8 +1,8 @@
 """A Hugging Face Trainer run with the gradbus guard: a tiny GPT-2 from a config (random weights, no
 download) trained with DDP over gloo on the CPU, optionally with a NaN planted in one rank's gradient.
 
-    torchrun --nproc-per-node 2 python/examples/hf_trainer.py --policy abort --plant 1:3:transformer.h.1.mlp.c_fc.weight:42
-    torchrun --nproc-per-node 2 python/examples/hf_trainer.py --policy skip  --plant 1:3:transformer.h.1.mlp.c_fc.weight:42
+    torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy abort --plant 1:3:transformer.h.1.mlp.c_fc.weight:42
+    torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy skip  --plant 1:3:transformer.h.1.mlp.c_fc.weight:42
 
 --plant RANK:STEP:PARAM:ELEMENT writes a NaN into PARAM's gradient element ELEMENT on rank RANK at
 global step STEP (0-based; example_cli.py: a stand-in for a loss gone non-finite).

@@ -1,8 +1,8 @@
 """Megatron-core with the gradbus guard: a tiny GPTModel (local layer spec, no Transformer Engine) in
 Megatron's DistributedDataParallel, optionally with a NaN planted in one rank's gradient.
 
-    torchrun --nproc-per-node 2 python/examples/megatron_guard.py --cpu --policy abort --plant 1:2:decoder.layers.0.mlp.linear_fc1.weight:77
-    torchrun --nproc-per-node 2 python/examples/megatron_guard.py --policy skip      # GPUs: NCCL, Megatron's optimizer
+    torchrun --standalone --nproc-per-node 2 python/examples/megatron_guard.py --cpu --policy abort --plant 1:2:decoder.layers.0.mlp.linear_fc1.weight:77
+    torchrun --standalone --nproc-per-node 2 python/examples/megatron_guard.py --policy skip      # GPUs: NCCL, Megatron's optimizer
 
 The two lines a Megatron script adds are marked "gradbus". --plant RANK:STEP:PARAM:ELEMENT writes a
 NaN into PARAM's gradient element ELEMENT on rank RANK at iteration STEP (example_cli.py: a stand-in
