@@ -10,6 +10,7 @@
 #                                                 numpy and triton) and runs the check on GPU 0, with
 #                                                 ARGS (megatron_check.py --help; --cpu: a dry run)
 #
+# scripts/gpu-check.sh --prepare calls --prepare into its bundle, and its step gpu-check.d/90-megatron runs it.
 # Exit codes: the check's (0 passed, 1 a check failed, 3 no CUDA device: SKIPPED), 2 bad usage.
 set -euo pipefail
 mode=${1:-}
