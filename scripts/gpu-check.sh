@@ -89,6 +89,8 @@ for line in open(sys.argv[2]):
   cp "$here"/gpu-check.d/* "$bundle/gpu-check.d/"
   # The PyTorch guard's wheel and check (python/gpu_check.py; run by gpu-check.d/80-python-guard).
   python/gpu-bundle.sh "$bundle" >/dev/null
+  # gradbus.megatron's check with megatron-core 0.19.2's wheel (run by gpu-check.d/90-megatron).
+  python/gpu/megatron-check.sh --prepare "$bundle/megatron" >/dev/null
   {
     echo "gradbus GPU check bundle, built $(date -u +%Y-%m-%dT%H:%MZ) from $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
     echo "run on the GPU machine: bash $bundle/gpu-check.sh --prebuilt $bundle"

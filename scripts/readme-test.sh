@@ -41,7 +41,7 @@ case "${1:-}" in
 esac
 
 # Docs pages whose ```sh blocks run after the README's, in this order, under the same rules.
-DOC_PAGES=(docs/pytorch.md)
+DOC_PAGES=(docs/pytorch.md docs/megatron.md docs/fsdp.md docs/hf-trainer.md)
 
 # Command (exactly as in the README, without its trailing comment) -> why it is not run here.
 declare -A SKIP=(
@@ -67,6 +67,13 @@ NEEDS_TORCH=(
   "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --plant-nan 7 --policy abort --run-dir runs/guard"
   "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --amp fp16"
   "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --amp bf16"
+  "torchrun --standalone --nproc-per-node 2 python/examples/megatron_guard.py --cpu --policy abort --plant 1:2:decoder.layers.0.mlp.linear_fc1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/megatron_guard.py --cpu --policy skip --plant 1:2:decoder.layers.0.mlp.linear_fc1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/megatron_guard.py --cpu --policy none --plant 1:2:decoder.layers.0.mlp.linear_fc1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/fsdp_guard.py --policy abort --plant 1:2:mid.lin.weight:4000"
+  "torchrun --standalone --nproc-per-node 2 python/examples/fsdp_guard.py --policy skip --plant 1:2:mid.lin.weight:4000"
+  "torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy abort --plant 1:3:transformer.h.1.mlp.c_fc.weight:42"
+  "torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy skip --plant 1:3:transformer.h.1.mlp.c_fc.weight:42"
 )
 pyvenv="$src/target/pyvenv"
 if ! [ -e "$pyvenv/.complete" ]; then

@@ -379,7 +379,32 @@ class Guard:
         """Ranks classified suspect after a transient fault (policy "rerun")."""
         return self._agreement.suspects
 
-    # --- called by the hook ------------------------------------------------------------------------
+    # --- called by the hook, and by the framework adapters (gradbus.megatron, gradbus.fsdp) ------------
+
+    def health(self, flat: torch.Tensor) -> Any:
+        """The local health of one flat gradient buffer, read in place (no copy): the Rust scan's
+        (nan, inf, sumsq, first_bad) for contiguous float32 CPU memory, else the same four fields as a
+        float64 tensor computed with torch ops on the buffer's device (any dtype, CUDA included).
+        The caller guarantees that nothing writes `flat` during the call (a framework hands the buffer
+        over before its reduction starts)."""
+        if self._scan == "auto" and flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous():
+            # Zero-copy: the Rust scan reads the buffer's memory in place. `flat` is a live reference
+            # for the whole call, contiguous float32 on the CPU, and not written meanwhile (see above).
+            nan, inf, sumsq, first = _core.scan_f32(flat.data_ptr(), flat.numel())
+            return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
+        return _torch_health(flat)
+
+    def record(self, index: int, entries: List[Tuple[str, int]], cell: Any) -> None:
+        """Record bucket `index`'s local health `cell` (from `health`) and its layout `entries`, the
+        (name, numel) of what it holds back to back; the same layout on every rank."""
+        self._layout[index] = entries
+        self._cells[index] = cell
+
+    def exchange(self) -> None:
+        """Start the table exchange over the buckets 0..n-1 recorded since the last verdict (the DDP
+        hook does it at DDP's last bucket; an adapter whose framework has no such moment calls it
+        before `verdict`)."""
+        self._exchange(max(self._cells, default=-1))
 
     def _tally(self, bucket: dist.GradBucket, buf: Optional[torch.Tensor] = None) -> None:
         """Record the health of one bucket before its all-reduce (of `buf`, the tensor that is
@@ -397,15 +422,9 @@ class Guard:
                 f"gradbus: DDP bucket #{b} holds {buf.numel()} elements but its parameters {total} "
                 "(hint: sparse gradients are not supported by the gradbus hook)"
             )
-        self._layout[b] = entries
-        if self._scan == "auto" and buf.device.type == "cpu" and buf.dtype == torch.float32 and buf.is_contiguous():
-            # Zero-copy: the Rust scan reads the bucket's memory in place. `buf` is a live reference
-            # for the whole call, contiguous float32 on the CPU, and DDP does not write the bucket
-            # until the hook returns (it calls the hook after autograd finished every gradient in it).
-            nan, inf, sumsq, first = _core.scan_f32(buf.data_ptr(), buf.numel())
-            self._cells[b] = (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
-        else:
-            self._cells[b] = _torch_health(buf)
+        # DDP calls the hook after autograd has written every gradient in the bucket, and does not
+        # write the bucket until the hook returns.
+        self.record(b, entries, self.health(buf))
 
     def _row(self, n: int) -> bytes:
         """This rank's row: `CELL` float64 per bucket, its loss, its loss scale, its replica checksum

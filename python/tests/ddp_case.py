@@ -187,9 +187,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, case: dict, outdir: str | None = None):
-    """Run the case on `world` processes; one result dict per rank."""
-    outdir = outdir or tempfile.mkdtemp(prefix="gradbus-ddp-")
+def spawn(worker, world: int, case: dict, outdir: str | None = None):
+    """Run `worker(rank, world, port, case, outdir)` on `world` spawned processes; the dict each rank
+    saved as outdir/rank{r}.pt, in rank order."""
+    outdir = outdir or tempfile.mkdtemp(prefix="gradbus-case-")
     os.makedirs(outdir, exist_ok=True)
     for attempt in range(3):
         try:
@@ -200,3 +201,8 @@ def run(world: int, case: dict, outdir: str | None = None):
             if "EADDRINUSE" not in str(e) or attempt == 2:
                 raise
     return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def run(world: int, case: dict, outdir: str | None = None):
+    """Run the case on `world` processes; one result dict per rank."""
+    return spawn(worker, world, case, outdir)
