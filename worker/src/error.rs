@@ -303,6 +303,8 @@ impl WorkerError {
             W::Bus(E::Timeout { .. }) => Code::Timeout,
             W::Bus(E::ShmFull { .. } | E::BadSegment { .. } | E::Mpi { .. } | E::Config { .. }) => Code::Usage,
             W::Bus(_) | W::Io { .. } | W::Diverged(_) => Code::RankFailed,
+            // The rest is the user's to fix: the config, the launch environment, the run directory, a
+            // refused artifact, a replay's dump, a bad argument.
             _ => Code::Usage,
         }
     }
