@@ -13,7 +13,8 @@
 //!   is never written over by a new run: [`Mode::Fresh`] refuses it with exit 2 and a hint
 //!   (`--resume`, another `--run-dir`, or `--overwrite`, which deletes exactly those files first).
 //!   A resume keeps what the runs before it wrote: the launcher appends to the rank logs, and the
-//!   earlier `launch.json` is kept as `launch-JOB.json`.
+//!   earlier launch's own records are kept under its job id: `launch-JOB.json`, and after an abort
+//!   `report-JOB.json`, `trace-rank-K-JOB.json` and `dumps-JOB/`.
 //! - **Honest resumes.** A checkpoint records the config, world size and build it was trained with
 //!   ([`RunRecord`]); `--resume` ([`resumed`]) refuses a change of the model or the bucket layout,
 //!   warns about every other change that affects the data (the seed, the world size, any key but
@@ -84,6 +85,8 @@ fn is_run_file(name: &str) -> bool {
     ) || between("rank-", ".log")
         || between("trace-rank-", ".json")
         || between("launch-", ".json")
+        || between("report-", ".json")
+        || name.starts_with("dumps-")
 }
 
 /// The files of a run in `dir` (directories with a trailing `/`), sorted; empty when it holds none
@@ -180,7 +183,7 @@ fn lock(dir: &Path, job_id: &str) -> Result<Result<Owner, Taken>, WorkerError> {
 fn check(dir: &Path, mode: Mode) -> Result<(), WorkerError> {
     let files = run_files(dir);
     match mode {
-        Mode::Resume => keep_launch_record(dir),
+        Mode::Resume => keep_earlier_records(dir),
         Mode::Fresh if files.is_empty() => Ok(()),
         Mode::Fresh => Err(WorkerError::RunDirHoldsRun { dir: dir.to_path_buf(), files }),
         Mode::Overwrite => {
@@ -197,24 +200,47 @@ fn check(dir: &Path, mode: Mode) -> Result<(), WorkerError> {
     }
 }
 
-/// Renames the launch record of the run being resumed, `launch.json`, to `launch-JOB.json` (JOB its
-/// job id), so that the resuming launch's record does not replace it.
-fn keep_launch_record(dir: &Path) -> Result<(), WorkerError> {
-    let path = dir.join("launch.json");
-    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(()) };
-    let job = serde_json::from_str::<serde_json::Value>(&text)
+/// Keeps what the launch being resumed wrote for itself alone - its launch record `launch.json` and,
+/// when it aborted, `report.json`, the `trace-rank-K.json` files and `dumps/` - under names that
+/// carry its job id JOB (`launch-JOB.json`, `report-JOB.json`, `trace-rank-K-JOB.json`,
+/// `dumps-JOB/`), so that the resuming launch's own records replace none of them. The metrics,
+/// checkpoints and rank logs are the run's, continued by the resume.
+fn keep_earlier_records(dir: &Path) -> Result<(), WorkerError> {
+    let job = std::fs::read_to_string(dir.join("launch.json"))
         .ok()
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
         .and_then(|v| v.get("job_id")?.as_str().map(String::from))
         .filter(|j| !j.is_empty() && j.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
         .unwrap_or_else(|| "unknown".into());
-    let mut kept = dir.join(format!("launch-{job}.json"));
-    for n in 2.. {
-        if !kept.exists() {
-            break;
+    let mut records: Vec<(String, String, &str)> = vec![
+        ("launch.json".into(), "launch-".into(), ".json"),
+        ("report.json".into(), "report-".into(), ".json"),
+        ("dumps".into(), "dumps-".into(), ""),
+    ];
+    let traces = std::fs::read_dir(dir).map_err(io(dir, "cannot list the run directory"))?;
+    for e in traces.filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(k) = name.strip_prefix("trace-rank-").and_then(|r| r.strip_suffix(".json")) {
+            if k.parse::<usize>().is_ok() {
+                records.push((name.clone(), format!("trace-rank-{k}-"), ".json"));
+            }
         }
-        kept = dir.join(format!("launch-{job}-{n}.json"));
     }
-    std::fs::rename(&path, &kept).map_err(io(dir, "cannot keep launch.json"))
+    for (name, prefix, suffix) in records {
+        let path = dir.join(&name);
+        if !path.exists() {
+            continue;
+        }
+        let mut kept = dir.join(format!("{prefix}{job}{suffix}"));
+        for n in 2.. {
+            if !kept.exists() {
+                break;
+            }
+            kept = dir.join(format!("{prefix}{job}-{n}{suffix}"));
+        }
+        std::fs::rename(&path, &kept).map_err(io(dir, format!("cannot keep the earlier launch's {name}")))?;
+    }
+    Ok(())
 }
 
 /// `gradbus run`: takes the lock of `dir` (which exists) for job `job_id`, then checks or clears
@@ -397,8 +423,19 @@ mod tests {
         assert!(e.contains("--resume") && e.contains("--run-dir") && e.contains("--overwrite"), "{e}");
         assert_eq!(run_files(d).len(), 4, "a refusal deletes nothing");
         std::fs::write(d.join("launch.json"), r#"{"job_id": "20261201T000000p7"}"#).unwrap();
+        std::fs::write(d.join("report.json"), "the abort").unwrap();
+        std::fs::create_dir_all(d.join("dumps")).unwrap();
+        std::fs::write(d.join("dumps/rank-0.bin"), "dump").unwrap();
         drop(claim(d, Mode::Resume, "j").unwrap());
         assert!(!d.join("launch.json").exists() && d.join("launch-20261201T000000p7.json").exists());
+        // An aborted launch's report, traces and dumps are kept under its job id, not replaced.
+        assert_eq!(std::fs::read_to_string(d.join("report-20261201T000000p7.json")).unwrap(), "the abort");
+        assert!(d.join("trace-rank-1-20261201T000000p7.json").exists() && !d.join("trace-rank-1.json").exists());
+        assert!(d.join("dumps-20261201T000000p7/rank-0.bin").exists() && !d.join("dumps").exists());
+        // A second resume of a launch with the same id keeps both.
+        std::fs::write(d.join("launch.json"), r#"{"job_id": "20261201T000000p7"}"#).unwrap();
+        drop(claim(d, Mode::Resume, "j").unwrap());
+        assert!(d.join("launch-20261201T000000p7-2.json").exists());
         drop(claim(d, Mode::Overwrite, "j").unwrap());
         assert!(run_files(d).is_empty());
         // The user's own files stay.
