@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The gradbus reference workload in PyTorch: the same tiny GPT, the same GRPO RL step, data-parallel
-with DistributedDataParallel over gloo on CPU, one thread per process. A benchmark twin, not a
+with DistributedDataParallel over gloo on the CPU (one thread per process), or on CUDA GPUs
+(`--device cuda`: rank r on GPU r mod the GPU count; NCCL when every rank has a GPU of its own, else
+gloo). A benchmark twin, not a
 numerical one: the sizes and the work per step are gradbus's (read from the same TOML config), the
 random streams and the floating-point order are PyTorch's own.
 
@@ -28,7 +30,7 @@ Rank 0 prints `step K done` (flushed) at the end of each step, so the driver can
 exactly as it times gradbus's, and a final JSON line `{"pytorch": {...}}`.
 
 Usage: pytorch_grpo.py CONFIG.toml [--np N] [--set key=value ...] [--guard abort|skip|rerun [--run-dir DIR]]
-                       [--comm-hook allreduce]
+                       [--comm-hook allreduce] [--device cpu|cuda]
 
 --guard: the gradbus guard (the `gradbus` Python package, python/) as DDP's comm hook, with its
 optimizer wrapper; without it, PyTorch's default all-reduce hook. An agreed abort exits 3.
@@ -59,11 +61,11 @@ from workload_config import BOS, EOS, FIRST, PAD, load_config  # noqa: E402
 # --- the task (worker/src/task.rs) -------------------------------------------------------------
 
 
-def target_table(vocab, resp_len):
+def target_table(vocab, resp_len, device="cpu"):
     """target(p, i) for every prompt token p (rows) and response position i (columns)."""
     n = vocab - FIRST
-    p = torch.arange(vocab).clamp(min=FIRST)[:, None]
-    i = torch.arange(resp_len)[None, :]
+    p = torch.arange(vocab, device=device).clamp(min=FIRST)[:, None]
+    i = torch.arange(resp_len, device=device)[None, :]
     return FIRST + (3 * (p - FIRST) + i) % n
 
 
@@ -76,7 +78,7 @@ def batch_from_sequences(seqs, group, targets_of):
     # including EOS, not PAD.
     before = torch.cumsum(stop.int(), dim=1) - stop.int()
     live_before = before == 0
-    mask = torch.zeros(b, ln - 1)
+    mask = torch.zeros(b, ln - 1, device=seqs.device)
     mask[:, 1:] = (live_before & (resp != PAD)).float()
     hits = (live_before & ~stop & (resp == targets_of[seqs[:, 1]])).sum(dim=1)
     reward = hits.float() / resp.shape[1]
@@ -191,17 +193,26 @@ def worker(rank, world, cfg, port, out):
         pass
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = torch.device("cpu")
+    backend = "gloo"
+    if cfg["device"] == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            sys.exit("--device cuda: torch sees no CUDA device")
+        dev = torch.device("cuda", rank % n)
+        torch.cuda.set_device(dev)
+        backend = "nccl" if world <= n else "gloo"  # NCCL refuses two ranks on one GPU
+    dist.init_process_group(backend, rank=rank, world_size=world)
 
     m, op = cfg["model"], cfg["optim"]
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank (DDP also broadcasts them)
-    policy = Gpt(m)
-    rollout, reference = Gpt(m), Gpt(m)
+    policy = Gpt(m).to(dev)
+    rollout, reference = Gpt(m).to(dev), Gpt(m).to(dev)
     rollout.load_state_dict(policy.state_dict())
     reference.load_state_dict(policy.state_dict())
     for p in list(rollout.parameters()) + list(reference.parameters()):
         p.requires_grad_(False)
-    ddp = DDP(policy, gradient_as_bucket_view=True)
+    ddp = DDP(policy, gradient_as_bucket_view=True, device_ids=[dev.index] if dev.type == "cuda" else None)
     opt = torch.optim.AdamW(policy.parameters(), lr=op["lr"], betas=(op["beta1"], op["beta2"]), eps=op["eps"],
                             weight_decay=op["weight_decay"], foreach=True)
     guard = None
@@ -229,8 +240,11 @@ def worker(rank, world, cfg, port, out):
             raise
         sys.stdout.write(f"[rank {rank}] {e}\n")  # one write: the ranks share the pipe
         sys.stdout.flush()
+        sys.stderr.flush()
         dist.destroy_process_group()
-        sys.exit(3)
+        # As a finished run (above): skip the teardown where torch 2.15's gloo may abort ("terminate
+        # called without an active exception"), which turned this exit 3 into 250 once under load.
+        os._exit(3)
 
 
 def train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard):
@@ -239,8 +253,9 @@ def train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard):
     b = rl["prompts_per_rank"] * rl["group_size"]
     per_mb = b // rl["minibatches"]
     t_len = r + 1
-    gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + rank)
-    targets_of = target_table(v, r)
+    dev = next(policy.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(cfg["seed"] * 1_000_003 + rank)
+    targets_of = target_table(v, r, dev)
     kinds = min(v - FIRST, 8)
     sync = max(int(cfg["rollout_sync_interval"]), 1)
     step_end = []
@@ -253,8 +268,8 @@ def train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard):
                 for d, s in zip(rollout.parameters(), policy.parameters()):
                     d.copy_(s)
         with torch.no_grad():
-            prompts = FIRST + torch.randint(0, kinds, (rl["prompts_per_rank"],), generator=gen)
-            seqs = torch.full((b, r + 2), PAD, dtype=torch.long)
+            prompts = FIRST + torch.randint(0, kinds, (rl["prompts_per_rank"],), generator=gen, device=dev)
+            seqs = torch.full((b, r + 2), PAD, dtype=torch.long, device=dev)
             seqs[:, 0] = BOS
             seqs[:, 1] = prompts.repeat_interleave(rl["group_size"])
             caches = [[] for _ in rollout.blocks]
@@ -276,7 +291,7 @@ def train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard):
             ref = target_logp(reference(inputs), targets)
         # 4. epochs x minibatches updates
         for _epoch in range(rl["epochs"]):
-            order = torch.randperm(b, generator=gen)
+            order = torch.randperm(b, generator=gen, device=dev)
             for mb in range(rl["minibatches"]):
                 rows = order[mb * per_mb:(mb + 1) * per_mb]
                 logits = ddp(inputs[rows])
@@ -298,6 +313,8 @@ def train(rank, world, cfg, out, policy, rollout, reference, ddp, opt, guard):
                         g["lr"] = op["lr"]
                 opt.step()
                 adam_t += 1
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # the step's kernels are done before its time is taken
         step_end.append(time.perf_counter())
         if rank == 0:
             print(f"step {step} done: reward {float(reward.mean()):.4f} loss {float(loss.detach()):.4f}", flush=True)
@@ -341,11 +358,16 @@ def main():
     ap.add_argument("--out", help="write the result JSON here")
     ap.add_argument("--guard", choices=["abort", "skip", "rerun"], help="the gradbus guard with this policy")
     ap.add_argument("--run-dir", help="with --guard: where rank 0 writes report.json on abort")
+    ap.add_argument("--device", choices=["cpu", "cuda"],
+                    help="where the model trains (default: the config's `device`, else cpu)")
     ap.add_argument("--comm-hook", choices=["allreduce"],
                     help="register PyTorch's Python default_hooks.allreduce_hook (the guard's baseline)")
     a = ap.parse_args()
     cfg = load_config(a.config, a.set)
     cfg["guard"], cfg["run_dir"], cfg["comm_hook"] = a.guard, a.run_dir, a.comm_hook
+    cfg["device"] = a.device or cfg.get("device", "cpu")
+    if cfg["device"] not in ("cpu", "cuda"):
+        sys.exit(f"device = {cfg['device']!r}: expected cpu or cuda")
     rl = cfg["rl"]
     if (rl["prompts_per_rank"] * rl["group_size"]) % rl["minibatches"]:
         sys.exit("rl.minibatches must divide prompts_per_rank x group_size")

@@ -11,6 +11,7 @@ BOS, EOS, PAD, FIRST = 0, 1, 2, 3
 # The defaults of worker/src/config.rs, model.rs and loss.rs for the keys the benchmark uses.
 DEFAULTS = {
     "seed": 0,
+    "device": "cpu",
     "steps": 20,
     "rollout_sync_interval": 1,
     "model": {"vocab": 16, "max_seq": 16, "channels": 64, "heads": 4, "layers": 2},

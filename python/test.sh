@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Build the gradbus Python package (python/, PyO3 + maturin) and run its pytest suite with torch
-# (CPU) from plain PyPI: what scripts/test.sh runs at its end, and what .ci/run runs through it.
+# Build the gradbus Python package (python/, PyO3 + maturin) as the x86_64 manylinux2014 wheel users
+# install (python/build-wheels.sh: maturin --zig), install it into a clean venv with torch (CPU) from
+# plain PyPI, and run the pytest suite there: what scripts/test.sh runs at its end, and what .ci/run
+# runs through it.
 #
 # Everything goes into a venv at target/pyvenv (git-ignored, kept between runs, so a second run only
 # rebuilds the extension). torch's PyPI wheel for Linux x86_64 is its CUDA build; it runs on a CPU
@@ -28,12 +30,36 @@ if [ ! -e "$venv/.complete" ]; then
   "$venv/bin/python" -m pip install -q -r python/requirements-ci.txt
   touch "$venv/.complete"
 fi
+# The framework adapters' test dependencies (megatron-core, transformers; ~210 MB), all pinned and
+# installed without their dependencies (see the file); again whenever the file changes.
+fw=$(sha256sum python/requirements-frameworks.txt | cut -c1-16)
+if [ ! -e "$venv/.frameworks-$fw" ]; then
+  "$venv/bin/python" -m pip install -q --no-deps -r python/requirements-frameworks.txt
+  rm -f "$venv"/.frameworks-*
+  touch "$venv/.frameworks-$fw"
+fi
+
+# The build tools (maturin, ziglang) live in the venv above; a venv made before ziglang was added
+# gets it here.
+"$venv/bin/python" -c 'import ziglang' 2>/dev/null || "$venv/bin/python" -m pip install -q "$(grep '^ziglang' python/requirements-ci.txt)"
 
 # The extension's own workspace and target dir (python/target): the runtime's build never sees it.
 rm -rf target/pywheels
-"$venv/bin/maturin" build --release --quiet -m python/Cargo.toml -o target/pywheels
-"$venv/bin/python" -m pip install -q --force-reinstall --no-deps target/pywheels/gradbus-*.whl
+PYTHON="$venv/bin/python" python/build-wheels.sh target/pywheels x86_64
+wheel=$(ls target/pywheels/gradbus-*-cp39-abi3-manylinux2014_x86_64*.whl)
+
+# The clean venv: torch and its dependencies as above, without the build tools or any gradbus - a
+# hard-linked copy (seconds, no disk; pip's uninstall unlinks only the copy's files) - into which
+# pip installs the wheel from the file alone (--no-index: nothing else is fetched).
+clean=target/pyvenv-clean
+rm -rf "$clean"
+cp -al "$venv" "$clean"
+rm "$clean/.complete"
+"$clean/bin/python" -m pip uninstall -y -q maturin ziglang gradbus 2>/dev/null || true
+"$clean/bin/python" -m pip install -q --no-index "$wheel"
+echo "python/test.sh: testing $wheel in $clean"
 
 # From python/tests, so that `import gradbus` is the installed wheel, not the source folder.
 cd python/tests
-../../"$venv"/bin/python -m pytest -q -p no:cacheprovider .
+../../"$clean"/bin/python -c 'import gradbus, sys; assert "site-packages" in gradbus.__file__, gradbus.__file__'
+../../"$clean"/bin/python -m pytest -q -p no:cacheprovider .

@@ -14,7 +14,8 @@ prints:
   3. the measured and the modelled crossover per bucket count: the smallest world size measured
      (for the model with the fitted constants: of 1..65536) where the summary path is cheaper;
   4. the model at the sizes of issue 18 (8 to 16k ranks).
-The model (recursive doubling, one exchange per doubling, r = ceil(log2 W)):
+The rows' value count (the "values" field: the worker's workload values) sizes the row and the
+summary. The model (recursive doubling, one exchange per doubling, r = ceil(log2 W)):
   table path:   T = r alpha + (W - 1) row beta + W row cpu_table         (one MPI_Allgather)
   summary path: T = 2 r alpha + r S beta + S cpu_summary                 (two MPI_Allreduce)
 """
@@ -22,27 +23,27 @@ import json
 import math
 import sys
 
-WORDS = 7  # LocalReport::WORDS
 LIMBS = 68  # ExactSum::WORDS (67 limbs + the count of terms other than -0.0)
-STATS = 6  # the loss and 5 workload values
 
 
-def row_bytes(b):
-    return 8 * (2 + 8 * b + WORDS)
+def row_bytes(b, v):
+    """A rank's row with v workload values (LocalReport::words(v) = 2 + v)."""
+    return 8 * (2 + 8 * b + 2 + v)
 
 
-def summary_bytes(b):
-    return 8 * ((2 * b + STATS * (3 + LIMBS)) + (8 * b + 4 + 2 * STATS))
+def summary_bytes(b, v):
+    stats = 1 + v  # the loss and the workload values
+    return 8 * ((2 * b + stats * (3 + LIMBS)) + (8 * b + 4 + 2 * stats))
 
 
 def rounds(w):
     return math.ceil(math.log2(w)) if w > 1 else 0
 
 
-def model(w, b, k):
+def model(w, b, v, k):
     """(table us, summary us) for constants k = (alpha, beta, cpu_table, cpu_summary), per byte."""
     alpha, beta, ct, cs = k
-    r, row, s = rounds(w), row_bytes(b), summary_bytes(b)
+    r, row, s = rounds(w), row_bytes(b, v), summary_bytes(b, v)
     return r * alpha + (w - 1) * row * beta + w * row * ct, 2 * r * alpha + r * s * beta + s * cs
 
 
@@ -65,18 +66,21 @@ for line in sys.stdin:
     else:
         best[key] = dict(r, runs=1)
 rows = sorted(best.values(), key=lambda r: (r["world"], r["buckets"]))
+values = {r["values"] for r in rows}
+assert len(values) == 1, f"runs with different value counts: {sorted(values)}"
+v = values.pop()
 for r in rows:
-    assert r["row_bytes"] == row_bytes(r["buckets"]) and r["summary_bytes"] == summary_bytes(r["buckets"]), r
+    assert r["row_bytes"] == row_bytes(r["buckets"], v) and r["summary_bytes"] == summary_bytes(r["buckets"], v), r
 # Two-point calibration on the 2-rank bare all-gathers (one exchange each): alpha from the smallest
 # row, beta from the slope to the largest.
 two = sorted((r for r in rows if r["world"] == 2), key=lambda r: r["buckets"])
-small, large = row_bytes(two[0]["buckets"]), row_bytes(two[-1]["buckets"])
+small, large = row_bytes(two[0]["buckets"], v), row_bytes(two[-1]["buckets"], v)
 beta = (two[-1]["allgather_us"] - two[0]["allgather_us"]) / (large - small)
 alpha = two[0]["allgather_us"] - small * beta
 cpu_table = through_origin([r["table_bytes"] for r in rows], [r["table_cpu_us"] for r in rows])
 cpu_summary = through_origin([r["summary_bytes"] for r in rows], [r["summary_cpu_us"] for r in rows])
 fitted = (alpha, beta, cpu_table, cpu_summary)
-print("calibrated on these rows (agreement.rs `model`):")
+print(f"calibrated on these rows ({v} workload values; agreement.rs `model`):")
 print(f"  ALPHA_US = {alpha:.2f}; BETA_US_PER_BYTE = {beta * 1e3:.4f}e-3 (= {beta * 1e3:.4f} us/KB)")
 print(f"  TABLE_CPU_US_PER_BYTE = {cpu_table * 1e3:.4f}e-3; SUMMARY_CPU_US_PER_BYTE = {cpu_summary * 1e3:.4f}e-3")
 print()
@@ -100,13 +104,13 @@ for b in sorted(by_buckets):
     cheaper = [r["world"] for r in measured if r["summary_us"] < r["table_us"]]
     worlds = ", ".join(str(r["world"]) for r in measured)
     mtxt = f"{cheaper[0]} (measured {worlds})" if cheaper else f"none (measured {worlds})"
-    w = next((w for w in range(1, 65537) if model(w, b, fitted)[1] < model(w, b, fitted)[0]), None)
+    w = next((w for w in range(1, 65537) if model(w, b, v, fitted)[1] < model(w, b, v, fitted)[0]), None)
     print(f"| {b} | {mtxt} | {w} |")
 print()
 print("| world | buckets | table row B | table: bytes into each rank | summary B | summary: bytes into each rank "
       "| exchanges table / summary | model us table / summary (constants fitted above) |")
 print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for w, b in [(8, 7), (1024, 100), (1024, 1750), (16384, 100), (16384, 1750)]:
-    t, s = model(w, b, fitted)
-    print(f"| {w} | {b} | {row_bytes(b)} | {(w - 1) * row_bytes(b):,} | {summary_bytes(b):,} "
-          f"| {rounds(w) * summary_bytes(b):,} | {rounds(w)} / {2 * rounds(w)} | {t:,.0f} / {s:,.0f} |")
+    t, s = model(w, b, v, fitted)
+    print(f"| {w} | {b} | {row_bytes(b, v)} | {(w - 1) * row_bytes(b, v):,} | {summary_bytes(b, v):,} "
+          f"| {rounds(w) * summary_bytes(b, v):,} | {rounds(w)} / {2 * rounds(w)} | {t:,.0f} / {s:,.0f} |")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # readme-test: run every command of README.md's ```sh blocks, in order, on a fresh clone of this
-# repository (its committed HEAD: what a new user gets), the way a new user would type them.
+# repository (its committed HEAD: what a new user gets), the way a new user would type them; then
+# those of the docs pages listed in DOC_PAGES below, the same way.
 #
 #   scripts/readme-test.sh           # scripts/test.sh (and so .ci/run) runs it after the tests
 #   scripts/readme-test.sh --cold    # without the build cache below: every crate built from scratch
@@ -9,9 +10,14 @@
 # The rules, so that a command as written works or this fails:
 # - A command is a line of a ```sh block with its `\` continuation lines; `#` lines are comments.
 # - Expected exit code: 0, or N where the command's trailing comment says `exit N`.
+# - Expected outcome: the `# expect` lines right below a command. `# expect: TEXT`: its output
+#   (stdout and stderr) contains TEXT; `# expect in PATH: TEXT`: the file PATH (in the clone) exists
+#   and contains TEXT. TEXT is literal, except that `$(command)` is replaced by the command's output
+#   (run in the clone), e.g. `$(git rev-parse HEAD)`.
 # - A command that trains (`gradbus run`, `cargo run ... -- run`, `gradbus worker` without
-#   --bench-allreduce) and does not set `steps=` gets `--set steps=2` appended; one that sets
-#   `steps=` runs as written (the README chose its length). Anything else runs as written.
+#   --bench-allreduce) and neither sets `steps=` nor has `# expect` lines gets `--set steps=2`
+#   appended; otherwise it runs as written (the README chose its length, or states its outcome).
+#   Anything else runs as written.
 # - `gradbus` on PATH comes only from the README's own `cargo install`: its root is a temporary
 #   CARGO_INSTALL_ROOT whose bin/ is on PATH (as ~/.cargo/bin is after rustup), and PATH entries
 #   that already hold a `gradbus` are dropped. GRADBUS_* variables are unset, as in a new shell.
@@ -30,9 +36,12 @@ case "${1:-}" in
   "") ;;
   --cold) cold=1 ;;
   --dry-run) dry=1 ;;
-  -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+  -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
   *) echo "readme-test: unknown argument $1 (see --help)" >&2; exit 2 ;;
 esac
+
+# Docs pages whose ```sh blocks run after the README's, in this order, under the same rules.
+DOC_PAGES=(docs/pytorch.md docs/megatron.md docs/fsdp.md docs/hf-trainer.md)
 
 # Command (exactly as in the README, without its trailing comment) -> why it is not run here.
 declare -A SKIP=(
@@ -42,14 +51,29 @@ declare -A SKIP=(
   ["scripts/gpu-check.sh"]="needs an NVIDIA GPU with its driver (CI has none)"
   ["scripts/gpu-check.sh --prepare target/gpu-check"]="builds test binaries for the GPU machine only; scripts/test.sh builds and runs the same cuda test targets here (their GPU parts print SKIPPED)"
   ["scripts/gpu-check.sh --prebuilt target/gpu-check"]="needs an NVIDIA GPU and the binaries of --prepare"
+  ["python/build-wheels.sh dist"]="python/test.sh builds the x86_64 wheel this way and tests it; the aarch64 cross build adds minutes and cannot run here"
 )
 
 # Commands of the PyTorch section: they run in "the environment that has torch", which is
 # python/test.sh's venv (target/pyvenv of this checkout; scripts/test.sh makes it before this runs).
 # Without that venv they are skipped, saying so.
 NEEDS_TORCH=(
-  "maturin build --release -m python/Cargo.toml -o dist && pip install dist/gradbus-*.whl"
+  "pip install ./python"
   "python bench/pytorch_grpo.py examples/roll-193.toml --np 2 --set optim.lr=3e-2 --set rollout_sync_interval=200 --set steps=30 --guard abort --run-dir runs/twin"
+  "pip install maturin ziglang"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --plant-nan 7"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --plant-nan 7 --policy rerun"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --plant-nan 7 --policy abort --run-dir runs/guard"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --amp fp16"
+  "torchrun --standalone --nproc-per-node 2 examples/pytorch_guard.py --steps 20 --amp bf16"
+  "torchrun --standalone --nproc-per-node 2 python/examples/megatron_guard.py --cpu --policy abort --plant 1:2:decoder.layers.0.mlp.linear_fc1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/megatron_guard.py --cpu --policy skip --plant 1:2:decoder.layers.0.mlp.linear_fc1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/megatron_guard.py --cpu --policy none --plant 1:2:decoder.layers.0.mlp.linear_fc1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/fsdp_guard.py --policy abort --plant 1:2:mid.lin.weight:4000"
+  "torchrun --standalone --nproc-per-node 2 python/examples/fsdp_guard.py --policy skip --plant 1:2:mid.lin.weight:4000"
+  "torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy abort --plant 1:3:transformer.h.1.mlp.c_fc.weight:42"
+  "torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy skip --plant 1:3:transformer.h.1.mlp.c_fc.weight:42"
 )
 pyvenv="$src/target/pyvenv"
 if ! [ -e "$pyvenv/.complete" ]; then
@@ -58,18 +82,35 @@ if ! [ -e "$pyvenv/.complete" ]; then
   done
 fi
 
-# The commands of the README's ```sh blocks, one per array element, continuation lines joined.
-mapfile -t commands < <(awk '
+# The commands of the README's ```sh blocks, one per array element, continuation lines joined;
+# expects[i]: the `# expect` lines of commands[i], one per line.
+commands=()
+expects=()
+while IFS=$'\t' read -r kind text; do
+  if [ "$kind" = C ]; then
+    commands+=("$text")
+    expects+=("")
+  elif [ ${#commands[@]} -gt 0 ]; then
+    expects[${#commands[@]} - 1]+="$text"$'\n'
+  else
+    echo "readme-test: an expectation before any command: $text" >&2
+    exit 1
+  fi
+done < <(awk '
   /^```sh[[:space:]]*$/ { inblock = 1; next }
-  /^```/ { if (inblock && cmd != "") print cmd; inblock = 0; cmd = ""; next }
+  /^```/ { if (inblock && cmd != "") print "C\t" cmd; inblock = 0; cmd = ""; next }
   !inblock { next }
   {
     line = $0
-    if (cmd == "") { sub(/^[[:space:]]+/, "", line); if (line == "" || line ~ /^#/) next }
+    if (cmd == "") {
+      sub(/^[[:space:]]+/, "", line)
+      if (line ~ /^#[[:space:]]*expect( in |:)/) { sub(/^#[[:space:]]*/, "", line); print "E\t" line; next }
+      if (line == "" || line ~ /^#/) next
+    }
     else { sub(/^[[:space:]]+/, " ", line) }
     if (line ~ /\\[[:space:]]*$/) { sub(/[[:space:]]*\\[[:space:]]*$/, "", line); cmd = cmd line; next }
-    print cmd line; cmd = ""
-  }' "$src/README.md")
+    print "C\t" cmd line; cmd = ""
+  }' "$src/README.md" "${DOC_PAGES[@]/#/$src/}")
 [ ${#commands[@]} -gt 0 ] || { echo "readme-test: no \`\`\`sh commands in README.md" >&2; exit 1; }
 
 strip() { # the command without its trailing comment and surrounding blanks
@@ -85,26 +126,57 @@ done
 
 trains='(^|[[:space:]])(gradbus[[:space:]]+run|cargo[[:space:]].*--[[:space:]]+run|gradbus[[:space:]]+worker)[[:space:]]'
 says_exit='(^|[^[:alnum:]])exit[[:space:]]+([0-9]+)'
-# Prints the command as it runs here (bounded) and sets `want`, its expected exit code.
+# Prints the command as it runs here (bounded unless $2, its expectations, says what it must do)
+# and sets `want`, its expected exit code.
 bounded() {
   local cmd comment
   cmd=$(strip "$1")
   comment=""
   [ "$cmd" != "$1" ] && comment="${1#*[[:space:]]#}"
-  if [[ " $cmd " =~ $trains ]] && [[ $cmd != *--bench-allreduce* ]] && [[ $cmd != *steps=* ]]; then
+  if [[ " $cmd " =~ $trains ]] && [[ $cmd != *--bench-allreduce* ]] && [[ $cmd != *steps=* ]] && [ -z "$2" ]; then
     cmd="$cmd --set steps=2"
   fi
   want=0
   if [[ $comment =~ $says_exit ]]; then want=${BASH_REMATCH[2]}; fi
   printf '%s' "$cmd"
 }
+# Checks the `# expect` lines $1 of a command whose output is in the file $2; prints what failed.
+check_expects() {
+  local e text path bad=0
+  while IFS= read -r e; do
+    [ -n "$e" ] || continue
+    text=${e#*: }
+    [ "$text" != "$e" ] || text=""
+    if [[ $text == *'$('* ]]; then # `$(command)`, run in the clone; nothing else is expanded
+      text=$(cd "$clone" && eval "cat <<GRADBUS_README_EXPECT
+$text
+GRADBUS_README_EXPECT")
+    fi
+    if [[ $e == "expect in "* ]]; then
+      path=${e#expect in }
+      path=${path%%: *}
+      path=${path%:}
+      if ! [ -f "$clone/$path" ] || ! grep -qF -- "$text" "$clone/$path"; then
+        echo "readme-test: $path ($([ -f "$clone/$path" ] && echo "exists" || echo "missing")) lacks: $text" >&2
+        bad=1
+      fi
+    elif ! grep -qF -- "$text" "$2"; then
+      echo "readme-test: the output lacks: $text" >&2
+      bad=1
+    fi
+  done <<<"$1"
+  return $bad
+}
+
 if [ $dry = 1 ]; then
-  for c in "${commands[@]}"; do
+  for i in "${!commands[@]}"; do
+    c=${commands[$i]}
     key=$(strip "$c")
     if [ -n "${SKIP[$key]+x}" ]; then echo "SKIPPED: $key: ${SKIP[$key]}"; continue; fi
-    cmd=$(bounded "$c")
-    bounded "$c" >/dev/null
+    cmd=$(bounded "$c" "${expects[$i]}")
+    bounded "$c" "${expects[$i]}" >/dev/null
     echo "README \$ $cmd    (expect exit $want)"
+    printf '%s' "${expects[$i]}" | sed 's/^/    # /'
   done
   exit 0
 fi
@@ -140,7 +212,8 @@ while IFS= read -r name; do unset "$name"; done < <(compgen -e | grep '^GRADBUS_
 ran=0
 skipped=0
 n=0
-for c in "${commands[@]}"; do
+for i in "${!commands[@]}"; do
+  c=${commands[$i]}
   n=$((n + 1))
   key=$(strip "$c")
   if [ -n "${SKIP[$key]+x}" ]; then
@@ -150,8 +223,8 @@ for c in "${commands[@]}"; do
     skipped=$((skipped + 1))
     continue
   fi
-  cmd=$(bounded "$c")
-  bounded "$c" >/dev/null # sets want (the command substitution above ran in a subshell)
+  cmd=$(bounded "$c" "${expects[$i]}")
+  bounded "$c" "${expects[$i]}" >/dev/null # sets want (the command substitution above ran in a subshell)
   log="$work/cmd-$n.log"
   echo "README \$ $cmd    (expect exit $want)"
   t0=$(date +%s)
@@ -164,8 +237,14 @@ for c in "${commands[@]}"; do
     echo "readme-test: FAILED: \`$cmd\` exited $rc, expected $want (work directory kept: $work)" >&2
     exit 1
   fi
+  if ! check_expects "${expects[$i]}" "$log"; then
+    tail -n 200 "$log"
+    echo "readme-test: FAILED: \`$cmd\`: not the outcome the README states (work directory kept: $work)" >&2
+    exit 1
+  fi
   tail -n 4 "$log" | sed 's/^/    /'
-  echo "    ok: exit $rc in $(($(date +%s) - t0)) s"
+  checked=$(grep -c . <<<"${expects[$i]}" || true)
+  echo "    ok: exit $rc$([ "$checked" = 0 ] || echo ", $checked stated outcome(s)") in $(($(date +%s) - t0)) s"
   # An install must put the one binary, and nothing else, where the README says PATH finds it.
   if [[ $cmd == "cargo install"* ]]; then
     found=$(command -v gradbus || true)

@@ -16,6 +16,8 @@ need=()
 has() { type -P "$1" >/dev/null; } # an executable on PATH, not a shell builtin
 installed() { dpkg -s "$@" >/dev/null 2>&1; }
 { has cc && installed libc6-dev; } || need+=(gcc libc6-dev)
+# g++: kernels/tests/cuda_shim.rs builds the CUDA kernel sources for the CPU (kernels/shim/).
+has g++ || need+=(g++)
 has pkg-config || need+=(pkg-config)
 has git || need+=(git)
 has mpirun || need+=(openmpi-bin libopenmpi-dev)
@@ -73,6 +75,8 @@ if [ "$(id -u)" = 0 ]; then
   fi
   require+=(slurm)
 fi
+# cxx: a C++ compiler, installed above (kernels/tests/cuda_shim.rs runs the .cu sources on the CPU).
+if has g++; then require+=(cxx); fi
 # cuda: a GPU that the driver lists (kernels/tests/cuda.rs, collectives/tests/nccl.rs).
 if has nvidia-smi && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then require+=(cuda); fi
 GRADBUS_REQUIRE=$(IFS=,; echo "${require[*]}")
@@ -119,8 +123,15 @@ run cargo test --workspace --release
 # (collectives/tests/mpi.rs, tests/mpi.rs); the line above already ran everything else, and keeps the
 # default build (no MPI) tested. Costs the feature's build (~2-3 min on 2 cores) and ~40 s of tests.
 run cargo test --workspace --release --features mpi --test mpi
-# Slurm's `srun --mpi=pmix` with the MPI transport (tests/slurm.rs, the `pmix_` test only; ~20 s).
-run cargo test --workspace --release --features mpi --test slurm pmix_
+# Slurm with the MPI transport (tests/slurm.rs): `srun --mpi=pmix` on one node, and two nodes in
+# network namespaces (`two_nodes_`); the other Slurm tests ran above.
+run cargo test --workspace --release --features mpi --test slurm pmix_ two_nodes_
+
+# The fault matrix (docs/reliability.md): every fault ends with its documented exit code and leaves
+# no process or segment, nothing is lost where nothing should be, and every damaged artifact is
+# refused naming the file; it exits 1 if any row is not as expected (~1-2 min).
+echo "test.sh: scripts/fault-matrix.py"
+python3 scripts/fault-matrix.py
 
 # The `cuda` feature builds without CUDA (cudarc loads libcuda/libnvrtc/libnccl at run time), so CI
 # keeps it compiling; on this GPU-less machine its GPU tests print "SKIPPED: no CUDA driver" and the
@@ -138,6 +149,20 @@ run cargo test --release --features cuda -p gradbus-collectives --lib nccl::
 # (~2 min).
 echo "test.sh: python/test.sh"
 python/test.sh
+
+# Every kernels/cuda/*.cu compiles with NVRTC, to PTX and to machine code for sm_80 and sm_90 (no
+# GPU needed; ~15 s), against PyPI's NVRTC that the venv above holds (torch's nvidia-cuda-nvrtc, in
+# nvidia/cu13/lib, beside its builtins). cudarc asks for libnvrtc.so (or .so.12, .so.11, ...), so a
+# link of that name to libnvrtc.so.13 goes first.
+nvrtc_dir=$(ls -d "$PWD"/target/pyvenv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -n 1)
+if [ -z "$nvrtc_dir" ] || [ ! -e "$nvrtc_dir/libnvrtc.so.13" ]; then
+  echo "test.sh: no libnvrtc.so.13 in target/pyvenv (python/test.sh builds it with torch's CUDA wheels)" >&2
+  exit 1
+fi
+mkdir -p "$tmp/nvrtc"
+ln -sf "$nvrtc_dir/libnvrtc.so.13" "$tmp/nvrtc/libnvrtc.so"
+GRADBUS_REQUIRE="$GRADBUS_REQUIRE,nvrtc" LD_LIBRARY_PATH="$tmp/nvrtc:$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  run cargo test --release --features cuda -p gradbus-kernels --test cuda kernel_sources_compile
 
 # Every README command on a fresh clone, in order: the first contact of a new user. Its own
 # install (`cargo install --path .`, into a temporary root) is the check that an install works.

@@ -33,7 +33,9 @@ fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes
     let r = run(&a, &[]);
     r.expect_code(3);
     let rep = report(&a);
-    for key in ["step", "minibatch", "verdict", "ranks", "bucket", "param", "element", "nan", "inf", "loss_finite"] {
+    for key in
+        ["gradbus", "step", "minibatch", "verdict", "ranks", "bucket", "param", "element", "nan", "inf", "loss_finite"]
+    {
         assert!(rep.get(key).is_some(), "report.json lacks {key}: {rep}");
     }
     let step = rep["step"].as_u64().unwrap();
@@ -69,13 +71,19 @@ fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes
     assert_eq!(report(&b), rep);
     assert_eq!(metrics(&b), metrics(&a));
 
-    // Resume from the last checkpoint before the failure: the same failure again.
+    // Resume from the last checkpoint before the failure: the same failure again. The first run's
+    // report and dumps are removed, so what is compared is what the resumed run wrote.
     let ckpt = (step / 40) * 40;
     assert!(a.join(format!("checkpoints/step-{ckpt:06}/DONE")).exists());
+    std::fs::remove_file(a.join("report.json")).unwrap();
+    std::fs::remove_dir_all(a.join("dumps")).unwrap();
     let mut args = vec!["run", "--np", "2", "--resume", a.to_str().unwrap(), "examples/tiny.toml"];
     args.extend(sets());
-    gradbus(&args, &[]).expect_code(3);
-    assert_eq!(report(&a), rep);
+    let resumed = gradbus(&args, &[]);
+    resumed.expect_code(3);
+    assert!(resumed.stderr().contains(&format!("step-{ckpt:06} at step {ckpt}")), "{}", resumed.stderr());
+    assert_eq!(report(&a), rep, "the resumed run's report.json");
+    assert_eq!(metrics(&a), metrics(&b), "the resumed run's metrics are the uninterrupted run's");
 
     // Replay in one process: bit for bit, and the trace names the k3 exp.
     let out = gradbus(&["replay", a.to_str().unwrap(), "--trace", "--json"], &[]);

@@ -24,9 +24,11 @@
 //!
 //! Pure functions, no transport: the PyTorch guard reuses this shape.
 
+use std::sync::Arc;
+
 use gradbus_kernels::Health;
 
-use crate::verdict::LocalReport;
+use crate::layout::Fnv;
 
 /// Limbs of `ExactSum`: 32-bit digits from 2^-1074 (the least subnormal) up. The largest finite
 /// f64's top bit is bit 2097, so 66 limbs hold any one value; the 67th, and the 32 spare bits of
@@ -286,6 +288,96 @@ impl Stat {
     }
 }
 
+/// The names of the workload's values (a reward, a KL...) that every rank reports in the
+/// agreement, in the order its words carry them: any number of them, none included (the PyTorch
+/// guard reports none). A transport is opened with them: the shared-memory bus sizes its report
+/// cells by their count, ranks check at open that they hold the same names (`hash`), and the
+/// agreed summary answers by name (`Summary::value`). Cheap to clone.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ValueNames(Arc<[String]>);
+
+impl ValueNames {
+    /// Names in wire order.
+    ///
+    /// # Panics
+    /// When a name occurs twice (a program bug: a value could not be found by its name).
+    pub fn new<S: AsRef<str>>(names: &[S]) -> ValueNames {
+        let names: Vec<String> = names.iter().map(|s| s.as_ref().to_string()).collect();
+        for (i, n) in names.iter().enumerate() {
+            assert!(!names[..i].contains(n), "value name {n:?} given twice in {names:?}");
+        }
+        ValueNames(names.into())
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The names in wire order.
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(String::as_str)
+    }
+
+    /// Wire position of a name.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.0.iter().position(|n| n == name)
+    }
+
+    /// A hash of the names in order (FNV-1a), for the identity check at open.
+    pub fn hash(&self) -> u64 {
+        let mut h = Fnv::default();
+        for n in self.iter() {
+            h.write(&(n.len() as u64).to_le_bytes());
+            h.write(n.as_bytes());
+        }
+        h.0
+    }
+}
+
+/// Scalars that each rank contributes to the agreement (exchanged with the health table, no extra
+/// round trip). `loss` decides `loss_finite`; `values` are the workload's own, one per name of the
+/// transport's `ValueNames` and in their order, which the agreement sums exactly and takes the
+/// extremes of (`Summary`); `replica` is a checksum of the state every rank must hold alike (the
+/// parameters), which must agree across ranks.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LocalReport {
+    /// This rank's loss for the update.
+    pub loss: f64,
+    /// The workload's values, in the order of the transport's `ValueNames`.
+    pub values: Vec<f64>,
+    /// Checksum of this rank's replica of the shared state; ranks that differ stop the job.
+    pub replica: u64,
+}
+
+impl LocalReport {
+    /// Words of a report of `values` values on the wire or in a segment.
+    pub fn words(values: usize) -> usize {
+        2 + values
+    }
+
+    /// The report as words: loss bits, value bits, replica.
+    pub fn to_words(&self) -> Vec<u64> {
+        let values = self.values.iter().map(|v| v.to_bits());
+        std::iter::once(self.loss.to_bits()).chain(values).chain([self.replica]).collect()
+    }
+
+    /// The report of `to_words`' words (all of `w`: its length gives the number of values).
+    pub fn from_words(w: &[u64]) -> LocalReport {
+        assert!(w.len() >= 2, "a report is at least 2 words, got {}", w.len());
+        LocalReport {
+            loss: f64::from_bits(w[0]),
+            values: w[1..w.len() - 1].iter().map(|&b| f64::from_bits(b)).collect(),
+            replica: w[w.len() - 1],
+        }
+    }
+}
+
 /// Why a summary cannot decide alone: the transports then gather the full table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Anomaly {
@@ -300,8 +392,8 @@ pub enum Anomaly {
 }
 
 /// The agreed summary of one update (see the module doc): per bucket the NaN and Inf totals of the
-/// ranks' local gradients and the reduced bucket's health; the loss and each workload value as a
-/// `Stat`; the replica checksum and the collective-sequence hash as `Agreed` values.
+/// ranks' local gradients and the reduced bucket's health; the loss and each workload value (by
+/// name) as a `Stat`; the replica checksum and the collective-sequence hash as `Agreed` values.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Summary {
     /// Per bucket: NaN elements over every rank's local gradients.
@@ -312,8 +404,10 @@ pub struct Summary {
     reduced: Vec<[Agreed; 4]>,
     /// The loss over ranks.
     pub loss: Stat,
-    /// Each workload value over ranks.
-    pub values: [Stat; LocalReport::VALUES],
+    /// The workload values' names.
+    names: ValueNames,
+    /// Each workload value over ranks, in the order of `names`.
+    values: Vec<Stat>,
     /// The replicas' parameter checksum.
     pub replica: Agreed,
     /// The hash of the collectives each rank ran since the last agreement (transports that check it).
@@ -321,23 +415,24 @@ pub struct Summary {
 }
 
 impl Summary {
-    /// The neutral summary of `buckets` buckets: merging it changes nothing.
-    pub fn empty(buckets: usize) -> Summary {
+    /// The neutral summary of `buckets` buckets and the values `names`: merging it changes nothing.
+    pub fn empty(buckets: usize, names: &ValueNames) -> Summary {
         Summary {
             nan: vec![0; buckets],
             inf: vec![0; buckets],
             reduced: vec![[Agreed::default(); 4]; buckets],
             loss: Stat::default(),
-            values: Default::default(),
+            names: names.clone(),
+            values: vec![Stat::default(); names.len()],
             replica: Agreed::default(),
             ops: Agreed::default(),
         }
     }
 
     /// One rank's contribution: its local health per bucket, the reduced buckets' health when it
-    /// reduced them, its report.
-    pub fn of_rank(local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Summary {
-        let mut s = Summary::empty(local.len());
+    /// reduced them, its report (of the values `names`).
+    pub fn of_rank(names: &ValueNames, local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Summary {
+        let mut s = Summary::empty(local.len(), names);
         for (b, h) in local.iter().enumerate() {
             s.add_local(b, h.nan, h.inf);
         }
@@ -351,6 +446,27 @@ impl Summary {
     /// Number of buckets.
     pub fn buckets(&self) -> usize {
         self.nan.len()
+    }
+
+    /// The workload values' names.
+    pub fn names(&self) -> &ValueNames {
+        &self.names
+    }
+
+    /// The workload value `name` over ranks.
+    ///
+    /// # Panics
+    /// When `name` is not one of the values the transport was opened with (a program bug).
+    pub fn value(&self, name: &str) -> &Stat {
+        match self.names.position(name) {
+            Some(i) => &self.values[i],
+            None => panic!("{name:?} is not a value of this agreement (its values: {:?})", self.names),
+        }
+    }
+
+    /// Every workload value over ranks, with its name, in wire order.
+    pub fn values(&self) -> impl Iterator<Item = (&str, &Stat)> {
+        self.names.iter().zip(&self.values)
     }
 
     /// Count non-finite local elements of one bucket.
@@ -375,7 +491,17 @@ impl Summary {
     }
 
     /// Contribute one rank's report.
+    ///
+    /// # Panics
+    /// When it holds another number of values than the summary's names (a program bug).
     pub fn add_report(&mut self, r: &LocalReport) {
+        assert_eq!(
+            r.values.len(),
+            self.values.len(),
+            "a report of {} values to an agreement of the values {:?}",
+            r.values.len(),
+            self.names
+        );
         self.loss.add(r.loss);
         for (s, &v) in self.values.iter_mut().zip(&r.values) {
             s.add(v);
@@ -385,7 +511,7 @@ impl Summary {
 
     /// Combine with another contribution (commutative and associative, bit for bit).
     pub fn merge(&mut self, o: &Summary) {
-        assert_eq!(self.buckets(), o.buckets());
+        assert_eq!((self.buckets(), &self.names), (o.buckets(), &o.names));
         for b in 0..self.buckets() {
             self.nan[b] += o.nan[b];
             self.inf[b] += o.inf[b];
@@ -426,9 +552,9 @@ impl Summary {
         None
     }
 
-    /// Words of the integer-sum half of the all-reduce: `sum_words(buckets)` of them.
+    /// Words of the integer-sum half of the all-reduce: `sum_len(buckets, values)` of them.
     pub fn sum_words(&self) -> Vec<u64> {
-        let mut w = Vec::with_capacity(Summary::sum_len(self.buckets()));
+        let mut w = Vec::with_capacity(Summary::sum_len(self.buckets(), self.values.len()));
         w.extend(&self.nan);
         w.extend(&self.inf);
         for s in self.stats() {
@@ -438,9 +564,9 @@ impl Summary {
         w
     }
 
-    /// Words of the maximum half of the all-reduce: `max_len(buckets)` of them.
+    /// Words of the maximum half of the all-reduce: `max_len(buckets, values)` of them.
     pub fn max_words(&self) -> Vec<u64> {
-        let mut w = Vec::with_capacity(Summary::max_len(self.buckets()));
+        let mut w = Vec::with_capacity(Summary::max_len(self.buckets(), self.values.len()));
         for a in self.reduced.iter().flatten().chain([&self.replica, &self.ops]) {
             w.extend([a.max, a.inv_min]);
         }
@@ -450,21 +576,22 @@ impl Summary {
         w
     }
 
-    /// Length of `sum_words` for `buckets` buckets.
-    pub fn sum_len(buckets: usize) -> usize {
-        2 * buckets + (1 + LocalReport::VALUES) * (3 + ExactSum::WORDS)
+    /// Length of `sum_words` for `buckets` buckets and `values` values.
+    pub fn sum_len(buckets: usize, values: usize) -> usize {
+        2 * buckets + (1 + values) * (3 + ExactSum::WORDS)
     }
 
-    /// Length of `max_words` for `buckets` buckets.
-    pub fn max_len(buckets: usize) -> usize {
-        8 * buckets + 4 + 2 * (1 + LocalReport::VALUES)
+    /// Length of `max_words` for `buckets` buckets and `values` values.
+    pub fn max_len(buckets: usize, values: usize) -> usize {
+        8 * buckets + 4 + 2 * (1 + values)
     }
 
     /// The summary of all-reduced words (element-wise wrapping sums of `sum_words`, maxima of
-    /// `max_words`).
-    pub fn from_words(buckets: usize, sum: &[u64], max: &[u64]) -> Summary {
-        assert_eq!((sum.len(), max.len()), (Summary::sum_len(buckets), Summary::max_len(buckets)));
-        let mut s = Summary::empty(buckets);
+    /// `max_words`) of `buckets` buckets and the values `names`.
+    pub fn from_words(buckets: usize, names: &ValueNames, sum: &[u64], max: &[u64]) -> Summary {
+        let lens = (Summary::sum_len(buckets, names.len()), Summary::max_len(buckets, names.len()));
+        assert_eq!((sum.len(), max.len()), lens);
+        let mut s = Summary::empty(buckets, names);
         s.nan.copy_from_slice(&sum[..buckets]);
         s.inf.copy_from_slice(&sum[buckets..2 * buckets]);
         let mut si = sum[2 * buckets..].chunks_exact(3 + ExactSum::WORDS);
@@ -478,7 +605,7 @@ impl Summary {
         }
         s.replica = agreed();
         s.ops = agreed();
-        let stats: Vec<Stat> = (0..1 + LocalReport::VALUES)
+        let stats: Vec<Stat> = (0..1 + names.len())
             .map(|_| {
                 let w = si.next().expect("sum_len words");
                 let m = agreed();
@@ -493,7 +620,7 @@ impl Summary {
             })
             .collect();
         s.loss = stats[0].clone();
-        s.values = std::array::from_fn(|i| stats[i + 1].clone());
+        s.values = stats[1..].to_vec();
         s
     }
 
@@ -502,18 +629,23 @@ impl Summary {
     }
 }
 
-/// Health as 4 words: nan, inf, sumsq bits, first bad (or `u64::MAX`).
-fn health_words(h: &Health) -> [u64; 4] {
-    [h.nan, h.inf, h.sumsq.to_bits(), h.first_bad.unwrap_or(u64::MAX)]
+/// "No value" in a health word (no first bad index).
+pub(crate) const NONE: u64 = u64::MAX;
+
+/// Health as 4 words: nan, inf, sumsq bits, first bad (or `NONE`).
+pub(crate) fn health_words(h: &Health) -> [u64; 4] {
+    [h.nan, h.inf, h.sumsq.to_bits(), h.first_bad.unwrap_or(NONE)]
 }
 
-fn health_of(w: &[u64]) -> Health {
-    Health { nan: w[0], inf: w[1], sumsq: f64::from_bits(w[2]), first_bad: (w[3] != u64::MAX).then_some(w[3]) }
+/// Health from its 4 words.
+pub(crate) fn health_of(w: &[u64]) -> Health {
+    Health { nan: w[0], inf: w[1], sumsq: f64::from_bits(w[2]), first_bad: (w[3] != NONE).then_some(w[3]) }
 }
 
 /// Which way the agreement goes: the O(buckets) summary with the table only on an anomaly, or
-/// always the full table. Over MPI the cost model (`Cost`) chooses, for the world size and bucket
-/// count, at open; `GRADBUS_AGREEMENT=table|summary` overrides it. Both give the same bits.
+/// always the full table. Over MPI the cost model (`Cost`) chooses, for the world size, bucket
+/// count and number of workload values, at open; `GRADBUS_AGREEMENT=table|summary` overrides it.
+/// Both give the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AgreementPath {
     /// One all-reduce of the summary; the table only when the summary shows an anomaly.
@@ -560,10 +692,10 @@ impl AgreementPath {
         }
     }
 
-    /// The path the cost model says is cheaper for `world` ranks and `buckets` buckets (a tie goes
-    /// to the table, which needs no second collective on an anomaly).
-    pub fn cheaper(world: usize, buckets: usize) -> AgreementPath {
-        let c = cost(world, buckets);
+    /// The path the cost model says is cheaper for `world` ranks, `buckets` buckets and `values`
+    /// workload values (a tie goes to the table, which needs no second collective on an anomaly).
+    pub fn cheaper(world: usize, buckets: usize, values: usize) -> AgreementPath {
+        let c = cost(world, buckets, values);
         if c.summary_us() < c.table_us() {
             AgreementPath::Summary
         } else {
@@ -571,11 +703,13 @@ impl AgreementPath {
         }
     }
 
-    /// The path of an MPI agreement among `world` ranks over `buckets` buckets: `GRADBUS_AGREEMENT`
-    /// if set, else the cost model's choice. A pure function of the two numbers, which every rank
-    /// shares (the layout and world size are checked at open), so every rank chooses alike.
-    pub fn choose(world: usize, buckets: usize) -> Result<AgreementPath, crate::Error> {
-        Ok(AgreementPath::from_env()?.unwrap_or_else(|| AgreementPath::cheaper(world, buckets)))
+    /// The path of an MPI agreement among `world` ranks over `buckets` buckets with the workload
+    /// values `values`: `GRADBUS_AGREEMENT` if set, else the cost model's choice. A pure function of
+    /// the three, which every rank shares (the world size, layout and value names are checked at
+    /// open: ranks that differ in any of them are refused there whatever path they chose), so every
+    /// rank chooses alike.
+    pub fn choose(world: usize, buckets: usize, values: &ValueNames) -> Result<AgreementPath, crate::Error> {
+        Ok(AgreementPath::from_env()?.unwrap_or_else(|| AgreementPath::cheaper(world, buckets, values.len())))
     }
 }
 
@@ -604,6 +738,8 @@ pub struct Cost {
     pub world: usize,
     /// Buckets.
     pub buckets: usize,
+    /// Workload values each rank reports (`ValueNames::len`).
+    pub values: usize,
     /// Table path: one rank's row (op hash, reducer flag, 4 words of local and of reduced health
     /// per bucket, the report).
     pub row_bytes: usize,
@@ -639,14 +775,31 @@ impl Cost {
     }
 }
 
-/// The cost model of one agreement.
-pub fn cost(world: usize, buckets: usize) -> Cost {
-    let row_bytes = 8 * (2 + 8 * buckets + LocalReport::WORDS);
-    let summary_bytes = 8 * (Summary::sum_len(buckets) + Summary::max_len(buckets));
+/// One agreement's measured times on both paths, beside the model's `Cost` (microseconds per call;
+/// measured by the agreement benchmark, `mpi::bench_agreement`, printed by `bench_agreement`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Times {
+    /// The bare `MPI_Allgather` of one row per rank: calibrates the model's latency and bandwidth.
+    pub allgather_us: f64,
+    /// The table path as the transports run it: the all-gather and the table read from the rows.
+    pub table_us: f64,
+    /// The summary path on a healthy update: the words, two `MPI_Allreduce`s, the decoded table.
+    pub summary_us: f64,
+    /// The table path's CPU part alone: the gathered rows read into the table.
+    pub table_cpu_us: f64,
+    /// The summary path's CPU part alone: the words written and read back.
+    pub summary_cpu_us: f64,
+}
+
+/// The cost model of one agreement of `values` workload values.
+pub fn cost(world: usize, buckets: usize, values: usize) -> Cost {
+    let row_bytes = 8 * (2 + 8 * buckets + LocalReport::words(values));
+    let summary_bytes = 8 * (Summary::sum_len(buckets, values) + Summary::max_len(buckets, values));
     let rounds = world.next_power_of_two().trailing_zeros() as usize;
     Cost {
         world,
         buckets,
+        values,
         row_bytes,
         table_bytes: world * row_bytes,
         summary_bytes,
@@ -656,10 +809,9 @@ pub fn cost(world: usize, buckets: usize) -> Cost {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::layout::{Layout, ParamSpec};
-    use crate::verdict::{decide, HealthTable, History, Policy, StepId};
     use gradbus_kernels::rng::Rng;
 
     /// Shewchuk's exact partials with a correctly rounded result (Python's `math.fsum`): an
@@ -712,7 +864,7 @@ mod tests {
         hi
     }
 
-    fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
+    pub(crate) fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
         for i in (1..v.len()).rev() {
             v.swap(i, rng.below(i + 1));
         }
@@ -725,7 +877,7 @@ mod tests {
     }
 
     /// A random finite f64 with an exponent in `exp` (either sign, some subnormals and zeros).
-    fn value(rng: &mut Rng, exp: std::ops::Range<i32>) -> f64 {
+    pub(crate) fn value(rng: &mut Rng, exp: std::ops::Range<i32>) -> f64 {
         let m = 1.0 + rng.uniform() as f64 + (rng.uniform() as f64) * 2f64.powi(-24);
         let e = exp.start + rng.below((exp.end - exp.start) as usize) as i32;
         let sign = if rng.uniform() < 0.5 { -1.0 } else { 1.0 };
@@ -841,9 +993,14 @@ mod tests {
         }
     }
 
+    /// The values of the random reports below.
+    pub(crate) fn names() -> ValueNames {
+        ValueNames::new(&["reward", "kl", "max_a", "max_b", "min_c"])
+    }
+
     /// A random health table of `world` ranks over `layout`, some cells, reduced buckets or
     /// reports made non-finite or inconsistent with probability `p_bad` each.
-    fn random_rows(
+    pub(crate) fn random_rows(
         rng: &mut Rng,
         layout: &Layout,
         world: usize,
@@ -869,14 +1026,14 @@ mod tests {
             .map(|_| {
                 let mut r = LocalReport {
                     loss: value(rng, -8..3) as f32 as f64,
-                    values: std::array::from_fn(|_| value(rng, -20..20)),
+                    values: (0..names().len()).map(|_| value(rng, -20..20)).collect(),
                     replica,
                 };
                 if bad(rng) {
                     r.loss = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY][rng.below(3)];
                 }
                 if bad(rng) {
-                    r.values[rng.below(LocalReport::VALUES)] = f64::NAN;
+                    r.values[rng.below(names().len())] = f64::NAN;
                 }
                 if bad(rng) {
                     r.replica ^= 1 << rng.below(64);
@@ -888,11 +1045,12 @@ mod tests {
     }
 
     /// An all-reduce of the contributions in a random order: wrapping sums and maxima of words.
-    fn allreduce(rng: &mut Rng, parts: &[Summary]) -> Summary {
+    pub(crate) fn allreduce(rng: &mut Rng, parts: &[Summary]) -> Summary {
         let nb = parts[0].buckets();
         let mut order: Vec<usize> = (0..parts.len()).collect();
         shuffle(rng, &mut order);
-        let (mut s, mut m) = (vec![0u64; Summary::sum_len(nb)], vec![0u64; Summary::max_len(nb)]);
+        let values = parts[0].names().len();
+        let (mut s, mut m) = (vec![0u64; Summary::sum_len(nb, values)], vec![0u64; Summary::max_len(nb, values)]);
         for &k in &order {
             for (a, b) in s.iter_mut().zip(parts[k].sum_words()) {
                 *a = a.wrapping_add(b);
@@ -901,56 +1059,7 @@ mod tests {
                 *a = (*a).max(b);
             }
         }
-        Summary::from_words(nb, &s, &m)
-    }
-
-    #[test]
-    fn the_summary_path_gives_the_table_paths_summary_verdict_and_metrics_bit_for_bit() {
-        let specs: Vec<ParamSpec> = (0..9).map(|i| ParamSpec::new(format!("p{i}"), 10 + 37 * i)).collect();
-        let layout = Layout::new(&specs, 600);
-        let mut rng = Rng::new(&[18, 4]);
-        let at = StepId { step: 3, minibatch: 1, attempt: 0 };
-        let (mut healthy, mut anomalous) = (0, 0);
-        for case in 0..600 {
-            let world = 1 + rng.below(12);
-            let p_bad = [0.0, 0.02, 0.2][case % 3];
-            let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, p_bad);
-            let nb = layout.buckets.len();
-            let local = (0..nb).flat_map(|b| rows.iter().map(move |r| r[b])).collect();
-            let table = HealthTable::detailed(world, local, reduced.clone(), reports.clone(), Some(7));
-            // Every rank a reducer, as in the flat MPI transport.
-            let parts: Vec<Summary> = (0..world)
-                .map(|k| {
-                    let mut s = Summary::of_rank(&rows[k], Some(&reduced), &reports[k]);
-                    s.ops.add(7);
-                    s
-                })
-                .collect();
-            let summary = allreduce(&mut rng, &parts);
-            assert_eq!(summary, table.summary, "case {case}");
-            let finite = table.all_finite() && table.loss_finite() && table.summary.values.iter().all(Stat::all_finite);
-            let same_replica = reports.iter().all(|r| r.replica == reports[0].replica);
-            assert_eq!(summary.anomaly().is_none(), finite && same_replica, "case {case}");
-            if summary.anomaly().is_some() {
-                anomalous += 1;
-                continue;
-            }
-            healthy += 1;
-            let small = HealthTable::summarized(world, summary).unwrap();
-            assert!(!small.is_detailed());
-            assert_eq!(small.reduced, table.reduced);
-            assert_eq!(small.grad_norm().to_bits(), table.grad_norm().to_bits());
-            assert_eq!(small.mean_loss().to_bits(), table.mean_loss().to_bits());
-            for k in 0..LocalReport::VALUES {
-                assert_eq!(small.mean_value(k).to_bits(), table.mean_value(k).to_bits());
-                assert_eq!(small.summary.values[k].max().to_bits(), table.summary.values[k].max().to_bits());
-            }
-            assert!(small.nonfinite_ranks().is_empty() && table.nonfinite_ranks().is_empty());
-            let policy = Policy::Skip { max_consecutive: 2, max_fraction: 0.5, window: 8 };
-            let h = History::default();
-            assert_eq!(decide(&small, &layout, &policy, &h, at), decide(&table, &layout, &policy, &h, at));
-        }
-        assert!(healthy > 150 && anomalous > 150, "both paths exercised: {healthy} healthy, {anomalous} not");
+        Summary::from_words(nb, parts[0].names(), &s, &m)
     }
 
     #[test]
@@ -962,67 +1071,121 @@ mod tests {
             let world = 2 + rng.below(10);
             let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, 0.1);
             let per_rank: Vec<Summary> =
-                (0..world).map(|k| Summary::of_rank(&rows[k], Some(&reduced), &reports[k])).collect();
+                (0..world).map(|k| Summary::of_rank(&names(), &rows[k], Some(&reduced), &reports[k])).collect();
             let cut = 1 + rng.below(world - 1);
             let mut nodes = Vec::new();
             for range in [0..cut, cut..world] {
-                let mut node = Summary::empty(2);
+                let mut node = Summary::empty(2, &names());
                 for k in range {
-                    node.merge(&Summary::of_rank(&rows[k], None, &reports[k]));
+                    node.merge(&Summary::of_rank(&names(), &rows[k], None, &reports[k]));
                 }
                 node.set_reduced(&reduced);
                 nodes.push(node);
             }
-            nodes.push(Summary::empty(2)); // a non-leader
+            nodes.push(Summary::empty(2, &names())); // a non-leader
             assert_eq!(allreduce(&mut rng, &nodes), allreduce(&mut rng, &per_rank));
         }
     }
 
     #[test]
+    fn values_travel_by_name_in_any_number() {
+        let h = [Health { sumsq: 1.0, ..Health::default() }];
+        for n in [0, 1, 5, 13] {
+            let names = ValueNames::new(&(0..n).map(|i| format!("v{i}")).collect::<Vec<_>>());
+            let report =
+                |k: usize| LocalReport { loss: 0.5, values: (0..n).map(|i| (10 * i + k) as f64).collect(), replica: 3 };
+            assert_eq!(report(1).to_words().len(), LocalReport::words(n));
+            assert_eq!(LocalReport::from_words(&report(1).to_words()), report(1));
+            let parts: Vec<Summary> = (0..3).map(|k| Summary::of_rank(&names, &h, Some(&h), &report(k))).collect();
+            let s = allreduce(&mut Rng::new(&[18, 6]), &parts);
+            assert_eq!(s.values().count(), n);
+            for i in 0..n {
+                let v = s.value(&format!("v{i}"));
+                assert_eq!((v.sum(), v.min(), v.max()), ((30 * i + 3) as f64, (10 * i) as f64, (10 * i + 2) as f64));
+            }
+        }
+        assert_ne!(ValueNames::new(&["a", "b"]).hash(), ValueNames::new(&["b", "a"]).hash(), "order is part of it");
+        assert_ne!(ValueNames::new(&["ab"]).hash(), ValueNames::new(&["a", "b"]).hash());
+    }
+
+    #[test]
+    #[should_panic(expected = "\"kl\" is not a value of this agreement")]
+    fn a_value_that_was_not_declared_is_a_program_bug() {
+        Summary::empty(1, &ValueNames::new(&["reward"])).value("kl");
+    }
+
+    #[test]
     fn disagreeing_reducers_replicas_or_collectives_are_anomalies() {
         let h = [Health { sumsq: 2.0, ..Health::default() }];
-        let r = LocalReport { loss: 1.0, ..LocalReport::default() };
-        let mut a = Summary::of_rank(&h, Some(&h), &r);
+        let (none, r) = (ValueNames::default(), LocalReport { loss: 1.0, ..LocalReport::default() });
+        let mut a = Summary::of_rank(&none, &h, Some(&h), &r);
         assert_eq!(a.anomaly(), None);
         let mut b = a.clone();
-        b.merge(&Summary::of_rank(&h, Some(&[Health { sumsq: 2.5, ..Health::default() }]), &r));
+        b.merge(&Summary::of_rank(&none, &h, Some(&[Health { sumsq: 2.5, ..Health::default() }]), &r));
         assert_eq!(b.anomaly(), Some(Anomaly::Reducers));
         let mut c = a.clone();
-        c.merge(&Summary::of_rank(&h, None, &LocalReport { replica: 9, ..r }));
+        c.merge(&Summary::of_rank(&none, &h, None, &LocalReport { replica: 9, ..r.clone() }));
         assert_eq!(c.anomaly(), Some(Anomaly::Replicas));
         assert_eq!(c.replica.range(), Some((0, 9)));
         a.ops.add(1);
         a.ops.add(2);
         assert_eq!(a.anomaly(), Some(Anomaly::Collectives));
-        assert_eq!(Summary::of_rank(&h, None, &r).anomaly(), Some(Anomaly::Reducers), "no reducer at all");
+        assert_eq!(Summary::of_rank(&none, &h, None, &r).anomaly(), Some(Anomaly::Reducers), "no reducer at all");
     }
 
     #[test]
     fn the_summary_does_not_grow_with_the_world_and_the_table_does() {
-        let (a, b) = (cost(8, 100), cost(16384, 100));
+        let (a, b) = (cost(8, 100, 5), cost(16384, 100, 5));
         assert_eq!(a.summary_bytes, b.summary_bytes);
         assert_eq!(b.table_bytes, 2048 * a.table_bytes);
         assert_eq!((a.rounds, b.rounds), (3, 14));
-        assert_eq!(cost(1, 7).rounds, 0);
+        assert_eq!(cost(1, 7, 5).rounds, 0);
+        let c = cost(8, 100, 7);
+        assert_eq!(c.row_bytes - a.row_bytes, 16, "2 more values, 2 more words");
+        assert_eq!(c.summary_bytes - a.summary_bytes, 2 * 8 * 73, "2 more values, 2 more stats of 73 words");
     }
 
     /// The cost model's choice: the table where the summary is not cheaper (one rank, and small
     /// worlds: the summary's two collectives and fixed 3.5 KB), the summary at scale (16k ranks move
     /// 1.8 GB of table into every rank at 1750 buckets), and once the summary wins at some world
-    /// size it wins at twice that size (the table's bytes double, the summary adds one exchange).
+    /// size it wins at twice that size (the table's bytes double, the summary adds one exchange);
+    /// with no workload value, the reference workload's 5 and many.
     #[test]
     fn the_model_chooses_the_table_for_small_worlds_and_the_summary_at_scale() {
-        for buckets in [1, 7, 100, 1750] {
-            assert_eq!(AgreementPath::cheaper(1, buckets), AgreementPath::Table, "1 rank, {buckets} buckets");
-            assert_eq!(AgreementPath::cheaper(2, buckets), AgreementPath::Table, "2 ranks, {buckets} buckets");
-            assert_eq!(AgreementPath::cheaper(16384, buckets), AgreementPath::Summary, "16k ranks, {buckets}");
-            for world in 1..=8192 {
-                let (path, c) = (AgreementPath::cheaper(world, buckets), cost(world, buckets));
-                assert_eq!(path == AgreementPath::Summary, c.summary_us() < c.table_us());
-                if path == AgreementPath::Summary {
-                    assert_eq!(AgreementPath::cheaper(2 * world, buckets), path, "{buckets} buckets, {world} ranks");
+        for values in [0, 5, 100] {
+            for buckets in [1, 7, 100, 1750] {
+                let at = |world| AgreementPath::cheaper(world, buckets, values);
+                let case = format!("{buckets} buckets, {values} values");
+                assert_eq!(at(1), AgreementPath::Table, "1 rank, {case}");
+                assert_eq!(at(2), AgreementPath::Table, "2 ranks, {case}");
+                assert_eq!(at(16384), AgreementPath::Summary, "16k ranks, {case}");
+                for world in 1..=8192 {
+                    let c = cost(world, buckets, values);
+                    assert_eq!(at(world) == AgreementPath::Summary, c.summary_us() < c.table_us());
+                    if at(world) == AgreementPath::Summary {
+                        assert_eq!(at(2 * world), AgreementPath::Summary, "{world} ranks, {case}");
+                    }
                 }
             }
+        }
+    }
+
+    /// The value count is part of the choice: each value adds 73 words to the summary and one word
+    /// to every rank's row, so more values move the crossover to larger worlds (at 7 buckets, 64
+    /// ranks take the summary with no value and the table with 100).
+    #[test]
+    fn the_models_choice_depends_on_the_value_count() {
+        assert_eq!(AgreementPath::cheaper(64, 7, 0), AgreementPath::Summary);
+        assert_eq!(AgreementPath::cheaper(64, 7, 100), AgreementPath::Table);
+        for buckets in [1, 7, 30, 100, 300, 1750] {
+            let crossover =
+                |values| (1..=1 << 16).find(|&w| AgreementPath::cheaper(w, buckets, values) == AgreementPath::Summary);
+            let xs: Vec<usize> =
+                [0, 1, 5, 20, 100].map(|v| crossover(v).expect("the summary wins by 64k ranks")).to_vec();
+            assert!(
+                xs.windows(2).all(|p| p[0] <= p[1]),
+                "{buckets} buckets: crossovers {xs:?} for 0, 1, 5, 20, 100 values"
+            );
         }
     }
 }

@@ -31,10 +31,11 @@ use std::time::{Duration, Instant};
 use gradbus_kernels::health_scan;
 use serde::Serialize;
 
+use crate::agreement::LocalReport;
 use crate::layout::{Fnv, Layout, ParamSpec};
 use crate::shm::{BusConfig, ShmBus};
 use crate::transport::Transport;
-use crate::verdict::{LocalReport, StepId};
+use crate::verdict::StepId;
 use crate::Error;
 
 /// Timed rounds per size (the best round is reported).

@@ -2,7 +2,8 @@
 //! under `mpirun`, feature `mpi`) beside the cost model that chooses the path (`agreement::cost`,
 //! `AgreementPath::cheaper`): the table path (an `MPI_Allgather` of one row per rank, the rows read
 //! into the table) against the summary path (two `MPI_Allreduce`s of `Summary` words: integer sums,
-//! maxima; decoded), each also without MPI (its CPU part), for each bucket count asked for.
+//! maxima; decoded), each also without MPI (its CPU part), for each bucket count asked for and the
+//! workload's values (the worker's: their count sizes the row and the summary).
 //!
 //! `mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 target/release/gradbus worker
 //! --bench-allreduce --agreement --buckets 7,100,1750` (rank 0 prints one line per bucket count;
@@ -11,28 +12,13 @@
 
 use serde::Serialize;
 
-use crate::agreement::{AgreementPath, Cost};
+use crate::agreement::{AgreementPath, Cost, Times, ValueNames};
 use crate::Error;
 
 /// Timed rounds per bucket count; the best is reported (a shared machine's interference only
 /// ever adds time).
 #[cfg(feature = "mpi")]
 const ROUNDS: usize = 10;
-
-/// What `rank_main` measures per bucket count (microseconds per call; see `mpi::bench_agreement`).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct Times {
-    /// The bare `MPI_Allgather` of one row per rank: calibrates the model's latency and bandwidth.
-    pub allgather_us: f64,
-    /// The table path as the transports run it: the all-gather and the table read from the rows.
-    pub table_us: f64,
-    /// The summary path on a healthy update: the words, two `MPI_Allreduce`s, the decoded table.
-    pub summary_us: f64,
-    /// The table path's CPU part alone: the gathered rows read into the table.
-    pub table_cpu_us: f64,
-    /// The summary path's CPU part alone: the words written and read back.
-    pub summary_cpu_us: f64,
-}
 
 /// One measured line (rank 0): the model's bytes and times beside the measured times.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -52,24 +38,30 @@ pub struct AgreementRow {
 }
 
 impl AgreementRow {
-    /// The row of `times` measured at `cost`'s world size and bucket count, with the model's times
-    /// and choice.
+    /// The row of `times` measured at `cost`'s world size, bucket count and value count, with the
+    /// model's times and choice.
     pub fn new(cost: Cost, times: Times) -> AgreementRow {
-        let model_choice = AgreementPath::cheaper(cost.world, cost.buckets).name();
+        let model_choice = AgreementPath::cheaper(cost.world, cost.buckets, cost.values).name();
         AgreementRow { cost, times, model_table_us: cost.table_us(), model_summary_us: cost.summary_us(), model_choice }
     }
 }
 
-/// Run one benchmark process (started by `mpirun`, every rank with the same arguments); rank 0
-/// returns the rows.
+/// Run one benchmark process (started by `mpirun`, every rank with the same arguments) with the
+/// workload values `values`; rank 0 returns the rows.
 #[cfg(feature = "mpi")]
-pub fn rank_main(rank: usize, np: usize, buckets: &[usize], iters: usize) -> Result<Option<Vec<AgreementRow>>, Error> {
+pub fn rank_main(
+    rank: usize,
+    np: usize,
+    buckets: &[usize],
+    values: &ValueNames,
+    iters: usize,
+) -> Result<Option<Vec<AgreementRow>>, Error> {
     let universe = crate::mpi::universe()?;
     crate::mpi::check_bench_world(&universe, rank, np)?;
     let mut rows = Vec::new();
     for &b in buckets {
-        let times = crate::mpi::bench_agreement(&universe, b, 3, iters, ROUNDS);
-        rows.push(AgreementRow::new(crate::agreement::cost(np, b), times));
+        let times = crate::mpi::bench_agreement(&universe, b, values, 3, iters, ROUNDS);
+        rows.push(AgreementRow::new(crate::agreement::cost(np, b, values.len()), times));
     }
     Ok((rank == 0).then_some(rows))
 }
@@ -80,6 +72,7 @@ pub fn rank_main(
     _rank: usize,
     _np: usize,
     _buckets: &[usize],
+    _values: &ValueNames,
     _iters: usize,
 ) -> Result<Option<Vec<AgreementRow>>, Error> {
     Err(Error::Mpi {

@@ -5,7 +5,7 @@
 //! This crate knows nothing about models: it sees named slots of f32 and ranks.
 //!
 //! Transports: `Solo` (one rank), the shared-memory bus, MPI and hierarchical shm+MPI (feature
-//! `mpi`), NCCL (feature `cuda`, module `nccl`: compiled but never run, see its header).
+//! `mpi`), NCCL (feature `cuda`, module `nccl`: run at world size 1 on one GPU so far, see its header).
 
 pub mod agreement;
 pub mod bench;
@@ -18,20 +18,21 @@ pub mod nccl;
 pub mod overlap;
 pub mod shm;
 pub mod spikes;
+pub mod staged;
 pub mod transport;
 pub mod verdict;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 mod wire;
 
-pub use agreement::{AgreementPath, Anomaly, ExactSum, Stat, Summary};
+pub use agreement::{AgreementPath, Anomaly, ExactSum, LocalReport, Stat, Summary, ValueNames};
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
-pub use overlap::{backward_and_reduce, GradMut, ParamGrads};
+pub use overlap::{backward_and_reduce, BusBackend, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
 pub use spikes::{Spike, SpikeDetector};
+pub use staged::{staged_backward_and_reduce, staged_reduced_grads, Staged, StagedSlots};
 pub use transport::{AlignedBuf, Progress, Solo, Transport};
 pub use verdict::{
-    decide, Action, Cause, Classification, HealthTable, History, LocalReport, Policy, RankHealth, Report, StepId,
-    Verdict,
+    decide, Action, Cause, Classification, HealthTable, History, Policy, RankHealth, Report, StepId, Verdict,
 };
 
 /// Errors of the collectives layer.

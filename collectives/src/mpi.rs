@@ -10,7 +10,7 @@
 //!                                        shm broadcast: leader's slot -> every local slot
 //!
 //!  agree (per update, both), on the path chosen at open (`AgreementPath::choose`: the cost
-//!  model for this world size and bucket count, or GRADBUS_AGREEMENT; checked at open):
+//!  model for this world size, bucket count and value count, or GRADBUS_AGREEMENT; checked at open):
 //!    summary path: MPI_Allreduce(SUM) + MPI_Allreduce(MAX) of every rank's `Summary` words
 //!      (O(buckets), whatever the world; hier: the leaders contribute their node's summary),
 //!      then, only if it shows an anomaly (non-finite, replicas/reducers/collectives differ):
@@ -62,14 +62,13 @@ use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
 use gradbus_kernels::{health_scan, Health};
 
-use crate::agreement::{AgreementPath, Summary};
+use crate::agreement::{AgreementPath, LocalReport, Summary, Times, ValueNames};
 use crate::layout::{Fnv, Layout};
 use crate::shm::{BusConfig, ShmBus};
 use crate::transport::{Progress, Transport};
-use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
-/// "No first bad index" in a gathered word.
 use crate::wire::{fold_op, health_of, health_words};
 /// Largest element count of one `MPI_Allreduce` call (counts are C ints).
 const MAX_COUNT: usize = 1 << 30;
@@ -159,7 +158,8 @@ fn check_world(world: &SimpleCommunicator, expect: &Expect) -> Result<(), Error>
 const ID_WORDS: usize = 6;
 
 /// One allgather of every rank's identity; every rank runs the same checks on the same rows, so all
-/// fail alike. Returns the rows: [env rank, node id, local rank, local size, config hash, layout hash].
+/// fail alike. Returns the rows: [env rank, node id, local rank, local size, config hash (the
+/// agreement path and the workload values' names folded in), layout hash].
 fn exchange_identity(comm: &SimpleCommunicator, mine: [u64; ID_WORDS]) -> Result<Vec<[u64; ID_WORDS]>, Error> {
     let n = comm.size() as usize;
     let mut all = vec![0u64; n * ID_WORDS];
@@ -218,11 +218,12 @@ fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
 /// then every rank builds the same table from the same rows.
 ///
 /// Row: `[op hash, reducer flag, local health (4 words) x buckets, reduced health (4) x buckets,
-/// report (8)]`. `reduced` is meaningful on reducers only (every rank of the flat transport, the
+/// report (2 + values)]`. `reduced` is meaningful on reducers only (every rank of the flat transport, the
 /// leaders of the hierarchical one); the table takes the lowest reducer's, and every reducer's must
 /// be bitwise the same.
 fn agree_rows(
     comm: &SimpleCommunicator,
+    names: &ValueNames,
     ops: u64,
     local: &[Health],
     reduced: Option<&[Health]>,
@@ -231,13 +232,13 @@ fn agree_rows(
     let mine = row_words(ops, local, reduced, report);
     let mut all = vec![0u64; comm.size() as usize * mine.len()];
     comm.all_gather_into(&mine[..], &mut all[..]);
-    table_of_rows(&all, local.len(), ops, comm.rank() as usize)
+    table_of_rows(&all, local.len(), names, ops, comm.rank() as usize)
 }
 
 /// One rank's row of the table path (see `agree_rows`).
 fn row_words(ops: u64, local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Vec<u64> {
     let nb = local.len();
-    let mut mine = Vec::with_capacity(2 + 8 * nb + LocalReport::WORDS);
+    let mut mine = Vec::with_capacity(2 + 8 * nb + LocalReport::words(report.values.len()));
     mine.push(ops);
     mine.push(reduced.is_some() as u64);
     mine.extend(local.iter().flat_map(health_words));
@@ -250,10 +251,11 @@ fn row_words(ops: u64, local: &[Health], reduced: Option<&[Health]>, report: &Lo
 }
 
 /// The table every rank builds from the same gathered rows (`row_words` of every rank, in rank
-/// order), after checking that all ran the collectives `ops` hashes and that every reducer's sums
-/// are the same bits. `me`: this rank, for the error message.
-fn table_of_rows(all: &[u64], nb: usize, ops: u64, me: usize) -> Result<HealthTable, Error> {
-    let row = 2 + 8 * nb + LocalReport::WORDS;
+/// order, over `nb` buckets and reports of the values `names`), after checking that all ran the
+/// collectives `ops` hashes and that every reducer's sums are the same bits. `me`: this rank, for
+/// the error message.
+fn table_of_rows(all: &[u64], nb: usize, names: &ValueNames, ops: u64, me: usize) -> Result<HealthTable, Error> {
+    let row = 2 + 8 * nb + LocalReport::words(names.len());
     let rows: Vec<&[u64]> = all.chunks_exact(row).collect();
     let n = rows.len();
     for (j, r) in rows.iter().enumerate() {
@@ -289,7 +291,7 @@ fn table_of_rows(all: &[u64], nb: usize, ops: u64, me: usize) -> Result<HealthTa
         reports.push(LocalReport::from_words(&r[2 + 8 * nb..]));
     }
     let reduced = red(first).chunks_exact(4).map(health_of).collect();
-    Ok(HealthTable::detailed(n, local, reduced, reports, Some(ops)))
+    Ok(HealthTable::detailed(n, names, local, reduced, reports, Some(ops)))
 }
 
 /// The summary path of the agreement: the all-reduce of every rank's contribution, as two
@@ -303,7 +305,7 @@ fn allreduce_summary(comm: &SimpleCommunicator, mine: &Summary) -> Summary {
     // 1750 buckets, `--bench-allreduce --agreement`).
     comm.all_reduce_into(&s[..], &mut rs[..], SystemOperation::sum());
     comm.all_reduce_into(&m[..], &mut rm[..], SystemOperation::max());
-    Summary::from_words(mine.buckets(), &rs, &rm)
+    Summary::from_words(mine.buckets(), mine.names(), &rs, &rm)
 }
 
 /// The agreement of both transports: the summary all-reduce, then the full table (`agree_rows`)
@@ -328,7 +330,7 @@ fn agree_world(
             return Ok(HealthTable::summarized(n, summary).expect("no anomaly: the reducers agree"));
         }
     }
-    agree_rows(comm, ops, &local(), reduced, report)
+    agree_rows(comm, contribution.names(), ops, &local(), reduced, report)
 }
 
 /// MPI handles of one transport, dropped before the universe (or leaked with it on failure).
@@ -432,6 +434,7 @@ fn all_leaving(exit: &SimpleCommunicator, timeout: std::time::Duration) -> bool 
 /// A flat MPI world: every rank is its own node, no shared memory.
 pub struct MpiTransport {
     layout: Layout,
+    values: ValueNames,
     grads: crate::transport::AlignedBuf,
     scratch: Vec<f32>,
     local: Vec<Health>,
@@ -445,10 +448,12 @@ pub struct MpiTransport {
 
 impl MpiTransport {
     /// Initialise MPI, check that the environment's rank and world size agree with it, and check
-    /// every rank's `config_hash` and layout (one allgather). Collective over `MPI_COMM_WORLD`.
-    pub fn open(expect: Expect, layout: Layout, config_hash: u64) -> Result<MpiTransport, Error> {
-        let agreement = AgreementPath::choose(expect.world, layout.buckets.len())?;
-        let ident = [expect.rank as u64, expect.rank as u64, 0, 1, agreement.fold(config_hash), layout.hash()];
+    /// every rank's `config_hash`, layout and workload `values` (one allgather), the agreement path
+    /// (`AgreementPath::choose`) folded into the hash. Collective over `MPI_COMM_WORLD`.
+    pub fn open(expect: Expect, layout: Layout, values: ValueNames, config_hash: u64) -> Result<MpiTransport, Error> {
+        let agreement = AgreementPath::choose(expect.world, layout.buckets.len(), &values)?;
+        let hash = agreement.fold(config_hash) ^ values.hash();
+        let ident = [expect.rank as u64, expect.rank as u64, 0, 1, hash, layout.hash()];
         let (core, _) = MpiCore::open(&expect, |_| Ok(ident))?;
         let nb = layout.buckets.len();
         let biggest = layout.buckets.iter().map(|b| b.range.len()).max().unwrap_or(0);
@@ -462,6 +467,7 @@ impl MpiTransport {
             world: expect.world,
             agreement,
             layout,
+            values,
             core,
         })
     }
@@ -497,7 +503,7 @@ unsafe impl Transport for MpiTransport {
         fold_op(&mut self.ops, "agree", at, None);
         let ops = std::mem::take(&mut self.ops).0;
         let (l, red) = (&self.local, &self.reduced);
-        let mine = Summary::of_rank(l, Some(red), &local);
+        let mine = Summary::of_rank(&self.values, l, Some(red), &local);
         let path = self.agreement;
         let table =
             self.core.guard(|c| agree_world(&c.comms().world, path, ops, mine, || l.clone(), Some(red), &local))?;
@@ -539,7 +545,7 @@ impl HierTransport {
     pub fn open(expect: Expect, mut bus: BusConfig) -> Result<HierTransport, Error> {
         // A node id past a C int gets a colour anyway, so that this rank joins every split; it
         // fails after them (and its peers at their bus's deadline).
-        let agreement = AgreementPath::choose(expect.world, bus.layout.buckets.len())?;
+        let agreement = AgreementPath::choose(expect.world, bus.layout.buckets.len(), &bus.values)?;
         let env_node = bus.node_id;
         let fake = i32::try_from(env_node).unwrap_or(i32::MAX);
         // Find the node before opening the bus: the splits are collective over the world, and a
@@ -556,7 +562,8 @@ impl HierTransport {
             node.process_at_rank(0).broadcast_into(&mut id);
             (bus.node_id, bus.local_rank, bus.local_size) = (id as usize, node.rank() as usize, node.size() as usize);
             let (n, lr, ls) = (bus.node_id as u64, bus.local_rank as u64, bus.local_size as u64);
-            Ok([expect.rank as u64, n, lr, ls, agreement.fold(bus.config_hash), bus.layout.hash()])
+            let hash = agreement.fold(bus.config_hash) ^ bus.values.hash();
+            Ok([expect.rank as u64, n, lr, ls, hash, bus.layout.hash()])
         })?;
         let mut core = core;
         core.comms.as_mut().expect("live").leaders = leaders;
@@ -630,10 +637,10 @@ unsafe impl Transport for HierTransport {
             // The node's summary (a full node table only when the node shows an anomaly). Its
             // leader contributes it, with the global reduce's health in place of the node's;
             // the other ranks contribute nothing but their collective hash.
-            let node = self.bus.agree(at, local)?;
+            let node = self.bus.agree(at, local.clone())?;
             let leader = self.core.comms().leaders.is_some();
             let red = leader.then_some(&self.reduced[..]);
-            let mut mine = Summary::empty(node.buckets);
+            let mut mine = Summary::empty(node.buckets, node.summary.names());
             if let Some(red) = red {
                 mine = node.summary.clone();
                 mine.clear_reduced();
@@ -701,16 +708,17 @@ pub(crate) fn bench_allreduce(
 pub(crate) fn bench_agreement(
     universe: &Universe,
     buckets: usize,
+    values: &ValueNames,
     warmup: usize,
     iters: usize,
     rounds: usize,
-) -> crate::bench_agreement::Times {
+) -> Times {
     let world = universe.world();
     let (local, reduced) =
         (vec![Health::default(); buckets], vec![Health { sumsq: 1.5, ..Health::default() }; buckets]);
-    let report = LocalReport { loss: 0.5, ..LocalReport::default() };
+    let report = LocalReport { loss: 0.5, values: vec![0.25; values.len()], ..LocalReport::default() };
     let ops = 1;
-    let contribution = Summary::of_rank(&local, Some(&reduced), &report);
+    let contribution = Summary::of_rank(values, &local, Some(&reduced), &report);
     let mine = row_words(ops, &local, Some(&reduced), &report);
     let mut all = vec![0u64; world.size() as usize * mine.len()];
     let time = |f: &mut dyn FnMut()| {
@@ -731,7 +739,7 @@ pub(crate) fn bench_agreement(
     };
     let allgather_us = time(&mut || world.all_gather_into(&mine[..], &mut all[..]));
     let table_us = time(&mut || {
-        let t = agree_rows(&world, ops, &local, Some(&reduced), &report).expect("healthy rows");
+        let t = agree_rows(&world, values, ops, &local, Some(&reduced), &report).expect("healthy rows");
         assert!(t.is_detailed());
     });
     let summary_us = time(&mut || {
@@ -739,14 +747,14 @@ pub(crate) fn bench_agreement(
         let t = agree_world(&world, AgreementPath::Summary, ops, s, row, Some(&reduced), &report).expect("healthy");
         assert!(!t.is_detailed(), "a healthy update decides from the summary");
     });
-    let table_cpu_us = time(&mut || assert!(table_of_rows(&all, buckets, ops, 0).is_ok()));
+    let table_cpu_us = time(&mut || assert!(table_of_rows(&all, buckets, values, ops, 0).is_ok()));
     let summary_cpu_us = time(&mut || {
         let mut s = contribution.clone();
         s.ops.add(ops);
-        let back = Summary::from_words(buckets, &s.sum_words(), &s.max_words());
+        let back = Summary::from_words(buckets, values, &s.sum_words(), &s.max_words());
         assert!(back.anomaly().is_none() && HealthTable::summarized(1, back).is_some());
     });
-    crate::bench_agreement::Times { allgather_us, table_us, summary_us, table_cpu_us, summary_cpu_us }
+    Times { allgather_us, table_us, summary_us, table_cpu_us, summary_cpu_us }
 }
 
 /// `MPI_COMM_WORLD`'s size must be the benchmark's process count.

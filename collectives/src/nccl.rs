@@ -1,9 +1,9 @@
 //! The NCCL transport (feature `cuda`): one NCCL communicator per job over every rank's GPU.
 //!
-//! NEVER RUN: this file was written from cudarc 0.19's API and has only been compiled, and tested on
-//! a machine without a CUDA driver, where `open` returns `Error::Cuda(NoCudaDriver)`. Treat it as a
-//! first draft to be exercised on GPUs (world size 1 works on one GPU; NCCL refuses two ranks on one
-//! device).
+//! Run at world size 1 only: `tests/nccl.rs`'s world-1 test passed on an H200 (`scripts/gpu-check.sh
+//! --prebuilt`, see FIELD-NOTES); on a machine without a CUDA driver `open` returns
+//! `Error::Cuda(NoCudaDriver)`. Two or more ranks have not run yet: that needs a GPU per rank (NCCL
+//! refuses two ranks on one device).
 //!
 //! ```text
 //!  open:    rank 0: ncclGetUniqueId -> {run_dir}/nccl-{job_id}.id (temp file + rename)
@@ -17,7 +17,7 @@
 //!           ncclGroupStart
 //!             ncclAllReduce(SUM, in place) of every pending bucket
 //!             ncclAllGather of the fixed-size row of every rank:
-//!               [op hash | config hash | layout hash | local health (4 words) x buckets | report (8)]
+//!               [op hash | config hash | layout hash | local health (4 words) x buckets | report (2 + values)]
 //!           ncclGroupEnd, stream synchronized
 //!           reduced buckets: health scan (same kernel, same bits on every rank), device -> host
 //!           every rank builds the same HealthTable from the same gathered rows
@@ -34,10 +34,12 @@
 //! - The local health is the GPU scan's: counts and first bad index equal the CPU's, the sum of
 //!   squares may differ from `bucket_health` in its last bits (another order of exact additions),
 //!   so a CPU replay cannot compare this transport's sums bitwise.
-//! - The workload still computes gradients on the CPU, so `grads()` is a host buffer staged through
-//!   the device per bucket (one copy in, one out). All-reduces are deferred to `agree` (one group
-//!   launch per update); a GPU workload would keep its gradients on the device and launch each
-//!   bucket's all-reduce as soon as the bucket is ready, to overlap it with backward.
+//! - Two ways in. A CPU workload writes `grads()`, a host buffer staged through the device per
+//!   bucket (one copy in, one out). The CUDA backend writes the device buffer itself
+//!   (`device_grads`, through `BusBackend for Gpu`): its buckets are scanned and all-reduced where
+//!   they are, and only the health rows cross to the host. All-reduces are deferred to `agree` (one
+//!   group launch per update); launching each bucket's all-reduce as soon as it is ready, to
+//!   overlap backward, is the next step.
 //! - Deadlines: the id rendezvous has one (`timeout`); `ncclCommInitRank` and the collectives have
 //!   none (blocking communicator): a rank that dies inside them leaves the others waiting until the
 //!   launcher's supervision tears the job down.
@@ -54,9 +56,10 @@ use cudarc::nccl::{Comm, Id, ReduceOp};
 use gradbus_kernels::cuda::Gpu;
 use gradbus_kernels::Health;
 
+use crate::agreement::{LocalReport, ValueNames};
 use crate::layout::{Fnv, Layout};
 use crate::transport::{AlignedBuf, Transport};
-use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
 /// "No first bad index" in a row word.
@@ -83,6 +86,8 @@ pub struct NcclConfig {
     pub config_hash: u64,
     /// The flat buffer's layout, the same on every rank.
     pub layout: Layout,
+    /// The workload values each rank reports in the agreement, the same on every rank.
+    pub values: ValueNames,
 }
 
 fn nccl_err(what: &str) -> impl FnOnce(cudarc::nccl::result::NcclError) -> Error + '_ {
@@ -152,6 +157,9 @@ pub struct NcclTransport {
     dev: CudaSlice<f32>,
     /// Buckets staged since the last agreement, to be all-reduced in its group.
     pending: Vec<usize>,
+    /// This update's gradients were written to `dev` by a device backend (`device_grads`): no copy
+    /// from or back to the host buffer, only the health rows cross.
+    device_resident: bool,
     local: Vec<Health>,
     ops: Fnv,
 }
@@ -194,6 +202,7 @@ impl NcclTransport {
             host: AlignedBuf::zeros(cfg.layout.len),
             local: vec![Health::default(); cfg.layout.buckets.len()],
             pending: Vec::new(),
+            device_resident: false,
             ops: Fnv::default(),
             gpu,
             comm,
@@ -232,6 +241,18 @@ impl NcclTransport {
     }
 }
 
+impl NcclTransport {
+    /// The device gradient buffer, for a device backend that writes this update's gradients into it
+    /// (`layout().len` floats on this transport's GPU). From this call to the next `agree` the
+    /// buckets are reduced where they are: `allreduce_bucket` copies nothing from the host buffer
+    /// and `agree` copies nothing back to it (the host buffer is stale; the backend reads the
+    /// reduced gradients here).
+    pub fn device_grads(&mut self) -> &mut CudaSlice<f32> {
+        self.device_resident = true;
+        &mut self.dev
+    }
+}
+
 // SAFETY: the host staging buffer never moves; `allreduce_bucket` copies only its bucket's range.
 unsafe impl Transport for NcclTransport {
     fn rank(&self) -> usize {
@@ -250,10 +271,12 @@ unsafe impl Transport for NcclTransport {
         fold_op(&mut self.ops, "reduce", at, Some(bucket));
         let range = self.cfg.layout.buckets[bucket].range.clone();
         let mut view = self.dev.slice_mut(range.clone());
-        self.gpu
-            .stream()
-            .memcpy_htod(&*self.host.range_mut(range), &mut view)
-            .map_err(cuda_err("copy bucket to device"))?;
+        if !self.device_resident {
+            self.gpu
+                .stream()
+                .memcpy_htod(&*self.host.range_mut(range), &mut view)
+                .map_err(cuda_err("copy bucket to device"))?;
+        }
         self.local[bucket] = self.gpu.health_scan(&view)?;
         self.pending.push(bucket);
         Ok(())
@@ -274,12 +297,15 @@ unsafe impl Transport for NcclTransport {
             let range = self.cfg.layout.buckets[b].range.clone();
             let view = self.dev.slice(range.clone());
             reduced[b] = self.gpu.health_scan(&view)?;
-            self.gpu
-                .stream()
-                .memcpy_dtoh(&view, &mut self.host.as_mut_slice()[range])
-                .map_err(cuda_err("copy bucket to host"))?;
+            if !self.device_resident {
+                self.gpu
+                    .stream()
+                    .memcpy_dtoh(&view, &mut self.host.as_mut_slice()[range])
+                    .map_err(cuda_err("copy bucket to host"))?;
+            }
         }
         self.gpu.synchronize()?;
+        self.device_resident = false;
         let rows: Vec<&[u64]> = all.chunks_exact(width).collect();
         for (j, r) in rows.iter().enumerate() {
             if r[..HEAD] != mine[..HEAD] {
@@ -299,10 +325,13 @@ unsafe impl Transport for NcclTransport {
             reports.push(LocalReport::from_words(&r[HEAD + 4 * nb..]));
         }
         // The table path always: a single GPU per machine has not run this transport yet.
-        let table = HealthTable::detailed(n, local, reduced, reports, Some(ops));
+        let table = HealthTable::detailed(n, &self.cfg.values, local, reduced, reports, Some(ops));
         // Buckets not reduced in the next update report nothing, as on the bus.
         self.local.fill(Health::default());
         Ok(table)
+    }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 }
 
@@ -334,14 +363,34 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = id_path(dir.path(), "job-2");
         fs::write(&path, [1u8; 17]).unwrap();
-        let t0 = Instant::now();
         match await_id(&path, Duration::from_millis(100)) {
-            Err(Error::Timeout { missing, phase, .. }) => {
+            Err(Error::Timeout { missing, phase, secs, .. }) => {
                 assert_eq!(missing, vec![0]);
                 assert!(phase.contains("nccl-job-2.id"), "{phase}");
+                assert_eq!(secs, 0.1);
             }
             other => panic!("expected a timeout, got {:?}", other.map(|_| ())),
         }
-        assert!(t0.elapsed() >= Duration::from_millis(100));
+    }
+
+    /// A reader that finds a partial file keeps waiting, and takes the id once rank 0 has renamed
+    /// it into place (the 60 s deadline only bounds a hang).
+    #[test]
+    fn a_partial_id_is_waited_past_until_the_whole_one_arrives() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = id_path(dir.path(), "job-3");
+        fs::write(&path, [1u8; 17]).unwrap();
+        let internal = [7 as std::ffi::c_char; ID_BYTES];
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                tx.send(()).unwrap();
+                await_id(&path, Duration::from_secs(60)).map(|id| *id.internal())
+            })
+        };
+        rx.recv().unwrap();
+        publish_id(&path, &Id::uninit(internal)).unwrap();
+        assert_eq!(reader.join().unwrap().unwrap(), internal);
     }
 }

@@ -26,6 +26,8 @@ use std::ops::{Deref, DerefMut, Range};
 use std::ptr::NonNull;
 use std::sync::mpsc;
 
+use gradbus_kernels::backend::{Backend, Cpu, GradSlots};
+
 use crate::layout::Layout;
 use crate::transport::Transport;
 use crate::verdict::StepId;
@@ -160,6 +162,71 @@ impl<'a> ParamGrads<'a> {
             let _ = tx.send(self.next);
         }
         self.next += 1;
+    }
+}
+
+impl<'a> GradSlots<Cpu> for ParamGrads<'a> {
+    type Slot = GradMut<'a>;
+    fn take(&mut self, p: usize) -> GradMut<'a> {
+        ParamGrads::take(self, p)
+    }
+    fn view_mut<'s>(slot: &'s mut GradMut<'a>) -> &'s mut [f32] {
+        slot
+    }
+    fn view<'s>(slot: &'s GradMut<'a>) -> &'s [f32] {
+        slot
+    }
+    fn release(&mut self, p: usize, slot: GradMut<'a>) {
+        ParamGrads::release(self, p, slot)
+    }
+}
+
+/// How backend `Self`'s backward reaches a transport's gradient buffer, and its optimizer the
+/// reduced gradients: the step loop's only way to the gradients, for any backend. The CPU's is
+/// zero-copy: backward writes through [`ParamGrads`] straight into the transport's buffer (the
+/// shared-memory segment), overlapped with the bucket reduces by [`backward_and_reduce`]. A device
+/// backend hands backward views of its device gradient buffer and reduces a bucket where it lives
+/// (NCCL), or stages it through pinned host memory onto a host transport, once the bucket's last
+/// view is back.
+pub trait BusBackend: Backend {
+    /// The gradient buffer as backward sees it.
+    type Slots<'g>: GradSlots<Self>;
+    /// Zero the gradients, run `backward` on them and all-reduce every bucket in order (overlapped
+    /// when `overlap`), calling `finalize(p, grad)` on each parameter's final gradient before it
+    /// can be reduced and `after_bucket(b)` after bucket `b`'s reduce.
+    fn backward_and_reduce<F>(
+        &self,
+        bus: &mut dyn Transport,
+        at: StepId,
+        overlap: bool,
+        finalize: &mut (dyn FnMut(usize, Self::ViewMut<'_>) + Send),
+        backward: F,
+        after_bucket: &mut dyn FnMut(usize),
+    ) -> Result<(), Error>
+    where
+        F: FnOnce(&mut Self::Slots<'_>) + Send;
+    /// The transport's reduced gradients (after `agree`), for the optimizer.
+    fn reduced_grads<'a>(&self, bus: &'a mut dyn Transport) -> Self::ViewMut<'a>;
+}
+
+impl BusBackend for Cpu {
+    type Slots<'g> = ParamGrads<'g>;
+    fn backward_and_reduce<F>(
+        &self,
+        bus: &mut dyn Transport,
+        at: StepId,
+        overlap: bool,
+        finalize: &mut (dyn FnMut(usize, &mut [f32]) + Send),
+        backward: F,
+        after_bucket: &mut dyn FnMut(usize),
+    ) -> Result<(), Error>
+    where
+        F: FnOnce(&mut ParamGrads<'_>) + Send,
+    {
+        backward_and_reduce(bus, at, overlap, finalize, backward, after_bucket)
+    }
+    fn reduced_grads<'a>(&self, bus: &'a mut dyn Transport) -> &'a mut [f32] {
+        bus.grads()
     }
 }
 
@@ -312,7 +379,11 @@ mod tests {
     }
 
     fn recorder(fail_at: Option<usize>) -> Recorder {
-        Recorder { solo: crate::transport::Solo::new(layout()), reduced: Default::default(), fail_at }
+        Recorder {
+            solo: crate::transport::Solo::new(layout(), Default::default()),
+            reduced: Default::default(),
+            fail_at,
+        }
     }
 
     /// A backward that writes `p + 1` into every parameter, last first.

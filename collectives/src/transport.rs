@@ -10,8 +10,9 @@ use std::ops::Range;
 
 use gradbus_kernels::{health_scan, Health};
 
+use crate::agreement::{LocalReport, ValueNames};
 use crate::layout::Layout;
-use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
 /// Progress that a rank publishes for the launcher's progress bar.
@@ -78,6 +79,11 @@ pub unsafe trait Transport {
     fn publish(&mut self, _progress: Progress) {}
     /// Mark this rank as failed so peers stop waiting for it and fail at once (best effort).
     fn mark_failed(&mut self) {}
+    /// The transport as `Any`, for a device backend that reduces through a transport of its own
+    /// kind (`staged::Staged`, which owns the device copy of the gradients). `None`: a host transport.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 /// The health of one bucket's elements as a transport that tallies it in `chunks` reducer chunks
@@ -136,15 +142,16 @@ impl AlignedBuf {
 /// World size 1: no peers, the reduce is the identity, the health tally is a plain scan.
 pub struct Solo {
     layout: Layout,
+    values: ValueNames,
     grads: AlignedBuf,
     local: Vec<Health>,
 }
 
 impl Solo {
-    /// A solo transport over `layout`.
-    pub fn new(layout: Layout) -> Solo {
+    /// A solo transport over `layout`, agreeing on the workload values `values`.
+    pub fn new(layout: Layout, values: ValueNames) -> Solo {
         let n = layout.buckets.len();
-        Solo { grads: AlignedBuf::zeros(layout.len), layout, local: vec![Health::default(); n] }
+        Solo { grads: AlignedBuf::zeros(layout.len), layout, values, local: vec![Health::default(); n] }
     }
 }
 
@@ -169,6 +176,6 @@ unsafe impl Transport for Solo {
         Ok(())
     }
     fn agree(&mut self, _at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
-        Ok(HealthTable::detailed(1, self.local.clone(), self.local.clone(), vec![local], None))
+        Ok(HealthTable::detailed(1, &self.values, self.local.clone(), self.local.clone(), vec![local], None))
     }
 }

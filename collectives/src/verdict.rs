@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use gradbus_kernels::Health;
 use serde::{Deserialize, Serialize};
 
-use crate::agreement::Summary;
+use crate::agreement::{LocalReport, Stat, Summary, ValueNames};
 use crate::layout::Layout;
 
 /// Which optimizer update a collective belongs to. Never "-1": the worker always knows its step.
@@ -23,48 +23,6 @@ pub struct StepId {
     pub minibatch: u32,
     /// 0 for the first execution, 1 for a rerun.
     pub attempt: u32,
-}
-
-/// Scalars that each rank contributes to the agreement (exchanged with the health table, no extra
-/// round trip). `loss` decides `loss_finite`; `values` are the workload's own (reward, KL...), which
-/// the agreement sums exactly and takes the extremes of (`Summary`); `replica` is a checksum of the
-/// state every rank must hold alike (the parameters), which must agree across ranks.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-#[repr(C)]
-pub struct LocalReport {
-    /// This rank's loss for the update.
-    pub loss: f64,
-    /// Workload-defined scalars, averaged or summed by the workload after the agreement.
-    pub values: [f64; LocalReport::VALUES],
-    /// Checksum of this rank's replica of the shared state; ranks that differ stop the job.
-    pub replica: u64,
-}
-
-impl LocalReport {
-    /// Number of workload values.
-    pub const VALUES: usize = 5;
-    /// Words of a report on the wire or in a segment.
-    pub const WORDS: usize = 2 + LocalReport::VALUES;
-
-    /// The report as words: loss bits, value bits, replica.
-    pub fn to_words(&self) -> [u64; LocalReport::WORDS] {
-        let mut w = [0; LocalReport::WORDS];
-        w[0] = self.loss.to_bits();
-        for (w, v) in w[1..].iter_mut().zip(&self.values) {
-            *w = v.to_bits();
-        }
-        w[LocalReport::WORDS - 1] = self.replica;
-        w
-    }
-
-    /// The report of `to_words`' words.
-    pub fn from_words(w: &[u64]) -> LocalReport {
-        LocalReport {
-            loss: f64::from_bits(w[0]),
-            values: std::array::from_fn(|i| f64::from_bits(w[1 + i])),
-            replica: w[LocalReport::WORDS - 1],
-        }
-    }
 }
 
 /// What every rank knows after the agreement of one update.
@@ -93,11 +51,12 @@ pub struct HealthTable {
 
 impl HealthTable {
     /// The table of a full gather: the summary is the merge of every rank's contribution (rank
-    /// `k`'s local cells and report; the reduced health from `reduced`), so it is bitwise the
-    /// summary an all-reduce of the same contributions gives; `ops` is the agreed collective hash
-    /// (when the transport checks one).
+    /// `k`'s local cells and report of the values `names`; the reduced health from `reduced`), so
+    /// it is bitwise the summary an all-reduce of the same contributions gives; `ops` is the agreed
+    /// collective hash (when the transport checks one).
     pub fn detailed(
         world: usize,
+        names: &ValueNames,
         local: Vec<Health>,
         reduced: Vec<Health>,
         reports: Vec<LocalReport>,
@@ -105,7 +64,7 @@ impl HealthTable {
     ) -> HealthTable {
         let buckets = reduced.len();
         assert_eq!((local.len(), reports.len()), (world * buckets, world));
-        let mut summary = Summary::empty(buckets);
+        let mut summary = Summary::empty(buckets, names);
         summary.set_reduced(&reduced);
         for (k, r) in reports.iter().enumerate() {
             for b in 0..buckets {
@@ -159,9 +118,15 @@ impl HealthTable {
         self.summary.loss.sum() / self.world as f64
     }
 
-    /// Workload value `k` averaged over ranks (the exact sum rounded once, divided by the world).
-    pub fn mean_value(&self, k: usize) -> f64 {
-        self.summary.values[k].sum() / self.world as f64
+    /// The workload value `name` over ranks (see `Summary::value`).
+    pub fn value(&self, name: &str) -> &Stat {
+        self.summary.value(name)
+    }
+
+    /// The workload value `name` averaged over ranks (the exact sum rounded once, divided by the
+    /// world).
+    pub fn mean_value(&self, name: &str) -> f64 {
+        self.value(name).sum() / self.world as f64
     }
 
     /// Ranks whose local gradients hold a non-finite value, ascending (none without detail: the
@@ -236,6 +201,9 @@ pub enum Classification {
     Transient,
     /// Skipping ran out of its budget (`skip.max_consecutive` or `skip.max_fraction`).
     SkipBudget,
+    /// An fp16 loss scaler's overflow (the PyTorch guard with a `GradScaler`): skipped while the
+    /// scaler lowers its scale; an abort when the scale had already reached its floor.
+    LossScale,
 }
 
 impl std::fmt::Display for Classification {
@@ -244,6 +212,7 @@ impl std::fmt::Display for Classification {
             Classification::Deterministic => "deterministic",
             Classification::Transient => "transient",
             Classification::SkipBudget => "skip-budget",
+            Classification::LossScale => "loss-scale",
         })
     }
 }
@@ -515,7 +484,9 @@ fn suspects(fp: &[(u64, u64, Option<u64>)], world: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agreement::tests::{allreduce, names, random_rows};
     use crate::layout::ParamSpec;
+    use gradbus_kernels::rng::Rng;
 
     fn layout() -> Layout {
         Layout::new(&[ParamSpec::new("w0", 40), ParamSpec::new("w1", 20), ParamSpec::new("head", 10)], 0)
@@ -543,13 +514,8 @@ mod tests {
                 h
             })
             .collect();
-        HealthTable::detailed(
-            world,
-            local,
-            reduced,
-            vec![LocalReport { loss: 0.5, ..LocalReport::default() }; world],
-            None,
-        )
+        let reports = vec![LocalReport { loss: 0.5, ..LocalReport::default() }; world];
+        HealthTable::detailed(world, &ValueNames::default(), local, reduced, reports, None)
     }
 
     const AT: StepId = StepId { step: 7, minibatch: 2, attempt: 0 };
@@ -663,7 +629,8 @@ mod tests {
         assert!(t.replica_outliers().is_empty());
         let mut reports = t.reports.clone();
         reports[1].replica = 99;
-        let odd = HealthTable::detailed(t.world, t.local.clone(), t.reduced.clone(), reports, None);
+        let odd =
+            HealthTable::detailed(t.world, &ValueNames::default(), t.local.clone(), t.reduced.clone(), reports, None);
         assert_eq!(odd.summary.anomaly(), Some(crate::agreement::Anomaly::Replicas));
         assert_eq!(odd.replica_outliers(), vec![1]);
         let small = HealthTable::summarized(t.world, t.summary.clone()).unwrap();
@@ -672,12 +639,69 @@ mod tests {
     }
 
     #[test]
+    fn the_loss_scale_classification_reads_as_written() {
+        let json = serde_json::to_string(&Classification::LossScale).unwrap();
+        assert_eq!((json.as_str(), Classification::LossScale.to_string().as_str()), ("\"loss-scale\"", "loss-scale"));
+        assert_eq!(serde_json::from_str::<Classification>(&json).unwrap(), Classification::LossScale);
+    }
+
+    #[test]
     fn non_finite_loss_is_reported() {
         let t = table(&[(0, 0, 0, true)]);
         let mut reports = t.reports.clone();
         reports[2].loss = f64::NAN;
-        let t = HealthTable::detailed(t.world, t.local, t.reduced, reports, None);
+        let t = HealthTable::detailed(t.world, &ValueNames::default(), t.local, t.reduced, reports, None);
         let r = decide(&t, &layout(), &Policy::Abort, &History::default(), AT).report.unwrap();
         assert!(!r.loss_finite);
+    }
+
+    #[test]
+    fn the_summary_path_gives_the_table_paths_summary_verdict_and_metrics_bit_for_bit() {
+        let specs: Vec<ParamSpec> = (0..9).map(|i| ParamSpec::new(format!("p{i}"), 10 + 37 * i)).collect();
+        let layout = Layout::new(&specs, 600);
+        let mut rng = Rng::new(&[18, 4]);
+        let at = StepId { step: 3, minibatch: 1, attempt: 0 };
+        let (mut healthy, mut anomalous) = (0, 0);
+        for case in 0..600 {
+            let world = 1 + rng.below(12);
+            let p_bad = [0.0, 0.02, 0.2][case % 3];
+            let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, p_bad);
+            let nb = layout.buckets.len();
+            let local = (0..nb).flat_map(|b| rows.iter().map(move |r| r[b])).collect();
+            let table = HealthTable::detailed(world, &names(), local, reduced.clone(), reports.clone(), Some(7));
+            // Every rank a reducer, as in the flat MPI transport.
+            let parts: Vec<Summary> = (0..world)
+                .map(|k| {
+                    let mut s = Summary::of_rank(&names(), &rows[k], Some(&reduced), &reports[k]);
+                    s.ops.add(7);
+                    s
+                })
+                .collect();
+            let summary = allreduce(&mut rng, &parts);
+            assert_eq!(summary, table.summary, "case {case}");
+            let finite =
+                table.all_finite() && table.loss_finite() && table.summary.values().all(|(_, s)| s.all_finite());
+            let same_replica = reports.iter().all(|r| r.replica == reports[0].replica);
+            assert_eq!(summary.anomaly().is_none(), finite && same_replica, "case {case}");
+            if summary.anomaly().is_some() {
+                anomalous += 1;
+                continue;
+            }
+            healthy += 1;
+            let small = HealthTable::summarized(world, summary).unwrap();
+            assert!(!small.is_detailed());
+            assert_eq!(small.reduced, table.reduced);
+            assert_eq!(small.grad_norm().to_bits(), table.grad_norm().to_bits());
+            assert_eq!(small.mean_loss().to_bits(), table.mean_loss().to_bits());
+            for name in names().iter() {
+                assert_eq!(small.mean_value(name).to_bits(), table.mean_value(name).to_bits());
+                assert_eq!(small.value(name).max().to_bits(), table.value(name).max().to_bits());
+            }
+            assert!(small.nonfinite_ranks().is_empty() && table.nonfinite_ranks().is_empty());
+            let policy = Policy::Skip { max_consecutive: 2, max_fraction: 0.5, window: 8 };
+            let h = History::default();
+            assert_eq!(decide(&small, &layout, &policy, &h, at), decide(&table, &layout, &policy, &h, at));
+        }
+        assert!(healthy > 150 && anomalous > 150, "both paths exercised: {healthy} healthy, {anomalous} not");
     }
 }

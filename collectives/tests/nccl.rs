@@ -25,6 +25,7 @@ fn config(dir: &std::path::Path, world: usize) -> NcclConfig {
         timeout: Duration::from_secs(10),
         config_hash: 42,
         layout: Layout::new(&params, 64 * 1024),
+        values: Default::default(),
     }
 }
 

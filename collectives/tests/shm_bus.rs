@@ -20,7 +20,7 @@ use gradbus_kernels::rng::Rng;
 mod common;
 #[path = "../../tests/common/skip.rs"]
 mod skip;
-use common::digest;
+use common::{digest, value_names};
 
 const CHILD_ENV: &str = "GRADBUS_TEST_CHILD";
 const SHM: &str = "/dev/shm";
@@ -93,6 +93,7 @@ fn env() -> Env {
 fn config(e: &Env, layout: Layout, timeout: Duration) -> BusConfig {
     let mut c = BusConfig::new(e.job.clone(), e.rank, e.np, layout);
     c.timeout = timeout;
+    c.values = value_names();
     c
 }
 
@@ -183,7 +184,7 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
         for b in 0..layout.buckets.len() {
             bus.allreduce_bucket(at, b)?;
         }
-        let report = LocalReport { loss: e.rank as f64 + 0.5, values: [u as f64; LocalReport::VALUES], replica: 7 };
+        let report = LocalReport { loss: e.rank as f64 + 0.5, values: vec![u as f64; value_names().len()], replica: 7 };
         let table = bus.agree(at, report)?;
         let verdict = decide(&table, &layout, &Policy::Abort, &history, at);
         history.record(&table, &verdict);
@@ -243,7 +244,7 @@ fn child_nonfinite(e: &Env) -> Result<(), Error> {
     for b in 0..layout.buckets.len() {
         bus.allreduce_bucket(at, b)?;
     }
-    let table = bus.agree(at, LocalReport { loss: 1.0, ..LocalReport::default() })?;
+    let table = bus.agree(at, LocalReport { loss: 1.0, values: vec![0.0; value_names().len()], replica: 0 })?;
     let verdict = decide(&table, &layout, &Policy::Abort, &History::default(), at);
     let json = serde_json::to_string(&verdict.report).unwrap();
     std::fs::write(e.dir.join(format!("table-{}.txt", e.rank)), format!("{table:?}\n{verdict:?}")).unwrap();

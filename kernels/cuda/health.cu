@@ -1,21 +1,26 @@
 // The fused health scan on the GPU: one read of a gradient slice gives its NaN count, Inf count,
 // the f64 sum of squares of its FINITE elements and the index of its first non-finite element.
 //
-// Two passes, no atomics, so the result is bitwise repeatable run after run (and independent of the
-// GPU model: the partition depends on n only):
-//   pass 1  health_partial_<dtype>: block b scans tile b (HEALTH_TILE elements: thread t takes
-//           elements t, t + 256, ... of the tile, in order), then a fixed-shape block reduction
-//           (warp shuffles, then warps 0..7 in order) writes one partial row for the tile;
-//   pass 2  health_final: one block folds the partial rows - thread t takes rows t, t + 1024, ...
-//           in order, then the same fixed-shape reduction - into one row.
+// One launch, no float atomics, so the result is bitwise repeatable run after run and independent
+// of the GPU model (the partition depends on n only):
+//   block b scans tile b (HEALTH_TILE elements in rounds of 16-byte loads, every load of a round
+//   issued before any is used), folds its threads' rows in a fixed-shape tree in shared memory and
+//   writes one partial row; the block that finishes last (an integer ticket, `atomicAdd` on a
+//   counter) folds the partial rows in tile order with the same tree, writes the result row and
+//   resets the counter for the next launch.
 // A row is 4 words: [nan, inf, sum of squares (f64 bits), first bad index (~0 = none)].
-// The square of an f32 is exact in f64 (24-bit mantissa), so only the order of the additions
-// differs from the CPU scan: counts and first index are equal, sums agree to ~1e-15 relative.
+// The square of an f32 is exact in f64 (24-bit mantissa), so `fma(f, f, s)` is `s + f * f` to the
+// bit and only the order of the additions differs from the CPU scan: counts and first index are
+// equal, the sums differ by at most 2 (n - 1) 2^-53 of the sum (the test's bound).
+// No warp shuffles: the tree runs through shared memory (the CPU shim can execute it).
+//
+// `read_only_<dtype>` is the baseline of the scan's bandwidth: the same tiles and loads, with only
+// an xor of the bits per element and one word written per block.
 
 #define HEALTH_THREADS 256
-#define HEALTH_PER_THREAD 32
-#define HEALTH_TILE (HEALTH_THREADS * HEALTH_PER_THREAD)
-#define FINAL_THREADS 1024
+#define HEALTH_LOADS 8    // 16-byte loads per thread per round
+#define HEALTH_ROUNDS 4   // rounds per tile (f32; 2 for bf16)
+#define HEALTH_TILE (HEALTH_THREADS * HEALTH_LOADS * HEALTH_ROUNDS * 4)  // 32768 elements
 #define NO_BAD 0xffffffffffffffffULL
 
 typedef unsigned long long u64;
@@ -27,6 +32,24 @@ struct Row {
     u64 first;
 };
 
+// One thread's tallies (at most HEALTH_TILE / HEALTH_THREADS = 128 elements: 32-bit counts).
+struct Acc {
+    unsigned nan;
+    unsigned bad;
+    double ss;
+    u64 first;
+};
+
+__device__ __forceinline__ void take(Acc &a, float v, u64 i) {
+    const unsigned b = __float_as_uint(v) & 0x7fffffffu;
+    const bool bad = b >= 0x7f800000u;  // +-Inf or NaN
+    a.nan += b > 0x7f800000u;
+    a.bad += bad;
+    const double f = bad ? 0.0 : (double)v;
+    a.ss = fma(f, f, a.ss);  // the product is exact: the same bits as a.ss + f * f
+    if (bad && i < a.first) a.first = i;
+}
+
 __device__ __forceinline__ void fold(Row &a, const Row &b) {
     a.nan += b.nan;
     a.inf += b.inf;
@@ -34,35 +57,18 @@ __device__ __forceinline__ void fold(Row &a, const Row &b) {
     a.first = b.first < a.first ? b.first : a.first;
 }
 
-// Fixed-shape reduction of one row per thread into thread 0's row (blockDim.x a multiple of 32,
-// at most 1024). Every thread must call it.
+// Fixed-shape tree of HEALTH_THREADS rows in shared memory; every thread calls it; thread 0 gets
+// the result.
 __device__ Row block_fold(Row r) {
-    __shared__ Row warps[32];
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int d = 16; d > 0; d >>= 1) {
-        Row o;
-        o.nan = __shfl_down_sync(0xffffffffu, r.nan, d);
-        o.inf = __shfl_down_sync(0xffffffffu, r.inf, d);
-        o.ss = __shfl_down_sync(0xffffffffu, r.ss, d);
-        o.first = __shfl_down_sync(0xffffffffu, r.first, d);
-        fold(r, o);
-    }
-    if (lane == 0) warps[warp] = r;
+    __shared__ Row rows[HEALTH_THREADS];
+    const unsigned t = threadIdx.x;
+    rows[t] = r;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (unsigned w = 1; w < blockDim.x / 32; w++) fold(r, warps[w]);
+    for (unsigned s = HEALTH_THREADS / 2; s > 0; s >>= 1) {
+        if (t < s) fold(rows[t], rows[t + s]);
+        __syncthreads();
     }
-    return r;
-}
-
-__device__ __forceinline__ void take(Row &r, float v, u64 i) {
-    const bool nan = v != v;
-    const bool finite = fabsf(v) <= 3.402823466e38f;  // false for +-Inf and NaN
-    r.nan += nan;
-    r.inf += !finite && !nan;
-    const double f = finite ? (double)v : 0.0;
-    r.ss += f * f;
-    if (!finite && r.first == NO_BAD) r.first = i;
+    return rows[0];
 }
 
 __device__ __forceinline__ void store(u64 *out, const Row &r) {
@@ -72,47 +78,126 @@ __device__ __forceinline__ void store(u64 *out, const Row &r) {
     out[3] = r.first;
 }
 
-// Loads of a full tile are issued before any is used (HEALTH_PER_THREAD loads in flight per
-// thread), which is what keeps the scan at the copy's bandwidth.
-#define HEALTH_PARTIAL(NAME, T, WIDEN)                                                        \
-    extern "C" __global__ void __launch_bounds__(HEALTH_THREADS)                              \
-    NAME(const T *__restrict__ x, u64 n, u64 *__restrict__ part) {                            \
-        const u64 base = (u64)blockIdx.x * HEALTH_TILE;                                       \
-        Row r = {0, 0, 0.0, NO_BAD};                                                          \
-        if (base + HEALTH_TILE <= n) {                                                        \
-            T v[HEALTH_PER_THREAD];                                                           \
-            _Pragma("unroll") for (int k = 0; k < HEALTH_PER_THREAD; k++)                     \
-                v[k] = x[base + k * HEALTH_THREADS + threadIdx.x];                            \
-            _Pragma("unroll") for (int k = 0; k < HEALTH_PER_THREAD; k++)                     \
-                take(r, WIDEN(v[k]), base + k * HEALTH_THREADS + threadIdx.x);                \
-        } else {                                                                              \
-            for (int k = 0; k < HEALTH_PER_THREAD; k++) {                                     \
-                const u64 i = base + k * HEALTH_THREADS + threadIdx.x;                        \
-                if (i < n) take(r, WIDEN(x[i]), i);                                           \
-            }                                                                                 \
-        }                                                                                     \
-        r = block_fold(r);                                                                    \
-        if (threadIdx.x == 0) store(part + 4 * (u64)blockIdx.x, r);                           \
+// After block b's partial row is in `part`: the last block to finish folds every partial row, in
+// tile order, into `out`, and resets the counter.
+__device__ void finish(const Row &mine, u64 *part, unsigned *counter, u64 *out) {
+    __shared__ unsigned last;
+    if (threadIdx.x == 0) {
+        store(part + 4 * (u64)blockIdx.x, mine);
+        __threadfence();  // the row is visible to every block before the ticket is taken
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
     }
-
-__device__ __forceinline__ float widen_f32(float v) { return v; }
-// bf16 is the high half of an f32: widening is exact.
-__device__ __forceinline__ float widen_bf16(unsigned short v) {
-    return __uint_as_float(((unsigned)v) << 16);
-}
-
-HEALTH_PARTIAL(health_partial_f32, float, widen_f32)
-HEALTH_PARTIAL(health_partial_bf16, unsigned short, widen_bf16)
-
-// Pass 2: fold `tiles` partial rows (in tile order; the first bad index is already absolute).
-extern "C" __global__ void __launch_bounds__(FINAL_THREADS)
-health_final(const u64 *__restrict__ part, u64 tiles, u64 *__restrict__ out) {
+    __syncthreads();
+    if (!last) return;  // the same value for every thread of the block: the barriers below agree
+    __threadfence();
     Row r = {0, 0, 0.0, NO_BAD};
-    for (u64 j = threadIdx.x; j < tiles; j += FINAL_THREADS) {
-        const u64 *p = part + 4 * j;
-        Row o = {p[0], p[1], __longlong_as_double((long long)p[2]), p[3]};
+    for (u64 j = threadIdx.x; j < gridDim.x; j += HEALTH_THREADS) {
+        const volatile u64 *p = part + 4 * j;  // written by other blocks: past this SM's L1
+        const Row o = {p[0], p[1], __longlong_as_double((long long)p[2]), p[3]};
         fold(r, o);
     }
     r = block_fold(r);
-    if (threadIdx.x == 0) store(out, r);
+    if (threadIdx.x == 0) {
+        store(out, r);
+        *counter = 0;
+    }
+}
+
+__device__ __forceinline__ Row to_row(const Acc &a) {
+    const Row r = {a.nan, (u64)(a.bad - a.nan), a.ss, a.first};
+    return r;
+}
+
+// bf16 words are the high halves of f32: widening is exact. A 32-bit word holds elements 2j (low
+// half) and 2j + 1 (high half).
+__device__ __forceinline__ float lo_bf16(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_bf16(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+// x: (n) f32; part: (4 * gridDim.x) words; counter: one word, 0 between launches; out: 4 words.
+// gridDim.x = ceil(n / HEALTH_TILE).
+extern "C" __global__ void __launch_bounds__(HEALTH_THREADS)
+health_scan_f32(const float *__restrict__ x, u64 n, u64 *__restrict__ part, unsigned *counter, u64 *out) {
+    const u64 base = (u64)blockIdx.x * HEALTH_TILE;
+    const unsigned t = threadIdx.x;
+    Acc a = {0, 0, 0.0, NO_BAD};
+    if (base + HEALTH_TILE <= n && ((u64)x & 15) == 0) {
+        const float4 *v4 = (const float4 *)(x + base);
+        for (int round = 0; round < HEALTH_ROUNDS; round++) {
+            float4 v[HEALTH_LOADS];
+#pragma unroll
+            for (int k = 0; k < HEALTH_LOADS; k++) v[k] = v4[(round * HEALTH_LOADS + k) * HEALTH_THREADS + t];
+#pragma unroll
+            for (int k = 0; k < HEALTH_LOADS; k++) {
+                const u64 i = base + 4 * (u64)((round * HEALTH_LOADS + k) * HEALTH_THREADS + t);
+                take(a, v[k].x, i);
+                take(a, v[k].y, i + 1);
+                take(a, v[k].z, i + 2);
+                take(a, v[k].w, i + 3);
+            }
+        }
+    } else {
+        for (u64 i = base + t; i < base + HEALTH_TILE && i < n; i += HEALTH_THREADS) take(a, x[i], i);
+    }
+    finish(block_fold(to_row(a)), part, counter, out);
+}
+
+// x: (n) bf16 words; as health_scan_f32.
+extern "C" __global__ void __launch_bounds__(HEALTH_THREADS)
+health_scan_bf16(const unsigned short *__restrict__ x, u64 n, u64 *__restrict__ part, unsigned *counter,
+                 u64 *out) {
+    const u64 base = (u64)blockIdx.x * HEALTH_TILE;
+    const unsigned t = threadIdx.x;
+    Acc a = {0, 0, 0.0, NO_BAD};
+    if (base + HEALTH_TILE <= n && ((u64)x & 15) == 0) {
+        const uint4 *v4 = (const uint4 *)(x + base);
+        for (int round = 0; round < HEALTH_ROUNDS / 2; round++) {
+            uint4 v[HEALTH_LOADS];
+#pragma unroll
+            for (int k = 0; k < HEALTH_LOADS; k++) v[k] = v4[(round * HEALTH_LOADS + k) * HEALTH_THREADS + t];
+#pragma unroll
+            for (int k = 0; k < HEALTH_LOADS; k++) {
+                const u64 i = base + 8 * (u64)((round * HEALTH_LOADS + k) * HEALTH_THREADS + t);
+                const unsigned w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+                for (int q = 0; q < 4; q++) {
+                    take(a, lo_bf16(w[q]), i + 2 * q);
+                    take(a, hi_bf16(w[q]), i + 2 * q + 1);
+                }
+            }
+        }
+    } else {
+        for (u64 i = base + t; i < base + HEALTH_TILE && i < n; i += HEALTH_THREADS)
+            take(a, __uint_as_float(((unsigned)x[i]) << 16), i);
+    }
+    finish(block_fold(to_row(a)), part, counter, out);
+}
+
+// The baseline: health_scan_f32's tiles and loads, an xor per element, one word per block.
+// part: (gridDim.x) words.
+extern "C" __global__ void __launch_bounds__(HEALTH_THREADS)
+read_only_f32(const float *__restrict__ x, u64 n, unsigned *__restrict__ part) {
+    const u64 base = (u64)blockIdx.x * HEALTH_TILE;
+    const unsigned t = threadIdx.x;
+    unsigned acc = 0;
+    if (base + HEALTH_TILE <= n && ((u64)x & 15) == 0) {
+        const float4 *v4 = (const float4 *)(x + base);
+        for (int round = 0; round < HEALTH_ROUNDS; round++) {
+            float4 v[HEALTH_LOADS];
+#pragma unroll
+            for (int k = 0; k < HEALTH_LOADS; k++) v[k] = v4[(round * HEALTH_LOADS + k) * HEALTH_THREADS + t];
+#pragma unroll
+            for (int k = 0; k < HEALTH_LOADS; k++)
+                acc ^= __float_as_uint(v[k].x) ^ __float_as_uint(v[k].y) ^ __float_as_uint(v[k].z) ^
+                       __float_as_uint(v[k].w);
+        }
+    } else {
+        for (u64 i = base + t; i < base + HEALTH_TILE && i < n; i += HEALTH_THREADS) acc ^= __float_as_uint(x[i]);
+    }
+    __shared__ unsigned words[HEALTH_THREADS];
+    words[t] = acc;
+    __syncthreads();
+    for (unsigned s = HEALTH_THREADS / 2; s > 0; s >>= 1) {  // block_fold's tree
+        if (t < s) words[t] ^= words[t + s];
+        __syncthreads();
+    }
+    if (t == 0) part[blockIdx.x] = words[0];
 }

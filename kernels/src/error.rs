@@ -19,6 +19,9 @@ pub enum Error {
     /// The NVRTC library (libnvrtc) could not be loaded, so the kernels cannot be compiled.
     #[error("no NVRTC: {0} (hint: install the CUDA runtime compiler libraries, e.g. cuda-nvrtc-12-x, and put them on LD_LIBRARY_PATH)")]
     NoNvrtc(String),
+    /// The cuBLAS library (libcublas) could not be loaded, so the dense layers cannot run.
+    #[error("no cuBLAS: {0} (hint: install the CUDA math libraries, e.g. the nvidia-cublas wheel or libcublas, and put them on LD_LIBRARY_PATH)")]
+    NoCublas(String),
     /// NVRTC rejected a kernel source (a bug in `kernels/cuda/*.cu`, or an NVRTC too old for the GPU).
     #[error("NVRTC could not compile {file} for {arch}: {log}")]
     Compile {

@@ -53,12 +53,14 @@ macro_rules! simd_dispatch {
     }};
 }
 
+pub mod backend;
 pub mod checksum;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_stub.rs"]
 pub mod cuda;
+pub mod cuda_grid;
 pub mod error;
 pub mod health;
 pub mod ops;

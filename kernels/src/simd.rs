@@ -12,7 +12,7 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use crate::Error;
+use crate::error::Error;
 
 /// An instruction-set level, from the target's baseline up. Each level above the baseline includes
 /// FMA: the GEMM's fused multiply-add is what the levels are for.

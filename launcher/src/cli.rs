@@ -13,7 +13,7 @@ use std::ffi::OsString;
 
 use gradbus_worker::exit::Code;
 
-use crate::bench::{BenchCmd, RankCmd};
+use crate::bench::BenchCmd;
 use crate::run::{self, RunArgs};
 use crate::usage::{lex, Parsed};
 use crate::Error;
@@ -30,6 +30,7 @@ USAGE:
     gradbus worker [--run-dir DIR] [--resume] CONFIG.toml [--set key=value ...]
                                                   one rank (started by `run`, or by a bare mpirun)
     gradbus --help | gradbus run --help | gradbus bench --help | gradbus worker --help
+    gradbus --version                             the version and the git commit it was built from
 
 EXIT CODES (gradbus_worker::exit::Code):
     0    done
@@ -49,18 +50,21 @@ ENVIRONMENT:
 pub enum Command {
     /// Print this help text and exit 0.
     Help(&'static str),
+    /// `gradbus --version`: print the version and commit, exit 0.
+    Version,
     /// `gradbus run`.
     Run(RunArgs),
     /// `gradbus replay` (arguments not parsed yet).
     Replay(Vec<OsString>),
     /// `gradbus bench allreduce`.
     Bench(BenchCmd),
-    /// The hidden `gradbus __bench-rank`: one process of `gradbus bench` (started by it).
-    BenchRank(RankCmd),
     /// `gradbus report` (its module parses the arguments).
     Report(Vec<OsString>),
     /// `gradbus worker`: one rank (the worker library parses the arguments).
     Worker(Vec<OsString>),
+    /// The hidden `gradbus __sweep-shm JOB`: remove job JOB's shared-memory segments on this node
+    /// (one task per node of the sweep step after a multi-node `srun`, see `srun::sweep_command_line`).
+    SweepShm(String),
 }
 
 /// A subcommand parser's outcome as a [`Command`]: its help text, or `args` wrapped by `wrap`.
@@ -80,13 +84,19 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Command, Error>
     match arg {
         None => Err(Error::usage("missing subcommand", "try `gradbus run --help`")),
         Some(Short('h') | Long("help")) => Ok(Command::Help(HELP)),
+        Some(Short('V') | Long("version")) => Ok(Command::Version),
         Some(Value(v)) => match v.to_str() {
             Some("run") => command(run::parse(&mut parser), Command::Run),
             Some("replay") => Ok(Command::Replay(rest(&mut parser))),
             Some("bench") => command(crate::bench::parse(&mut parser), Command::Bench),
-            Some("__bench-rank") => crate::bench::parse_rank(&mut parser).map(Command::BenchRank),
             Some("report") => Ok(Command::Report(rest(&mut parser))),
             Some("worker") => Ok(Command::Worker(rest(&mut parser))),
+            Some("__sweep-shm") => match rest(&mut parser).as_slice() {
+                [job] => Ok(Command::SweepShm(job.to_string_lossy().into_owned())),
+                _ => {
+                    Err(Error::usage("__sweep-shm takes one job id", "it is started by `gradbus run --launcher srun`"))
+                }
+            },
             Some("help") => Ok(Command::Help(HELP)),
             _ => Err(Error::usage(
                 format!("unknown subcommand `{}`", v.to_string_lossy()),
@@ -109,12 +119,19 @@ pub fn execute(cmd: Command) -> Result<Code, Error> {
             print!("{text}");
             Ok(Code::Done)
         }
+        Command::Version => {
+            println!("gradbus {}", gradbus_artifacts::version::describe());
+            Ok(Code::Done)
+        }
         Command::Run(args) => run::execute(args),
         Command::Replay(args) => crate::replay::execute(args),
         Command::Bench(args) => crate::bench::execute(args),
-        Command::BenchRank(args) => crate::bench::execute_rank(args),
         Command::Report(args) => crate::report::execute(args),
         Command::Worker(args) => Ok(gradbus_worker::cli::main_with_args(args)),
+        Command::SweepShm(job) => {
+            crate::shm::sweep_node(std::path::Path::new(crate::shm::SHM_DIR), &job)?;
+            Ok(Code::Done)
+        }
     }
 }
 
@@ -129,6 +146,8 @@ mod tests {
     #[test]
     fn dispatches_subcommands_and_help() {
         assert_eq!(p(&["--help"]).unwrap(), Command::Help(HELP));
+        assert_eq!(p(&["--version"]).unwrap(), Command::Version);
+        assert_eq!(p(&["-V"]).unwrap(), Command::Version);
         assert_eq!(p(&["run", "--help"]).unwrap(), Command::Help(run::HELP));
         assert!(matches!(p(&["run", "c.toml"]).unwrap(), Command::Run(_)));
         assert_eq!(p(&["replay", "d", "--x"]).unwrap(), Command::Replay(vec!["d".into(), "--x".into()]));
@@ -141,6 +160,8 @@ mod tests {
             assert_eq!(e.code(), Code::Usage);
             assert!(e.to_string().contains("hint:"), "{e}");
         }
+        assert_eq!(p(&["__sweep-shm", "j7"]).unwrap(), Command::SweepShm("j7".into()));
+        assert_eq!(p(&["__sweep-shm"]).unwrap_err().code(), Code::Usage);
         assert_eq!(
             p(&["report", "r", "--margin", "5"]).unwrap(),
             Command::Report(vec!["r".into(), "--margin".into(), "5".into()])
@@ -152,7 +173,7 @@ mod tests {
 
     #[test]
     fn help_lists_every_exit_code_of_the_policy() {
-        for code in [Code::Done, Code::Usage, Code::NonFinite, Code::RankFailed, Code::Timeout, Code::Interrupted] {
+        for code in Code::ALL {
             let line = format!("\n    {:<4} ", code as u8);
             assert!(HELP.contains(&line), "help lacks exit code {}", code as u8);
         }

@@ -72,9 +72,10 @@ pub enum Error {
         reason: String,
     },
 
-    /// The config's content is wrong (the worker crate's own check): names the key, with a hint.
+    /// The worker crate's own checks, run by the launcher before any rank starts (the config's
+    /// content, whether this machine can run it): names the key, with a hint.
     #[error(transparent)]
-    ConfigValue(#[from] gradbus_worker::config::ConfigError),
+    Worker(#[from] gradbus_worker::WorkerError),
 
     /// The worker binary was not found where the launcher looked.
     #[error("worker binary not found: {}\n  hint: {hint}", path.display())]
@@ -129,6 +130,7 @@ impl Error {
     /// The exit code this error ends the launcher with.
     pub fn code(&self) -> Code {
         match self {
+            Error::Worker(e) => e.code(),
             // Nothing of the job ran (or what ran was stopped before it did anything): the cause is
             // an input, a path or the environment the user controls.
             Error::Usage { .. }
@@ -137,7 +139,6 @@ impl Error {
             | Error::HostfileEmpty { .. }
             | Error::NotEnoughSlots { .. }
             | Error::Config { .. }
-            | Error::ConfigValue(_)
             | Error::WorkerMissing { .. }
             | Error::MpirunMissing
             | Error::RunDir { .. }

@@ -10,8 +10,8 @@
 //!   spawns any set of processes, prefixes and logs their output, tears the job down on the first
 //!   failure or on a signal, and maps the ends to the exit-code policy of
 //!   `gradbus_worker::exit::Code`.
-//! - [`bench`](mod@crate::bench) is `gradbus bench allreduce`: N supervised copies of the launcher's own executable
-//!   (hidden subcommand `__bench-rank`) run the collectives' benchmark; rank 0's result is relayed.
+//! - [`bench`](mod@crate::bench) is `gradbus bench allreduce`: N supervised workers
+//!   (`gradbus worker --bench-allreduce`) run the collectives' benchmark; rank 0's result is relayed.
 //! - [`report`] is `gradbus report`: the summary of a run directory and its `report.svg`.
 //! - [`mpirun`] and [`srun`] build the `mpirun` and `srun` command lines; [`shm`] sweeps a job's leftover shared memory
 //!   and the stale segments of dead launchers;

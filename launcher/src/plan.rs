@@ -202,7 +202,7 @@ impl LaunchPlan {
 
     /// Checks that every host of the plan names this machine, for the local launcher.
     pub fn require_local(&self, hostfile: Option<&std::path::Path>) -> Result<(), Error> {
-        let me = hostname();
+        let me = gradbus_worker::host::hostname();
         for node in &self.nodes {
             let h = node.host.as_str();
             let local = matches!(h, "localhost" | "127.0.0.1" | "::1" | "[::1]")
@@ -242,19 +242,6 @@ impl LaunchPlan {
             }
         }
     }
-}
-
-/// This machine's host name, if the OS gives one.
-fn hostname() -> Option<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: `buf` is a valid writable buffer of the length passed; gethostname writes at most that
-    // many bytes and we only read up to the first NUL (or the whole buffer if it was truncated).
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return None;
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8(buf[..end].to_vec()).ok()
 }
 
 #[cfg(test)]

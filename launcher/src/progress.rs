@@ -15,8 +15,8 @@
 //!   tell the story, the plain line adds the slowest rank and the rate. stdout is never touched, so
 //!   what the workers print there stays exactly theirs.
 //!
-//! Per-rank heartbeat staleness is not shown: the header keeps heartbeats, but `read_progress` does
-//! not return them (yet). A segment that does not exist (before the bus opens, after it closes, the
+//! Per-rank heartbeat staleness is not shown: the heartbeats are readable (`read_status`'s
+//! `heartbeat_ns`, against `monotonic_ns()`), but the bar reads only `read_progress`. A segment that does not exist (before the bus opens, after it closes, the
 //! remote nodes of an `mpirun` job, a fake worker) simply contributes nothing.
 
 use std::collections::VecDeque;
@@ -194,8 +194,16 @@ impl ShmProgress {
     }
 }
 
-impl Progress for ShmProgress {
-    fn tick(&mut self, elapsed: Duration, _live: usize) {
+/// Whether a plain line is due at `elapsed`, the last one having been printed at `last`: every
+/// [`PLAIN_EVERY`], the first one only once the ranks have been running that long.
+fn plain_due(last: Option<Duration>, elapsed: Duration) -> bool {
+    elapsed.saturating_sub(last.unwrap_or(Duration::ZERO)) >= PLAIN_EVERY
+}
+
+impl ShmProgress {
+    /// Reads the segments and updates the bar; returns the plain line to print now, if one is due
+    /// (and there is something to say).
+    fn update(&mut self, elapsed: Duration) -> Option<String> {
         let snapshot = Snapshot::of(&self.read());
         let rate = snapshot.map(|s| self.rate.push(elapsed, s.step_min)).unwrap_or(None);
         let line = snapshot.map(|s| self.plain_line(&s, rate));
@@ -206,15 +214,21 @@ impl Progress for ShmProgress {
                     bar.set_message(s.figures(rate));
                 }
                 bar.tick();
+                None
             }
             Display::Plain { last } => {
-                let due = last.map_or(true, |t| elapsed - t >= PLAIN_EVERY);
-                // The first line only once the ranks have been running for a while.
-                if let (true, Some(line)) = (due && (last.is_some() || elapsed >= PLAIN_EVERY), line) {
-                    eprintln!("{line}");
-                    *last = Some(elapsed);
-                }
+                let line = line.filter(|_| plain_due(*last, elapsed))?;
+                *last = Some(elapsed);
+                Some(line)
             }
+        }
+    }
+}
+
+impl Progress for ShmProgress {
+    fn tick(&mut self, elapsed: Duration, _live: usize) {
+        if let Some(line) = self.update(elapsed) {
+            eprintln!("{line}");
         }
     }
 
@@ -277,12 +291,28 @@ mod tests {
     }
 
     #[test]
+    fn plain_lines_come_every_ten_seconds_from_the_tenth_on() {
+        let s = |x: u64| Duration::from_secs(x);
+        assert!(!plain_due(None, s(0)) && !plain_due(None, s(9)));
+        assert!(plain_due(None, s(10)));
+        assert!(!plain_due(Some(s(10)), s(19)) && plain_due(Some(s(10)), s(20)));
+    }
+
+    #[test]
     fn missing_segments_show_nothing_and_do_not_fail() {
         let dir = tempfile::tempdir().unwrap();
-        let mut progress = ShmProgress::new(vec![dir.path().join("gradbus-none-n0")], Some(10));
+        let segments = vec![dir.path().join("gradbus-none-n0")];
+        let mut progress = ShmProgress {
+            segments,
+            total_steps: Some(10),
+            rate: Rate::default(),
+            display: Display::Plain { last: None },
+        };
+        assert!(progress.read().is_empty());
         for i in 0..30 {
-            progress.tick(Duration::from_secs(i), 1);
+            assert_eq!(progress.update(Duration::from_secs(i)), None, "a line at {i} s from no segment");
         }
+        assert!(progress.rate.samples.is_empty(), "no rate from nothing");
         progress.finish();
     }
 }

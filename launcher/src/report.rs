@@ -14,9 +14,9 @@ use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+use gradbus_artifacts::{self as artifacts, ArtifactError, MetricsLine};
 use gradbus_collectives::spikes::{Spike, SpikeDetector, DEFAULT_WINDOW};
 use gradbus_collectives::Report;
-use gradbus_worker::artifacts::{self, ArtifactError, MetricsLine};
 use gradbus_worker::exit::Code;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -86,7 +86,7 @@ pub struct Update {
 }
 
 impl From<MetricsLine> for Update {
-    /// The fields the report draws, from the typed line (`gradbus_worker::artifacts::MetricsLine`).
+    /// The fields the report draws, from the typed line (`gradbus_artifacts::MetricsLine`).
     fn from(m: MetricsLine) -> Update {
         Update {
             step: m.step,

@@ -3,24 +3,29 @@
 //! Stages, each of which can only fail with a usage error (exit 2) before anything is started:
 //! parse the flags ([`parse`]) -> check the config file exists -> build and validate the
 //! [`LaunchPlan`] -> check the config's values and the job's memory with the worker crate's own
-//! code (`gradbus_worker::config`) -> find the worker (or `mpirun`, `srun`) -> create the run directory and record the launch
-//! in `RUN_DIR/launch.json`. Then stale segments of dead launchers are swept ([`shm::sweep_stale`]),
-//! the job runs under [`supervise`] with a [`ShmProgress`] display, the job's leftover
-//! shared-memory segments are removed after the last process is gone, the root-cause summary is
-//! printed, and the policy code is returned.
+//! code (`gradbus_worker::config`) -> find the worker (or `mpirun`, `srun`) -> create the run
+//! directory, take its lock and check that it holds no earlier run unless told what to do with it
+//! (`gradbus_worker::rundir`; the lock is held until the job's last process is gone) -> record the
+//! launch in `RUN_DIR/launch.json`. Then stale segments of dead launchers are swept
+//! ([`shm::sweep_stale`]), the job runs under [`supervise`] with a [`ShmProgress`] display, the job's
+//! leftover shared-memory segments are removed after the last process is gone (on every node of a
+//! failed multi-node `srun` step, [`srun::sweep_command_line`]), the root-cause summary is printed,
+//! and the policy code is returned.
 //!
-//! The worker command line is `gradbus worker --run-dir DIR [--resume] CONFIG [--set key=value ...]`,
+//! The worker command line is
+//! `gradbus worker --run-dir DIR [--resume | --overwrite] CONFIG [--set key=value ...]`,
 //! `gradbus` being this very executable ([`worker_command`]), with the environment contract of
 //! `gradbus_worker::env` (rank, local rank, sizes, node id, job id, run directory). Paths handed to
 //! workers are absolute, so a worker's working directory does not matter.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use gradbus_collectives::ShmBus;
 use gradbus_worker::env;
 use gradbus_worker::exit::Code;
+use gradbus_worker::rundir::{self, Mode};
 
 use crate::hostfile;
 use crate::mpirun::{self, MpirunSpec};
@@ -48,6 +53,8 @@ OPTIONS:
                            Slurm allocation; --np defaults to the allocation's SLURM_NTASKS)
     --run-dir DIR          where logs, metrics and checkpoints go (default: runs/<job id>)
     --resume RUN_DIR       continue the run in RUN_DIR from its last checkpoint
+    --overwrite            delete the earlier run in --run-dir (its metrics, checkpoints, logs,
+                           ...), then start this one there
     --grace SECONDS        time between SIGTERM and SIGKILL at teardown (default: 3)
     --set key=value        override a config key (repeatable)
     -h, --help             print this help
@@ -58,6 +65,10 @@ shared-memory bus: a bar on stderr when it is a terminal, else a `gradbus: progr
 stderr every 10 s. stdout carries only the ranks' own lines.
 When a rank fails, the others get SIGTERM, then SIGKILL after the grace; the rank that failed
 first is reported. Exit codes: see `gradbus --help`.
+A run directory has one job at a time (RUN_DIR/gradbus.lock names it), and a directory that holds
+a run is never written over without --resume or --overwrite (exit 2 otherwise). --resume warns
+about a changed seed, world size or data-affecting key (RUN_DIR/resumes.jsonl records it) and
+refuses another model.
 ";
 
 /// How the workers are started.
@@ -97,6 +108,8 @@ pub struct RunArgs {
     pub run_dir: Option<PathBuf>,
     /// `--resume`.
     pub resume: Option<PathBuf>,
+    /// `--overwrite`.
+    pub overwrite: bool,
     /// `--grace`.
     pub grace: Duration,
     /// The config file.
@@ -118,6 +131,7 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<RunArgs>, Error> {
     let mut launcher = LauncherKind::Local;
     let mut run_dir = None;
     let mut resume = None;
+    let mut overwrite = false;
     let mut grace = Duration::from_secs(3);
     let mut config: Option<PathBuf> = None;
     let mut sets = Vec::new();
@@ -148,6 +162,7 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<RunArgs>, Error> {
             }
             Long("run-dir") => run_dir = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?)),
             Long("resume") => resume = Some(PathBuf::from(parser.value().map_err(|e| lex(e, h))?)),
+            Long("overwrite") => overwrite = true,
             Long("grace") => {
                 let v = parser.value().map_err(|e| lex(e, h))?;
                 let s =
@@ -197,30 +212,21 @@ pub fn parse(parser: &mut lexopt::Parser) -> Result<Parsed<RunArgs>, Error> {
             "give only --resume RUN_DIR to continue a run",
         ));
     }
-    Ok(Parsed::Args(RunArgs { np, hostfile, oversubscribe, launcher, run_dir, resume, grace, config, sets }))
+    if resume.is_some() && overwrite {
+        return Err(Error::usage(
+            "--resume and --overwrite: continue the run, or delete it, not both",
+            "give --resume RUN_DIR to continue it, or --run-dir RUN_DIR --overwrite to start over there",
+        ));
+    }
+    Ok(Parsed::Args(RunArgs { np, hostfile, oversubscribe, launcher, run_dir, resume, overwrite, grace, config, sets }))
 }
 
 /// A job id unique on this machine and readable: UTC time of the launch and the launcher's pid,
 /// e.g. `20261129T175530p4242`. It contains no `-`, so `gradbus-{job}-` prefixes of two jobs never
 /// nest.
 pub fn new_job_id() -> String {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let (y, mo, d) = civil_from_days((secs / 86_400) as i64);
-    let t = secs % 86_400;
-    format!("{y:04}{mo:02}{d:02}T{:02}{:02}{:02}p{}", t / 3600, t / 60 % 60, t % 60, std::process::id())
-}
-
-/// Gregorian (year, month, day) of a day count since 1970-01-01 (H. Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
+    let (y, mo, d, h, mi, s) = gradbus_worker::host::utc(SystemTime::now());
+    format!("{y:04}{mo:02}{d:02}T{h:02}{mi:02}{s:02}p{}", std::process::id())
 }
 
 /// How a rank is started: a program and the arguments that come before the worker's own.
@@ -293,6 +299,7 @@ fn prepare_run_dir(args: &RunArgs, job_id: &str) -> Result<PathBuf, Error> {
 /// What `launch.json` records, for `gradbus report` and for humans.
 #[derive(serde::Serialize)]
 struct LaunchRecord<'a> {
+    gradbus: gradbus_artifacts::version::Build,
     job_id: &'a str,
     launcher: &'a str,
     config: &'a Path,
@@ -303,10 +310,12 @@ struct LaunchRecord<'a> {
 }
 
 /// The worker's command-line arguments.
-pub fn worker_args(run_dir: &Path, resume: bool, config: &Path, sets: &[String]) -> Vec<OsString> {
+pub fn worker_args(run_dir: &Path, mode: Mode, config: &Path, sets: &[String]) -> Vec<OsString> {
     let mut args: Vec<OsString> = vec!["--run-dir".into(), run_dir.into()];
-    if resume {
-        args.push("--resume".into());
+    match mode {
+        Mode::Resume => args.push("--resume".into()),
+        Mode::Overwrite => args.push("--overwrite".into()),
+        Mode::Fresh => {}
     }
     args.push(config.into());
     for s in sets {
@@ -410,9 +419,12 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
     // (the workers check again for a bare mpirun). Memory is this machine's only for a local launch.
     let (cfg, _, _) = gradbus_worker::config::Config::load(&config, &args.sets)?;
     cfg.check_world(plan.world_size)?;
+    let local = (0..plan.world_size).map(|r| plan.local_size(r)).max().unwrap_or(1);
     if args.launcher == LauncherKind::Local {
-        let local = (0..plan.world_size).map(|r| plan.local_size(r)).max().unwrap_or(1);
         cfg.check_memory(local, plan.world_size > 1, &gradbus_worker::config::Machine::probe())?;
+    }
+    if let Some(warning) = cfg.check_device(local, args.launcher == LauncherKind::Local)? {
+        eprintln!("gradbus: warning: {warning}");
     }
     let worker = worker_command()?;
     let path = std::env::var_os("PATH");
@@ -429,7 +441,11 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
     let job_id = new_job_id();
     let run_dir = prepare_run_dir(&args, &job_id)?;
     let resume = args.resume.is_some();
+    let mode = Mode::of(resume, args.overwrite);
+    // Held until the last process of the job is gone: no other job may use the directory meanwhile.
+    let _owner = rundir::claim(&run_dir, mode, &job_id)?;
     let record = LaunchRecord {
+        gradbus: gradbus_artifacts::version::build(),
         job_id: &job_id,
         launcher: args.launcher.name(),
         config: &config,
@@ -451,7 +467,8 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         run_dir.display()
     );
 
-    let wargs = worker.args(worker_args(&run_dir, resume, &config, &args.sets));
+    let wargs = worker.args(worker_args(&run_dir, mode, &config, &args.sets));
+    let sweeper = starter.clone();
     let specs = match (args.launcher, starter) {
         (LauncherKind::Mpirun, Some(mpirun)) => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -483,13 +500,19 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
         _ => local_specs(&plan, &worker.program, &wargs, &job_id, &run_dir),
     };
     let opts = Options { grace: args.grace, ..Options::default() };
-    // The bar's length comes from the config when the launcher can read it (the worker reports
-    // config errors itself); segments are those of this machine's nodes.
-    let total_steps = gradbus_worker::config::Config::load(&config, &args.sets).ok().map(|(cfg, _, _)| cfg.steps);
+    // The bar's length is the config's, checked above; segments are those of this machine's nodes.
     let segments =
         (0..plan.nodes.len()).map(|node| ShmBus::segment_path(Path::new(shm::SHM_DIR), &job_id, node)).collect();
-    let mut progress = ShmProgress::new(segments, total_steps);
+    let mut progress = ShmProgress::new(segments, Some(cfg.steps));
     let outcome = supervise_job(specs, &opts, &mut progress, &job_id)?;
+    // A rank killed on another node of a Slurm step leaves its segment there: sweep every node.
+    let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    if let (LauncherKind::Srun, Some(srun), Some(nodes)) = (args.launcher, sweeper, srun::allocation_nodes(get)) {
+        if nodes > 1 && outcome.code() != Code::Done {
+            let me = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("gradbus"));
+            srun::sweep_nodes(&srun::sweep_command_line(&srun, nodes, &me, &job_id));
+        }
+    }
     Ok(outcome.code())
 }
 
@@ -545,6 +568,7 @@ mod tests {
             &["--grace", "-1", "c.toml"],
             &["--frobnicate", "c.toml"],
             &["--resume", "r", "--run-dir", "d", "c.toml"],
+            &["--resume", "r", "--overwrite", "c.toml"],
         ] {
             let e = parse_run(bad).unwrap_err();
             assert_eq!(e.code(), Code::Usage, "{bad:?}");
@@ -566,9 +590,6 @@ mod tests {
     fn job_ids_are_dated_and_dashless() {
         let id = new_job_id();
         assert!(id.len() > 16 && !id.contains('-'), "{id}");
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(20_786), (2026, 11, 29));
-        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
     }
 
     #[test]
@@ -583,7 +604,9 @@ mod tests {
         assert_eq!(get(env::NODE_ID).as_deref(), Some("0"));
         assert_eq!(get(env::JOB_ID).as_deref(), Some("j1"));
         assert_eq!(get(env::RUN_DIR).as_deref(), Some("/r"));
-        let args = worker_args(Path::new("/r"), true, Path::new("/c.toml"), &["k=v".into()]);
+        let args = worker_args(Path::new("/r"), Mode::Resume, Path::new("/c.toml"), &["k=v".into()]);
         assert_eq!(args, ["--run-dir", "/r", "--resume", "/c.toml", "--set", "k=v"]);
+        let args = worker_args(Path::new("/r"), Mode::Overwrite, Path::new("/c.toml"), &[]);
+        assert_eq!(args, ["--run-dir", "/r", "--overwrite", "/c.toml"]);
     }
 }

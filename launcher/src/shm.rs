@@ -21,7 +21,8 @@
 //! with its own pid namespace and a bind-mounted `/dev/shm` would make its live launchers look dead
 //! here, and only the age bound would protect its segments (memory writes through a mapping do not
 //! update a tmpfs file's mtime). The rank heartbeats in the segment header would settle it; they
-//! are not readable through `gradbus_collectives` yet.
+//! are readable (`gradbus_collectives::read_status`'s `heartbeat_ns`, against `monotonic_ns()`),
+//! but this sweep does not consult them yet.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -40,6 +41,17 @@ pub fn remove_job(shm_dir: &Path, job_id: &str) {
         Ok(n) => log::info!("removed {n} leftover shared-memory segment(s) of job {job_id}"),
         Err(e) => log::warn!("cannot sweep the segments of job {job_id} in {}: {e}", shm_dir.display()),
     }
+}
+
+/// One task of the sweep step after a multi-node `srun` step: removes every segment of `job_id` in
+/// `shm_dir` on this node and says how many, naming the node.
+pub fn sweep_node(shm_dir: &Path, job_id: &str) -> Result<(), crate::Error> {
+    let n = gradbus_collectives::shm::remove_job_segments(shm_dir, job_id).map_err(|e| {
+        crate::Error::usage(format!("cannot sweep {}: {e}", shm_dir.display()), "check the node's /dev/shm")
+    })?;
+    let host = gradbus_worker::host::hostname().unwrap_or_else(|| "?".into());
+    println!("{host}: removed {n} leftover shared-memory segment(s) of job {job_id}");
+    Ok(())
 }
 
 /// The launcher pid embedded in a job id made by [`crate::run::new_job_id`]
@@ -226,6 +238,20 @@ mod tests {
                 "unrelated"
             ]
         );
+    }
+
+    #[test]
+    fn a_node_sweep_removes_that_jobs_segments_only() {
+        let dir = tempfile::tempdir().unwrap();
+        for n in ["gradbus-j1-n1", "gradbus-j12-n1", "unrelated"] {
+            std::fs::write(dir.path().join(n), b"").unwrap();
+        }
+        sweep_node(dir.path(), "j1").unwrap();
+        let mut left: Vec<_> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        assert_eq!(left, ["gradbus-j12-n1", "unrelated"]);
+        assert!(sweep_node(&dir.path().join("missing"), "j1").is_err());
     }
 
     #[test]

@@ -14,11 +14,15 @@
 //! else comes from Slurm's own input variables (`SLURM_MPI_TYPE=pmix` for `--mpi=pmix`, ...).
 //!
 //! After the step, the launcher removes the job's shared-memory segments on its own node (a rank
-//! killed before it could unlink its segment leaves one); on the other nodes of a multi-node step
-//! such a segment stays until the cluster's epilog sweeps `/dev/shm`.
+//! killed before it could unlink its segment leaves one). When the step did not end cleanly and the
+//! allocation has several nodes, it also runs one more step, one task per node
+//! ([`sweep_command_line`]: this executable's hidden `__sweep-shm JOB`), that removes the job's
+//! segments on every node; it is bounded ([`SWEEP_LIMIT`]) and its failure is only reported, since
+//! the job's result stands either way.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use gradbus_worker::env;
 
@@ -55,6 +59,63 @@ pub fn command_line(spec: &SrunSpec) -> Vec<OsString> {
     argv.push(spec.worker.clone().into());
     argv.extend(spec.worker_args.iter().cloned());
     argv
+}
+
+/// How long the sweep step may take before it is killed.
+pub const SWEEP_LIMIT: Duration = Duration::from_secs(60);
+
+/// The step that removes job `job_id`'s segments on each of the allocation's `nodes` nodes:
+/// `srun --overlap --mpi=none --kill-on-bad-exit=0 -N NODES -n NODES --ntasks-per-node=1 GRADBUS
+/// __sweep-shm JOB`. `--overlap`: it needs no free CPU of the allocation; `--mpi=none`: an exported
+/// `SLURM_MPI_TYPE` (for the ranks' MPI) is not for it.
+pub fn sweep_command_line(srun: &Path, nodes: usize, gradbus: &Path, job_id: &str) -> Vec<OsString> {
+    let n = nodes.to_string();
+    let mut argv: Vec<OsString> = vec![srun.into()];
+    for a in ["--overlap", "--mpi=none", "--kill-on-bad-exit=0", "-N", &n, "-n", &n, "--ntasks-per-node=1"] {
+        argv.push(a.into());
+    }
+    argv.extend([gradbus.into(), "__sweep-shm".into(), job_id.into()]);
+    argv
+}
+
+/// The allocation's number of nodes (`SLURM_JOB_NUM_NODES`, else `SLURM_NNODES`, read through `get`).
+pub fn allocation_nodes(get: impl Fn(&str) -> Option<String>) -> Option<usize> {
+    get(env::SLURM_JOB_NUM_NODES).or_else(|| get(env::SLURM_NNODES)).and_then(|v| v.trim().parse().ok())
+}
+
+/// Runs the sweep step (bounded by [`SWEEP_LIMIT`]) and shows what it says on stderr.
+pub fn sweep_nodes(argv: &[OsString]) {
+    let Some((program, args)) = argv.split_first() else { return };
+    let child = std::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => return eprintln!("gradbus: cannot start the sweep of the other nodes' segments: {e}"),
+    };
+    let deadline = Instant::now() + SWEEP_LIMIT;
+    while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if matches!(child.try_wait(), Ok(None)) {
+        let _ = child.kill();
+        eprintln!("gradbus: the sweep of the other nodes' segments took over {} s: stopped", SWEEP_LIMIT.as_secs());
+    }
+    match child.wait_with_output() {
+        Ok(out) => {
+            let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                eprintln!("gradbus: sweep: {line}");
+            }
+            if !out.status.success() {
+                eprintln!("gradbus: the sweep of the other nodes' segments ended with {}", out.status);
+            }
+        }
+        Err(e) => eprintln!("gradbus: the sweep of the other nodes' segments: {e}"),
+    }
 }
 
 /// The number of ranks: `--np`, else the allocation's `SLURM_NTASKS` (read through `get`), else 1
@@ -98,6 +159,20 @@ mod tests {
         spec.overcommit = true;
         assert!(joined(&command_line(&spec))
             .starts_with("/usr/bin/srun --kill-on-bad-exit=1 --label -n 4 --overcommit /opt/"));
+    }
+
+    #[test]
+    fn sweep_step_has_one_task_per_node_and_needs_no_free_cpu() {
+        let argv = sweep_command_line(Path::new("/usr/bin/srun"), 3, Path::new("/bin/gradbus"), "j7");
+        assert_eq!(
+            joined(&argv),
+            "/usr/bin/srun --overlap --mpi=none --kill-on-bad-exit=0 -N 3 -n 3 --ntasks-per-node=1 \
+             /bin/gradbus __sweep-shm j7"
+        );
+        let alloc = |k: &str| (k == "SLURM_NNODES").then(|| "2".to_string());
+        assert_eq!(allocation_nodes(alloc), Some(2));
+        assert_eq!(allocation_nodes(|k| (k == "SLURM_JOB_NUM_NODES").then(|| "4".into())), Some(4));
+        assert_eq!(allocation_nodes(|_| None), None);
     }
 
     #[test]

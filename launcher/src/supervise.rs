@@ -53,7 +53,7 @@ pub struct ProcSpec {
     pub args: Vec<OsString>,
     /// Variables added to (or replacing in) the launcher's environment.
     pub env: Vec<(OsString, OsString)>,
-    /// File that receives the process's stdout and stderr lines, unprefixed.
+    /// File that receives the process's stdout and stderr lines, unprefixed (appended to).
     pub log: Option<PathBuf>,
 }
 
@@ -103,23 +103,11 @@ impl std::fmt::Display for Ending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
             Ending::Code(c) => match Code::from_status(c) {
-                Some(code) if c != 0 => write!(f, "exited with code {c} ({})", describe(code)),
+                Some(code) if c != 0 => write!(f, "exited with code {c} ({})", code.describe()),
                 _ => write!(f, "exited with code {c}"),
             },
             Ending::Signal(s) => write!(f, "killed by {}", signals::name(s)),
         }
-    }
-}
-
-/// A short description of an exit code of the policy.
-pub fn describe(code: Code) -> &'static str {
-    match code {
-        Code::Done => "done",
-        Code::Usage => "usage or config error",
-        Code::NonFinite => "aborted on non-finite gradients",
-        Code::RankFailed => "a rank failed",
-        Code::Timeout => "a collective timed out",
-        Code::Interrupted => "interrupted",
     }
 }
 
@@ -157,8 +145,8 @@ pub struct Outcome {
 impl Outcome {
     /// The launcher's exit code under the policy of `gradbus_worker::exit::Code`:
     /// interrupted -> 130; every process exited 0 -> 0; the first failure was a timeout (5) -> 5;
-    /// every process exited with the same one of 2, 3, 5 -> that code; anything else (a signal, an
-    /// unknown code, mixed codes) -> 4.
+    /// every process exited with the same code that ends every rank (`Code::ends_every_rank`: 2,
+    /// 3, 5) -> that code; anything else (a signal, an unknown code, mixed codes) -> 4.
     pub fn code(&self) -> Code {
         if self.interrupted {
             return Code::Interrupted;
@@ -170,9 +158,9 @@ impl Outcome {
             return Code::Timeout;
         }
         if let Ending::Code(c) = self.exits[first].ending {
-            let shared = matches!(Code::from_status(c), Some(Code::Usage | Code::NonFinite | Code::Timeout));
-            if shared && self.exits.iter().all(|e| e.ending == Ending::Code(c)) {
-                return Code::from_status(c).unwrap_or(Code::RankFailed);
+            let shared = Code::from_status(c).filter(|code| code.ends_every_rank());
+            if let Some(code) = shared.filter(|_| self.exits.iter().all(|e| e.ending == Ending::Code(c))) {
+                return code;
             }
         }
         Code::RankFailed
@@ -198,8 +186,7 @@ impl Outcome {
         }
         // Every rank ending with the same gradbus code is an agreed ending (all ranks decided together
         // to abort on non-finite gradients, or all saw the same bad config): no rank is the culprit.
-        let agreed = matches!(code, Code::NonFinite | Code::Usage)
-            && self.exits.iter().all(|e| e.ending == Ending::Code(code as i32));
+        let agreed = code.blames_no_rank() && self.exits.iter().all(|e| e.ending == Ending::Code(code as i32));
         if agreed {
             out.push(format!("every rank ended with exit {}: an agreed ending, not one rank's failure", code as i32));
         } else if let Some(f) = self.first_failure {
@@ -228,7 +215,7 @@ impl Outcome {
                 self.killed_after_grace
             ));
         }
-        out.push(format!("exit {}: {}", code as u8, describe(code)));
+        out.push(format!("exit {}: {}", code as u8, code.describe()));
         out
     }
 }
@@ -383,7 +370,8 @@ pub fn supervise(specs: Vec<ProcSpec>, opts: &Options, progress: &mut dyn Progre
             break;
         }
         let log = match &spec.log {
-            Some(path) => match File::create(path) {
+            // Appended to: a resumed run keeps the logs of the runs before it.
+            Some(path) => match File::options().create(true).append(true).open(path) {
                 Ok(f) => Some(Arc::new(Mutex::new(f))),
                 Err(source) => {
                     abort_started(&mut procs);
@@ -478,7 +466,8 @@ pub fn supervise(specs: Vec<ProcSpec>, opts: &Options, progress: &mut dyn Progre
             (Some(_), _) => true,
             (None, Some((f, seen))) => {
                 let ending = procs[f].exit.as_ref().map(|e| e.ending);
-                let shared = matches!(ending, Some(Ending::Code(2 | 3 | 5)));
+                let shared =
+                    matches!(ending, Some(Ending::Code(c)) if Code::from_status(c).is_some_and(Code::ends_every_rank));
                 !shared || now - seen >= opts.settle
             }
             (None, None) => false,
@@ -610,9 +599,10 @@ mod tests {
         assert_eq!(lines, ["one", "three", "two"]);
 
         // `b` fails only once `a` ignores SIGTERM (else the SIGTERM could beat the trap); bounded.
+        // `a` sleeps 60 s: only the SIGKILL after the grace ends it sooner, and if it did not come, `a`
+        // would exit 0 and the endings asserted below would differ (a bound, not a hang).
         let ready = dir.path().join("a-ready");
         let ready = ready.display();
-        let t = Instant::now();
         let failed = supervise(
             vec![
                 sh("a", &format!("trap '' TERM; touch '{ready}'; sleep 60"), None),
@@ -628,7 +618,6 @@ mod tests {
             &mut Silent,
         )
         .unwrap();
-        assert!(t.elapsed() < Duration::from_secs(20), "teardown took {:?}", t.elapsed());
         assert_eq!(failed.code(), Code::RankFailed);
         assert_eq!(failed.first_failure, Some(1));
         assert_eq!(failed.exits[1].ending, Ending::Code(7));

@@ -1,78 +1,125 @@
-//! `gradbus._core`: the runtime's own health scan, verdict and spike detector, bound for Python.
+//! `gradbus._core`: the runtime's own health scan, agreement, verdict and spike detector, bound for
+//! Python.
 //!
 //! The Python side (`gradbus/torch.py`) owns only the plumbing of a PyTorch DDP communication hook:
-//! which memory to scan, which small tensor to all-gather, which parameter sits at which offset of a
-//! DDP bucket. Every number that decides something comes from here, i.e. from gradbus-kernels'
-//! `health_scan` and gradbus-collectives' `decide` / `History` / `Report` / `SpikeDetector`, the very
-//! code the Rust runtime runs; nothing of it is re-implemented in Python.
+//! which memory to scan, which small tensors to all-reduce or all-gather, which parameter sits at
+//! which offset of a DDP bucket. Every number that decides something comes from here, i.e. from
+//! gradbus-kernels' `health_scan` and gradbus-collectives' `Summary` / `decide` / `History` /
+//! `Report` / `SpikeDetector`, the very code the Rust runtime runs; nothing of it is re-implemented in
+//! Python.
 //!
-//! Invariants: `Agreement::decide` is a pure function of the gathered table (bitwise the same on
-//! every rank after the all-gather), the layout (the same on every rank: DDP builds its buckets
-//! identically everywhere) and the history (updated on every rank from the same verdicts), so every
-//! rank reaches the same verdict with no broadcast. The table's wire form is `CELL` f64 per bucket
-//! plus the loss, per rank, written by `gradbus.torch` in the order `decode_table` reads it.
+//! The agreement is the runtime's (`docs/agreement.md`): each rank turns its row (`row_len` words) into
+//! its contribution to the O(buckets) `Summary` (`contribute`); the ranks all-reduce its words (SUM,
+//! MAX); when the summary shows no anomaly every rank decides from it (`decide_summary`), otherwise
+//! the ranks all-gather their rows and decide from the full table (`decide_table`), which names the
+//! rank, bucket, parameter and element.
+//!
+//! Invariants: both paths decide from a `HealthTable` that is a pure function of what every rank
+//! holds bitwise alike after the collective (the summary's words, or the gathered rows), the layout
+//! (the same on every rank: DDP builds its buckets identically everywhere) and the history (updated
+//! on every rank from the same verdicts), so every rank reaches the same verdict with no broadcast.
+//! The hook never sees a reduced bucket (its all-reduce is in flight when the rows are exchanged):
+//! every rank contributes the same neutral reduced health on both paths, so the table path's summary
+//! is bitwise the all-reduced one, and "non-finite" means "non-finite on some rank before the
+//! reduce" - which for DDP's mean is also "after it" (|sum g/N| <= max |g|: a sum of finite
+//! gradients scaled first cannot overflow).
 
 use gradbus_collectives::{
-    decide, Action, Bucket, HealthTable, History, Layout, LocalReport, Policy, Slot, SpikeDetector, StepId,
+    decide, Action, Bucket, Classification, HealthTable, History, Layout, LocalReport, Policy, Slot, SpikeDetector,
+    StepId, Summary, ValueNames,
 };
-use gradbus_kernels::{health_scan, Health};
-use pyo3::exceptions::PyValueError;
+use gradbus_kernels::{health_scan, Checksum, Health};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
-/// f64 values per bucket in a rank's row of the gathered table: NaN count, Inf count, sum of squares
-/// of the finite elements, index of the first non-finite element in the bucket (-1: none).
+/// f64 words per bucket in a rank's row: NaN count, Inf count, sum of squares, index of the first
+/// non-finite element in the bucket (-1: none).
 pub const CELL: usize = 4;
 
-/// One rank's row: `CELL` values per bucket, then its loss.
-fn row_len(buckets: usize) -> usize {
-    buckets * CELL + 1
+/// Words after the cells in a rank's row: its loss (f64), its loss scale (f64; 0: no scaler), its
+/// replica checksum (u64 bits; 0 on updates without a replica check).
+pub const EXTRA: usize = 3;
+
+/// The guard's values in the agreement (`LocalReport::values`, by name): the rank's local sum of
+/// squares over every bucket (the gradient norm of spike detection), and its loss scale (which every
+/// rank must share: its minimum and maximum are compared).
+const VALUES: [&str; 2] = ["sumsq", "loss_scale"];
+
+fn values() -> ValueNames {
+    ValueNames::new(&VALUES)
 }
 
-/// The gathered table (`world` rows of `row_len(buckets)`) as the runtime's `HealthTable`. The reduced
-/// bucket health is the merge of the ranks' local health in rank order: the hook does not rescan a
-/// reduced bucket (its all-reduce is still in flight when the table is exchanged), so a bucket is
-/// non-finite after the reduce exactly when some rank's local bucket was.
-fn decode_table(flat: &[f64], world: usize, buckets: usize) -> Result<HealthTable, String> {
-    let n = row_len(buckets);
-    if world == 0 || flat.len() != world * n {
-        return Err(format!(
-            "health table has {} values, expected {world} ranks x ({buckets} buckets x {CELL} + 1) = {} (hint: every rank must run the same DDP model with the same buckets)",
-            flat.len(),
-            world * n
-        ));
+/// Words of one rank's row for `buckets` buckets: `CELL` per bucket, then `EXTRA`.
+fn row_len(buckets: usize) -> usize {
+    buckets * CELL + EXTRA
+}
+
+/// Little-endian 8-byte words of a byte string (a row, a gathered table, all-reduced words).
+fn words(bytes: &[u8], what: &str) -> Result<Vec<u64>, String> {
+    if bytes.len() % 8 != 0 {
+        return Err(format!("{what}: {} bytes is not a whole number of 8-byte words", bytes.len()));
     }
-    let count = |x: f64, what: &str, rank: usize, bucket: usize| -> Result<u64, String> {
+    Ok(bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+}
+
+fn to_bytes(w: impl IntoIterator<Item = u64>) -> Vec<u8> {
+    w.into_iter().flat_map(u64::to_le_bytes).collect()
+}
+
+/// The MAX half travels as int64 (torch.distributed has no unsigned MAX): flipping the top bit maps
+/// the unsigned order onto the signed one, and flipping it back after the all-reduce restores it.
+const FLIP: u64 = 1 << 63;
+
+/// One rank's row, decoded: its health per bucket and its report.
+fn decode_row(row: &[u64], buckets: usize, rank: usize) -> Result<(Vec<Health>, LocalReport), String> {
+    let count = |x: f64, what: &str, bucket: usize| -> Result<u64, String> {
         if x.is_finite() && x >= 0.0 && x.fract() == 0.0 {
             Ok(x as u64)
         } else {
-            Err(format!("health table: rank {rank} bucket #{bucket}: {what} is {x}, not a count"))
+            Err(format!("health row of rank {rank}: bucket #{bucket}: {what} is {x}, not a count"))
         }
     };
-    let mut local = vec![Health::default(); world * buckets];
-    for rank in 0..world {
-        let row = &flat[rank * n..(rank + 1) * n];
-        for b in 0..buckets {
-            let c = &row[b * CELL..(b + 1) * CELL];
-            let first_bad = if c[3] < 0.0 { None } else { Some(count(c[3], "first_bad", rank, b)?) };
-            local[b * world + rank] =
-                Health { nan: count(c[0], "nan", rank, b)?, inf: count(c[1], "inf", rank, b)?, sumsq: c[2], first_bad };
-        }
+    let f = |i: usize| f64::from_bits(row[i]);
+    let mut local = Vec::with_capacity(buckets);
+    let mut sumsq = 0.0;
+    for b in 0..buckets {
+        let c = b * CELL;
+        let first_bad = if f(c + 3) < 0.0 { None } else { Some(count(f(c + 3), "first_bad", b)?) };
+        local.push(Health { nan: count(f(c), "nan", b)?, inf: count(f(c + 1), "inf", b)?, sumsq: f(c + 2), first_bad });
+        sumsq += f(c + 2);
     }
-    let reduced = (0..buckets)
-        .map(|b| {
-            let mut h = Health::default();
-            for rank in 0..world {
-                h.merge(&local[b * world + rank], 0);
-            }
-            h
-        })
-        .collect();
-    // No workload values and no replica checksum travel in the hook's table (replica 0 on every
-    // rank: always agreed).
-    let reports = (0..world)
-        .map(|r| LocalReport { loss: flat[r * n + n - 1], values: [0.0; LocalReport::VALUES], replica: 0 })
-        .collect();
-    Ok(HealthTable::detailed(world, local, reduced, reports, None))
+    let e = buckets * CELL;
+    // In the order of `VALUES`.
+    let values = vec![sumsq, f(e + 1)];
+    Ok((local, LocalReport { loss: f(e), values, replica: row[e + 2] }))
+}
+
+/// The hook's neutral reduced health (see the module doc): the same on every rank and both paths.
+fn neutral(buckets: usize) -> Vec<Health> {
+    vec![Health::default(); buckets]
+}
+
+/// The gathered table (`world` rows of `row_len(buckets)` words) as the runtime's `HealthTable`.
+fn decode_table(table: &[u64], world: usize, buckets: usize) -> Result<HealthTable, String> {
+    let n = row_len(buckets);
+    if world == 0 || table.len() != world * n {
+        return Err(format!(
+            "health table has {} words, expected {world} ranks x ({buckets} buckets x {CELL} + {EXTRA}) = {} (hint: every rank must run the same DDP model with the same buckets)",
+            table.len(),
+            world * n
+        ));
+    }
+    let mut local = vec![Health::default(); world * buckets];
+    let mut reports = Vec::with_capacity(world);
+    for rank in 0..world {
+        let (cells, report) = decode_row(&table[rank * n..(rank + 1) * n], buckets, rank)?;
+        for (b, h) in cells.into_iter().enumerate() {
+            local[b * world + rank] = h;
+        }
+        reports.push(report);
+    }
+    Ok(HealthTable::detailed(world, &values(), local, neutral(buckets), reports, None))
 }
 
 /// A `Layout` over DDP's buckets: bucket `b` is a contiguous range of a virtual flat buffer (buckets
@@ -124,6 +171,59 @@ fn scan_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<(u64, u64, f64
     Ok((h.nan, h.inf, h.sumsq, h.first_bad))
 }
 
+/// The runtime's replica checksum (`gradbus_kernels::Checksum`, the hash the runtime's AdamW pass
+/// computes) of `numel` f32 at address `ptr` (a CPU tensor's `data_ptr()`), read in place with the
+/// GIL released. The caller guarantees, as for `scan_f32`, a live contiguous float32 CPU tensor of
+/// `numel` elements that nothing writes meanwhile (the parameters, between optimizer steps).
+#[pyfunction]
+fn checksum_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<u64> {
+    if numel > 0 && (ptr == 0 || ptr % std::mem::align_of::<f32>() != 0) {
+        return Err(PyValueError::new_err(format!(
+            "checksum_f32: address {ptr:#x} is null or not aligned for f32 (hint: pass a float32 tensor's data_ptr())"
+        )));
+    }
+    let addr = ptr;
+    Ok(py.detach(move || {
+        let mut c = Checksum::new();
+        if numel > 0 {
+            // SAFETY: `addr` is non-null and f32-aligned (checked above); the caller guarantees that
+            // it points at `numel` initialised f32 of a live, contiguous CPU tensor that it keeps
+            // alive for this call and that nothing writes meanwhile. Only read; does not outlive the call.
+            c.update(unsafe { std::slice::from_raw_parts(addr as *const f32, numel) });
+        }
+        c.finish()
+    }))
+}
+
+/// This rank's contribution to the summary, from its row (`row_len(buckets)`
+/// little-endian words): (SUM words, MAX words), each as little-endian int64 bytes for
+/// `torch.distributed.all_reduce` (SUM, resp. MAX with the top bit flipped, see `FLIP`).
+#[pyfunction]
+fn contribute<'py>(
+    py: Python<'py>,
+    row: &[u8],
+    buckets: usize,
+) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let w = words(row, "health row").map_err(PyValueError::new_err)?;
+    if w.len() != row_len(buckets) {
+        return Err(PyValueError::new_err(format!(
+            "health row has {} words, expected {buckets} buckets x {CELL} + {EXTRA} = {}",
+            w.len(),
+            row_len(buckets)
+        )));
+    }
+    let (local, report) = decode_row(&w, buckets, 0).map_err(PyValueError::new_err)?;
+    let s = Summary::of_rank(&values(), &local, Some(&neutral(buckets)), &report);
+    let max = s.max_words().into_iter().map(|x| x ^ FLIP);
+    Ok((PyBytes::new(py, &to_bytes(s.sum_words())), PyBytes::new(py, &to_bytes(max))))
+}
+
+/// (SUM words, MAX words) of a summary for `buckets` buckets: the lengths `contribute` returns.
+#[pyfunction]
+fn summary_words(buckets: usize) -> (usize, usize) {
+    (Summary::sum_len(buckets, VALUES.len()), Summary::max_len(buckets, VALUES.len()))
+}
+
 fn action_name(a: Action) -> &'static str {
     match a {
         Action::Proceed => "proceed",
@@ -133,11 +233,41 @@ fn action_name(a: Action) -> &'static str {
     }
 }
 
+/// What every rank concludes about one update (the same on every rank).
+#[pyclass(module = "gradbus._core", get_all)]
+struct Decision {
+    /// "proceed", "skip", "rerun", "abort", or "diverged" (the replicas' checksums differ: the
+    /// verdict was not taken and the history is unchanged).
+    action: String,
+    /// The runtime's `report.json` text (sealed: format, crc32c) when some gradient was non-finite.
+    report: Option<String>,
+    /// A loss or gradient-norm spike, described, when spike detection is on and flagged one.
+    spike: Option<String>,
+    /// "diverged": the ranks whose replica checksum differs from rank 0's.
+    diverged: Vec<usize>,
+    /// "diverged": every rank's replica checksum.
+    replicas: Vec<u64>,
+    /// The agreed loss scale of the update (0.0: no scaler).
+    loss_scale: f64,
+    /// The ranks' mean loss (the exact sum rounded once, divided by the world).
+    loss: f64,
+    /// The gradient norm of spike detection: sqrt of the ranks' summed local squared norms / world,
+    /// divided by the loss scale when there is one.
+    grad_norm: f64,
+    /// Whether the summary alone decided (false: the table was gathered).
+    summary: bool,
+}
+
 /// One rank's side of the agreement: the policy, the history every rank keeps identically, and the
 /// spike detectors of the runtime (llm.c's rolling z-score and Megatron's 10x rule).
 #[pyclass(module = "gradbus._core")]
 struct Agreement {
     policy: Policy,
+    /// The skip budget's fraction and window (also the budget of loss-scale overflows).
+    max_fraction: f64,
+    window: u32,
+    /// An overflow at a loss scale at or below this aborts.
+    min_scale: f64,
     history: History,
     /// Loss and gradient-norm detectors, when spike detection is on.
     spikes: Option<[SpikeDetector; 2]>,
@@ -145,13 +275,87 @@ struct Agreement {
     spike_skip: bool,
 }
 
+impl Agreement {
+    /// The verdict from an agreed table (either path); records it in the history.
+    fn judge(
+        &mut self,
+        t: &HealthTable,
+        layout: &[Vec<(String, usize)>],
+        step: u64,
+        attempt: u32,
+    ) -> PyResult<Decision> {
+        let scales = t.value("loss_scale");
+        if scales.min().to_bits() != scales.max().to_bits() {
+            return Err(PyRuntimeError::new_err(format!(
+                "gradbus: the ranks' loss scales differ at step {step} (from {} to {}) (hint: give every rank its own GradScaler with the same settings, and the guard the scaler of its rank)",
+                scales.min(),
+                scales.max()
+            )));
+        }
+        let scale = scales.max();
+        let world = t.world;
+        let mut out = Decision {
+            action: String::new(),
+            report: None,
+            spike: None,
+            diverged: Vec::new(),
+            replicas: Vec::new(),
+            loss_scale: scale,
+            loss: t.mean_loss(),
+            grad_norm: t.value("sumsq").sum().sqrt() / world as f64 / if scale > 0.0 { scale } else { 1.0 },
+            summary: !t.is_detailed(),
+        };
+        let diverged = t.replica_outliers();
+        if !diverged.is_empty() {
+            out.action = "diverged".into();
+            out.diverged = diverged;
+            out.replicas = t.reports.iter().map(|r| r.replica).collect();
+            return Ok(out);
+        }
+        let l = ddp_layout(layout);
+        let at = StepId { step, minibatch: 0, attempt };
+        // With a loss scaler every non-finite update is an overflow of the scale: skipped (no
+        // bound on skips in a row: the floor bounds them), within the skip fraction of the window.
+        let scaled = Policy::Skip { max_consecutive: u32::MAX, max_fraction: self.max_fraction, window: self.window };
+        let policy = if scale > 0.0 { &scaled } else { &self.policy };
+        let mut verdict = decide(t, &l, policy, &self.history, at);
+        if scale > 0.0 && verdict.action == Action::Skip {
+            if scale <= self.min_scale {
+                verdict.action = Action::Abort;
+            }
+            if let Some(r) = &mut verdict.report {
+                r.verdict = verdict.action;
+                r.classification = Some(Classification::LossScale);
+            }
+        }
+        if verdict.action == Action::Proceed {
+            if let Some(ds) = &mut self.spikes {
+                for ((d, x), name) in ds.iter_mut().zip([out.loss, out.grad_norm]).zip(["loss", "grad norm"]) {
+                    if let Some(s) = d.observe(x) {
+                        out.spike.get_or_insert(format!("{name} spike {x:.4} ({})", s.rules()));
+                    }
+                }
+                if out.spike.is_some() && self.spike_skip {
+                    verdict.action = Action::Skip;
+                }
+            }
+        }
+        self.history.record(t, &verdict);
+        out.action = action_name(verdict.action).into();
+        out.report = verdict.report.as_ref().map(gradbus_artifacts::report_text);
+        Ok(out)
+    }
+}
+
 #[pymethods]
 impl Agreement {
     /// `policy`: "abort", "skip" (bounded by `max_consecutive` skips in a row and `max_fraction` of
     /// the last `window` updates, the runtime's defaults) or "rerun". `spike`: None, "warn" or
-    /// "skip", with the runtime's `spike.window` / `spike.z_limit` defaults.
+    /// "skip", with the runtime's `spike.window` / `spike.z_limit` defaults. `min_scale`: the loss
+    /// scale floor (an overflow at a scale at or below it aborts).
     #[new]
-    #[pyo3(signature = (policy, max_consecutive=3, max_fraction=0.1, window=100, spike=None, spike_window=128, z_limit=6.0))]
+    #[pyo3(signature = (policy, max_consecutive=3, max_fraction=0.1, window=100, spike=None, spike_window=128, z_limit=6.0, min_scale=1.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         policy: &str,
         max_consecutive: u32,
@@ -160,18 +364,22 @@ impl Agreement {
         spike: Option<&str>,
         spike_window: usize,
         z_limit: f64,
+        min_scale: f64,
     ) -> PyResult<Self> {
+        if !(0.0..=1.0).contains(&max_fraction) || window == 0 {
+            return Err(PyValueError::new_err(format!(
+                "skip bounds: max_fraction {max_fraction} must be in [0, 1] and window {window} at least 1"
+            )));
+        }
+        if !(min_scale.is_finite() && min_scale > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "min_scale {min_scale}: the loss scale floor must be a positive number (DeepSpeed's and Megatron's default: 1.0)"
+            )));
+        }
         let policy = match policy {
             "abort" => Policy::Abort,
             "rerun" => Policy::Rerun,
-            "skip" => {
-                if !(0.0..=1.0).contains(&max_fraction) || window == 0 {
-                    return Err(PyValueError::new_err(format!(
-                        "skip bounds: max_fraction {max_fraction} must be in [0, 1] and window {window} at least 1"
-                    )));
-                }
-                Policy::Skip { max_consecutive, max_fraction, window }
-            }
+            "skip" => Policy::Skip { max_consecutive, max_fraction, window },
             other => {
                 return Err(PyValueError::new_err(format!(
                     "policy {other:?}: expected \"abort\", \"skip\" or \"rerun\""
@@ -188,44 +396,59 @@ impl Agreement {
                 return Err(PyValueError::new_err(format!("spike {other:?}: expected None, \"warn\" or \"skip\"")))
             }
         };
-        Ok(Agreement { policy, history: History::default(), spikes, spike_skip })
+        Ok(Agreement { policy, max_fraction, window, min_scale, history: History::default(), spikes, spike_skip })
     }
 
-    /// The verdict on one update from the gathered table (`world` rows, see `CELL`) and DDP's bucket
-    /// layout (`layout[b]` = [(name, numel), ...]); records it in the history. Returns
-    /// (action, report JSON or None, spike description or None). The report JSON is the runtime's
-    /// `report.json` text: the runtime's `Report`, sealed as the runtime writes it (format, crc32c).
-    #[pyo3(signature = (table, world, layout, step, attempt))]
-    fn decide(
+    /// The decision from the all-reduced summary (`sum`, `max`: the element-wise SUM and MAX of every
+    /// rank's `contribute` words, as bytes); `None` when the summary shows an anomaly: then every
+    /// rank all-gathers its row and calls `decide_table`. `layout[b]` = [(name, numel), ...].
+    #[pyo3(signature = (sum, max, world, layout, step, attempt))]
+    fn decide_summary(
         &mut self,
-        table: Vec<f64>,
+        sum: &[u8],
+        max: &[u8],
         world: usize,
         layout: Vec<Vec<(String, usize)>>,
         step: u64,
         attempt: u32,
-    ) -> PyResult<(String, Option<String>, Option<String>)> {
-        let t = decode_table(&table, world, layout.len()).map_err(PyValueError::new_err)?;
-        let l = ddp_layout(&layout);
-        let at = StepId { step, minibatch: 0, attempt };
-        let mut verdict = decide(&t, &l, &self.policy, &self.history, at);
-        let mut spike = None;
-        if verdict.action == Action::Proceed {
-            if let Some(ds) = &mut self.spikes {
-                let loss = t.mean_loss();
-                let norm = t.grad_norm() / world as f64;
-                for ((d, x), name) in ds.iter_mut().zip([loss, norm]).zip(["loss", "grad norm"]) {
-                    if let Some(s) = d.observe(x) {
-                        spike.get_or_insert(format!("{name} spike {x:.4} ({})", s.rules()));
-                    }
-                }
-                if spike.is_some() && self.spike_skip {
-                    verdict.action = Action::Skip;
-                }
-            }
+    ) -> PyResult<Option<Decision>> {
+        let buckets = layout.len();
+        let (s, m) = (
+            words(sum, "summary").map_err(PyValueError::new_err)?,
+            words(max, "summary").map_err(PyValueError::new_err)?,
+        );
+        if (s.len(), m.len()) != summary_words(buckets) || world == 0 {
+            return Err(PyValueError::new_err(format!(
+                "summary of {} + {} words for {world} ranks, expected {} + {} for {buckets} buckets (hint: every rank must run the same DDP model with the same buckets)",
+                s.len(),
+                m.len(),
+                summary_words(buckets).0,
+                summary_words(buckets).1
+            )));
         }
-        self.history.record(&t, &verdict);
-        let report = verdict.report.as_ref().map(gradbus_worker::artifacts::report_text);
-        Ok((action_name(verdict.action).to_string(), report, spike))
+        let m: Vec<u64> = m.into_iter().map(|x| x ^ FLIP).collect();
+        let summary = Summary::from_words(buckets, &values(), &s, &m);
+        if summary.anomaly().is_some() {
+            return Ok(None);
+        }
+        let t = HealthTable::summarized(world, summary).expect("no anomaly: the reducers agree");
+        self.judge(&t, &layout, step, attempt).map(Some)
+    }
+
+    /// The decision from the gathered table (`world` rows of `contribute`'s row, concatenated, as
+    /// bytes); records it in the history.
+    #[pyo3(signature = (table, world, layout, step, attempt))]
+    fn decide_table(
+        &mut self,
+        table: &[u8],
+        world: usize,
+        layout: Vec<Vec<(String, usize)>>,
+        step: u64,
+        attempt: u32,
+    ) -> PyResult<Decision> {
+        let w = words(table, "health table").map_err(PyValueError::new_err)?;
+        let t = decode_table(&w, world, layout.len()).map_err(PyValueError::new_err)?;
+        self.judge(&t, &layout, step, attempt)
     }
 
     /// Updates skipped so far.
@@ -257,7 +480,12 @@ impl Agreement {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CELL", CELL)?;
+    m.add("EXTRA", EXTRA)?;
     m.add_function(wrap_pyfunction!(scan_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(contribute, m)?)?;
+    m.add_function(wrap_pyfunction!(summary_words, m)?)?;
     m.add_class::<Agreement>()?;
+    m.add_class::<Decision>()?;
     Ok(())
 }

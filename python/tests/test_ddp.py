@@ -6,40 +6,27 @@ import re
 import pytest
 import torch
 
-from ddp_case import run
+from ddp_case import run, same_state
 
 # The runtime's report.json fields (collectives/src/verdict.rs, `Report`): the guard serialises the
 # same Rust type, so a drift in either shows here.
 REPORT_KEYS = {
     "step", "minibatch", "attempt", "verdict", "ranks", "bucket", "param", "element",
     "nan", "inf", "per_rank", "loss_finite", "classification", "cause",
-    "format", "crc32c",  # sealed by the worker's artifact code, as the runtime's report.json is
+    "format", "gradbus", "crc32c",  # sealed by the worker's artifact code, as the runtime's report.json is
 }
-
-
-def same_state(a, b):
-    """Bitwise equality of two snapshots (weights and Adam state)."""
-    assert a["weights"].keys() == b["weights"].keys()
-    for n in a["weights"]:
-        if not torch.equal(a["weights"][n], b["weights"][n]):
-            return False
-    if a["adam"].keys() != b["adam"].keys():
-        return False
-    for n in a["adam"]:
-        for k, v in a["adam"][n].items():
-            w = b["adam"][n][k]
-            if not (torch.equal(v, w) if torch.is_tensor(v) else v == w):
-                return False
-    return True
 
 
 def test_clean_run_is_plain_ddp_bitwise(tmp_path):
     # 3 ranks: the division by the world size is inexact, so the built-in path and the hook's must
     # divide the same way for the bits to match.
     plain = run(3, {"steps": 4, "guard": None}, str(tmp_path / "plain"))
-    guarded = run(3, {"steps": 4, "guard": {"policy": "abort", "run_dir": str(tmp_path / "run")}}, str(tmp_path / "guarded"))
+    # The replica check on every update changes no bit either.
+    guard = {"policy": "abort", "run_dir": str(tmp_path / "run"), "replica_every": 1}
+    guarded = run(3, {"steps": 4, "guard": guard}, str(tmp_path / "guarded"))
     for r in range(3):
         assert guarded[r]["error"] is None
+        assert guarded[r]["tabled"] == 0, "healthy updates are decided from the summary alone"
         assert guarded[r]["verdicts"] == ["proceed"] * 4
         assert guarded[r]["losses"] == plain[r]["losses"], f"rank {r}: losses differ from plain DDP"
         for s, (a, b) in enumerate(zip(plain[r]["snapshots"], guarded[r]["snapshots"])):
@@ -51,18 +38,20 @@ def test_clean_run_is_plain_ddp_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "plant,scan",
+    "plant,scan,agreement",
     [
-        ({"rank": 1, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"}, "auto"),
-        ({"rank": 2, "step": 1, "param": "inp.bias", "element": 7, "value": "inf"}, "auto"),
+        ({"rank": 1, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"}, "auto", "summary"),
+        ({"rank": 2, "step": 1, "param": "inp.bias", "element": 7, "value": "inf"}, "auto", "summary"),
         # scan="torch": the tallies of CUDA buckets (torch ops on the bucket's device), here on the CPU.
-        ({"rank": 0, "step": 3, "param": "head.weight", "element": 4095, "value": "-inf"}, "torch"),
+        ({"rank": 0, "step": 3, "param": "head.weight", "element": 4095, "value": "-inf"}, "torch", "summary"),
+        # The table on every update (the guard before the summary): the same report.
+        ({"rank": 1, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"}, "auto", "table"),
     ],
-    ids=["nan-mid-rank1", "inf-first-layer-rank2", "neg-inf-head-rank0-torch-scan"],
+    ids=["nan-mid-rank1", "inf-first-layer-rank2", "neg-inf-head-rank0-torch-scan", "nan-mid-rank1-table"],
 )
-def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path, plant, scan):
+def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path, plant, scan, agreement):
     run_dir = tmp_path / "run"
-    guard = {"policy": "abort", "run_dir": str(run_dir), "scan": scan}
+    guard = {"policy": "abort", "run_dir": str(run_dir), "scan": scan, "agreement": agreement}
     res = run(3, {"steps": 4, "guard": guard, "plants": [plant]}, str(tmp_path))
     errors = {r["error"] for r in res}
     assert len(errors) == 1 and None not in errors, f"every rank raises the same error: {errors}"
@@ -75,14 +64,17 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
         plant["step"], [plant["rank"]], plant["param"], plant["element"])
     assert (report["nan"], report["inf"], report["verdict"], report["loss_finite"]) == (int(nan), int(not nan), "abort", True)
     assert report["cause"] == "local_gradients", report
-    assert report["format"] == 1 and re.fullmatch(r"[0-9a-f]{8}", report["crc32c"]), report
+    assert report["format"] == 2 and re.fullmatch(r"[0-9a-f]{8}", report["crc32c"]), report
+    assert set(report["gradbus"]) == {"version", "commit"}, report
     assert report["per_rank"] == [{"rank": plant["rank"], "nan": int(nan), "inf": int(not nan), "first_bucket": report["bucket"]}]
     msg = errors.pop()
     assert f"param {plant['param']} element {plant['element']}" in msg and f"rank(s) [{plant['rank']}]" in msg, msg
-    # Weights never took the poisoned update, and the replicas are identical.
+    # Weights and Adam state after the raise are those before the poisoned update (it was never
+    # applied), finite, and the same on every replica.
     for r in res:
-        assert all(torch.isfinite(w).all() for w in r["snapshots"][-1]["weights"].values())
-        assert same_state(r["snapshots"][-1], res[0]["snapshots"][-1])
+        assert same_state(r["after_error"], r["snapshots"][-1]), "the poisoned update changed the state"
+        assert all(torch.isfinite(w).all() for w in r["after_error"]["weights"].values())
+        assert same_state(r["after_error"], res[0]["after_error"])
 
 
 def test_skip_leaves_weights_and_adam_state_untouched_and_replicas_identical(tmp_path):
@@ -126,3 +118,16 @@ def test_rerun_transient_proceeds_as_a_clean_run_and_deterministic_aborts(tmp_pa
     for r in res:
         assert r["verdicts"] == ["proceed", "rerun"]
         assert (r["report"]["classification"], r["report"]["attempt"], r["report"]["param"]) == ("deterministic", 1, "head.bias")
+
+
+def test_a_replica_that_differs_stops_every_rank_with_a_report_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    diverge = {"rank": 1, "step": 2, "param": "mid.weight", "element": 5, "delta": 1e-3}
+    guard = {"policy": "abort", "run_dir": str(run_dir), "replica_every": 2}
+    res = run(3, {"steps": 5, "guard": guard, "diverge": diverge}, str(tmp_path))
+    report = json.loads((run_dir / "replicas.json").read_text())
+    assert (report["step"], report["ranks"], len(set(report["checksums"]))) == (2, [1], 2)
+    for r in res:
+        assert r["verdicts"] == ["proceed", "proceed"], "stopped at the first check after the divergence"
+        assert r["error_type"] == "ReplicasDiverged" and r["report"] == report
+        assert "rank(s) [1] hold parameters that differ from rank 0's" in r["error"], r["error"]

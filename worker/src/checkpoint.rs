@@ -1,6 +1,6 @@
 //! Checkpoints: `RUN_DIR/checkpoints/step-N/` with `state.bin` (weights, Adam moments, rollout
 //! weights, step, skip history) and a `DONE` marker, written by rank 0 (replicas are identical).
-//! The formats are in [`crate::artifacts`].
+//! The formats are in [`gradbus_artifacts`].
 //!
 //! Invariants: `state.bin` is renamed into place before `DONE` (which holds its checksum) is
 //! written, so a crash leaves at most a directory without `DONE`. `--resume` loads the newest
@@ -8,91 +8,145 @@
 //! expected and found checksum), and stops with exit 2 naming every file when none verifies:
 //! corrupt state is never loaded.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use crate::artifacts::{self, CheckpointMeta, SavedHistory};
-use crate::train::{checksum, Trainer};
-use crate::WorkerError;
+use gradbus_collectives::Layout;
 
-impl Trainer {
-    pub(crate) fn checkpoint_dir(&self) -> PathBuf {
-        self.run_dir.join("checkpoints")
+use crate::config::Config;
+use crate::error::WorkerError;
+use crate::faults::FaultPlan;
+use crate::judge::Judge;
+use crate::rank::RankInfo;
+use gradbus_artifacts::{self as artifacts, CheckpointMeta, RunRecord, SavedHistory};
+
+/// The state a checkpoint holds, as host slices (a backend's `to_host`: borrowed on the CPU).
+pub(crate) struct State<'a> {
+    /// Steps completed.
+    pub step: u64,
+    /// Adam's step counter.
+    pub adam_t: u64,
+    /// The weights, Adam's moments and the rollout engine's weights.
+    pub params: &'a [f32],
+    pub m: &'a [f32],
+    pub v: &'a [f32],
+    pub rollout: &'a [f32],
+    /// The replica checksum of `params`.
+    pub params_checksum: u64,
+    /// History, spike detectors, warnings.
+    pub judge: &'a Judge,
+}
+
+/// A checkpoint as loaded: the host tensors and the rest of the state.
+pub(crate) struct Restored {
+    /// Steps completed (the next step to run).
+    pub step: u64,
+    /// Adam's step counter.
+    pub adam_t: u64,
+    /// The weights, Adam's moments and the rollout engine's weights, each the layout's length.
+    pub params: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub rollout: Vec<f32>,
+    /// History, spike detectors, warnings.
+    pub judge: Judge,
+}
+
+fn checkpoint_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("checkpoints")
+}
+
+/// Write `s`, trained as `run` says, as `checkpoints/step-N` (rank 0 calls this; replicas are
+/// identical).
+pub(crate) fn save(
+    run_dir: &Path,
+    config_hash: u64,
+    layout: &Layout,
+    s: &State<'_>,
+    run: RunRecord,
+    faults: &FaultPlan,
+) -> Result<(), WorkerError> {
+    let dir = checkpoint_dir(run_dir).join(format!("step-{:06}", s.step));
+    let h = &s.judge.history;
+    let meta = CheckpointMeta {
+        step: s.step,
+        adam_t: s.adam_t,
+        config_hash,
+        layout_hash: layout.hash(),
+        spikes: s.judge.spikes.clone(),
+        warnings: s.judge.warnings,
+        history: SavedHistory {
+            consecutive_skips: h.consecutive_skips,
+            skipped: h.skipped,
+            recent: h.recent.clone(),
+            suspects: h.suspects.clone(),
+        },
+        run: Some(run),
+    };
+    let tensors: [(&str, &[f32]); 4] = [("params", s.params), ("m", s.m), ("v", s.v), ("rollout", s.rollout)];
+    let step = s.step;
+    artifacts::save_checkpoint(&dir, &meta, &tensors, s.params_checksum, || faults.at_checkpoint(step))?;
+    log::info!("checkpoint {}", dir.display());
+    Ok(())
+}
+
+/// Load the newest checkpoint under `run_dir` that is complete and verifies, for `layout`; the run
+/// it was trained with is compared with this one (`config_text` on `info.world` ranks, see
+/// `crate::rundir::resumed`).
+pub(crate) fn restore(
+    run_dir: &Path,
+    layout: &Layout,
+    cfg: &Config,
+    config_text: &str,
+    info: &RankInfo,
+) -> Result<Restored, WorkerError> {
+    let rank = info.rank;
+    let root = checkpoint_dir(run_dir);
+    let (dir, l, refused) = artifacts::newest_intact_checkpoint(&root).map_err(|refused| {
+        let why: Vec<String> = refused.iter().map(|e| format!("\n  {e}")).collect();
+        WorkerError::Usage(format!(
+            "--resume: no complete checkpoint under {} verifies{} (hint: checkpoints are written every `checkpoint.every` steps)",
+            root.display(),
+            if why.is_empty() { " (there is none)".to_string() } else { format!(":{}", why.concat()) }
+        ))
+    })?;
+    if rank == 0 {
+        for e in &refused {
+            eprintln!("warning: --resume skips a checkpoint: {e}");
+        }
     }
-
-    /// Write the state after `self.step` completed steps (rank 0; replicas are identical).
-    pub(crate) fn save_checkpoint(&mut self) -> Result<(), WorkerError> {
-        if self.info.rank != 0 {
-            return Ok(());
-        }
-        let dir = self.checkpoint_dir().join(format!("step-{:06}", self.step));
-        let meta = CheckpointMeta {
-            step: self.step,
-            adam_t: self.adam_t,
-            config_hash: self.config_hash,
-            layout_hash: self.layout().hash(),
-            spikes: self.spikes.clone(),
-            warnings: self.warnings,
-            history: SavedHistory {
-                consecutive_skips: self.history.consecutive_skips,
-                skipped: self.history.skipped,
-                recent: self.history.recent.clone(),
-                suspects: self.history.suspects.clone(),
-            },
-        };
-        let tensors: [(&str, &[f32]); 4] =
-            [("params", &self.params), ("m", &self.m), ("v", &self.v), ("rollout", &self.rollout)];
-        let (faults, step) = (&self.faults, self.step);
-        artifacts::save_checkpoint(&dir, &meta, &tensors, self.params_checksum, || faults.at_checkpoint(step))?;
-        log::info!("checkpoint {}", dir.display());
-        Ok(())
+    let meta = &l.meta;
+    crate::rundir::resumed(&dir, meta, config_text, info, run_dir)?;
+    if meta.layout_hash != layout.hash() {
+        return Err(WorkerError::Usage(format!("{}: saved for a different model or bucket layout", dir.display())));
     }
-
-    /// Load the newest checkpoint that is complete and verifies.
-    pub(crate) fn resume(&mut self) -> Result<(), WorkerError> {
-        let root = self.checkpoint_dir();
-        let (dir, l, refused) = artifacts::newest_intact_checkpoint(&root).map_err(|refused| {
-            let why: Vec<String> = refused.iter().map(|e| format!("\n  {e}")).collect();
-            WorkerError::Usage(format!(
-                "--resume: no complete checkpoint under {} verifies{} (hint: checkpoints are written every `checkpoint.every` steps)",
-                root.display(),
-                if why.is_empty() { " (there is none)".to_string() } else { format!(":{}", why.concat()) }
-            ))
-        })?;
-        if self.info.rank == 0 {
-            for e in &refused {
-                eprintln!("warning: --resume skips a checkpoint: {e}");
-            }
+    let (params, m, v, rollout) = (l.get("params")?, l.get("m")?, l.get("v")?, l.get("rollout")?);
+    let n = layout.len;
+    for (name, t) in [("params", params), ("m", m), ("v", v), ("rollout", rollout)] {
+        if t.len() != n {
+            return Err(WorkerError::Usage(format!(
+                "{}: tensor `{name}` has {} elements, the model has {n}",
+                dir.join("state.bin").display(),
+                t.len()
+            )));
         }
-        let meta = &l.meta;
-        if meta.layout_hash != self.layout().hash() {
-            return Err(WorkerError::Usage(format!("{}: saved for a different model or bucket layout", dir.display())));
-        }
-        self.params = l.get("params")?.to_vec();
-        self.params_checksum = checksum(&self.params);
-        self.m = l.get("m")?.to_vec();
-        self.v = l.get("v")?.to_vec();
-        self.rollout = l.get("rollout")?.to_vec();
-        let n = self.layout().len;
-        for (name, t) in [("params", &self.params), ("m", &self.m), ("v", &self.v), ("rollout", &self.rollout)] {
-            if t.len() != n {
-                return Err(WorkerError::Usage(format!(
-                    "{}: tensor `{name}` has {} elements, the model has {n}",
-                    dir.join("state.bin").display(),
-                    t.len()
-                )));
-            }
-        }
-        self.step = meta.step;
-        self.adam_t = meta.adam_t;
-        self.history.consecutive_skips = meta.history.consecutive_skips;
-        self.history.skipped = meta.history.skipped;
-        self.history.recent = meta.history.recent.clone();
-        self.history.suspects = meta.history.suspects.clone();
-        self.spikes = meta.spikes.clone();
-        self.warnings = meta.warnings;
-        if self.info.rank == 0 {
-            eprintln!("resumed from {} at step {}", dir.display(), self.step);
-        }
-        Ok(())
     }
+    let mut judge = Judge::new(cfg);
+    judge.history.consecutive_skips = meta.history.consecutive_skips;
+    judge.history.skipped = meta.history.skipped;
+    judge.history.recent = meta.history.recent.clone();
+    judge.history.suspects = meta.history.suspects.clone();
+    judge.spikes = meta.spikes.clone();
+    judge.warnings = meta.warnings;
+    if rank == 0 {
+        eprintln!("resumed from {} at step {}", dir.display(), meta.step);
+    }
+    Ok(Restored {
+        step: meta.step,
+        adam_t: meta.adam_t,
+        params: params.to_vec(),
+        m: m.to_vec(),
+        v: v.to_vec(),
+        rollout: rollout.to_vec(),
+        judge,
+    })
 }

@@ -13,9 +13,11 @@ use crate::WorkerArgs;
 
 /// `gradbus worker --help`.
 pub const USAGE: &str = "\
-usage: gradbus worker [--run-dir DIR] [--resume] CONFIG.toml [--set key=value ...]
-       gradbus worker --bench-allreduce [--sizes 1MiB,64MiB] [--iters N] [--warmup N] [--transport shm|mpi|hier] [--nodes K] [--json]
-One rank of a job: started by `gradbus run`, or by a bare `mpirun -np N gradbus worker CONFIG.toml`.";
+usage: gradbus worker [--run-dir DIR] [--resume | --overwrite] CONFIG.toml [--set key=value ...]
+       gradbus worker --bench-allreduce [BENCH FLAGS: see `gradbus bench --help`]
+One rank of a job: started by `gradbus run`, or by a bare `mpirun -np N gradbus worker CONFIG.toml`.
+Rank 0 owns the run directory (unless its launcher does): a directory in use by another job, or
+holding an earlier run without --resume or --overwrite (which deletes that run first), is exit 2.";
 
 /// What the arguments ask for.
 #[derive(Debug)]
@@ -36,6 +38,7 @@ fn parse(args: Vec<OsString>) -> Result<Parsed, String> {
         match arg {
             Long("run-dir") => out.run_dir = Some(p.value().map_err(err)?.into()),
             Long("resume") => out.resume = true,
+            Long("overwrite") => out.overwrite = true,
             Long("set") => out.overrides.push(p.value().map_err(err)?.string().map_err(err)?),
             Long("help") | Short('h') => return Ok(Parsed::Help),
             Value(v) if config.is_none() => config = Some(v.into()),
@@ -43,18 +46,22 @@ fn parse(args: Vec<OsString>) -> Result<Parsed, String> {
         }
     }
     out.config = config.ok_or("missing CONFIG.toml")?;
+    if out.resume && out.overwrite {
+        return Err("--resume and --overwrite: continue the run, or delete it, not both".into());
+    }
     Ok(Parsed::Train(out))
 }
 
-/// Runs one rank (or, after `--bench-allreduce`, one process of the all-reduce benchmark under
-/// `mpirun`, see [`crate::bench`]) with the arguments after `worker`; returns its exit code.
+/// Runs one rank (or, after `--bench-allreduce`, one process of a benchmark, see
+/// [`crate::bench`]) with the arguments after `worker`; returns its exit code.
 pub fn main_with_args(args: Vec<OsString>) -> Code {
     if args.first().is_some_and(|a| a == "--bench-allreduce") {
         return match crate::bench::main(args[1..].to_vec()) {
             Ok(()) => Code::Done,
             Err(e) => {
-                eprintln!("gradbus worker --bench-allreduce: {e}\n{}", crate::bench::USAGE);
-                Code::Usage
+                let rank = std::env::var(crate::env::RANK).unwrap_or_else(|_| "?".into());
+                eprintln!("gradbus worker --bench-allreduce rank {rank}: error: {e}");
+                e.code()
             }
         };
     }
@@ -104,6 +111,7 @@ mod tests {
         assert_eq!(p(&[]).unwrap_err(), "missing CONFIG.toml");
         assert!(p(&["a.toml", "b.toml"]).is_err());
         assert!(p(&["--frob", "a.toml"]).is_err());
+        assert!(p(&["--resume", "--overwrite", "a.toml"]).is_err());
         assert_eq!(main_with_args(vec!["--no-such-flag".into()]), Code::Usage);
         assert_eq!(main_with_args(vec!["--bench-allreduce".into(), "--frob".into()]), Code::Usage);
     }

@@ -10,83 +10,17 @@
 //! bare mpirun. The config hash is taken over the merged, canonical TOML, so two ranks with
 //! different configs refuse to share a bus.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::Deserialize;
 
 use gradbus_collectives::layout::{Fnv, ALIGN_FLOATS};
 use gradbus_collectives::Policy;
 
+use crate::error::WorkerError;
 use crate::faults::FaultPhase;
 use crate::loss::LossConfig;
 use crate::model::GptConfig;
-
-/// Errors in the configuration: each names the file or key and carries a hint.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The config file could not be read.
-    #[error("cannot read config {path}: {source}\n  hint: check the path; examples/tiny.toml is the default config")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML (its line and column are in the message).
-    #[error("{path}: {message}\n  hint: fix the TOML syntax there; examples/tiny.toml shows every key")]
-    Invalid {
-        /// The file.
-        path: String,
-        /// What the TOML parser said, with the line.
-        message: String,
-    },
-    /// A key does not match the schema: unknown key, wrong type, unknown variant.
-    #[error("config key `{key}` ({origin}): {message}\n  hint: {hint}")]
-    Schema {
-        /// The dotted key, e.g. `optim.lr` or `faults[0].rank`.
-        key: String,
-        /// The file, and whether `--set` overrides were applied.
-        origin: String,
-        /// What serde said.
-        message: String,
-        /// What to do.
-        hint: &'static str,
-    },
-    /// A `--set` override is malformed.
-    #[error("--set {arg}: {why}\n  hint: use --set key=value with a dotted key, e.g. --set loss.style=\"safe\"")]
-    BadOverride {
-        /// The override as given.
-        arg: String,
-        /// What is wrong.
-        why: String,
-    },
-    /// A value is out of its range.
-    #[error("config key `{key}` = {value}: {why}\n  hint: {hint}")]
-    Range {
-        /// The dotted key.
-        key: String,
-        /// The value given.
-        value: String,
-        /// The allowed range.
-        why: String,
-        /// What to do, e.g. the default value.
-        hint: String,
-    },
-    /// `GRADBUS_FAULTS` is not a fault plan (the TOML of the config's `[[faults]]`).
-    #[error("{}: {source}", crate::env::FAULTS)]
-    FaultsEnv {
-        /// What the TOML parser said, with the line.
-        source: toml::de::Error,
-    },
-    /// The job would not fit in this machine's memory.
-    #[error("{estimate}\n  hint: {hint}")]
-    Memory {
-        /// The estimate against what the machine has, in words.
-        estimate: String,
-        /// What to do.
-        hint: String,
-    },
-}
 
 /// The whole job configuration.
 #[derive(Clone, Debug, Deserialize)]
@@ -114,6 +48,10 @@ pub struct Config {
     /// a multi-node job on nodes with two cores per local rank. The same bits either way.
     #[serde(default)]
     pub overlap: Overlap,
+    /// Where each rank computes: "cpu", or "cuda" (one GPU per local rank; a build with the `cuda`
+    /// feature on a machine with the CUDA driver).
+    #[serde(default)]
+    pub device: Device,
     /// The policy model.
     #[serde(default)]
     pub model: GptConfig,
@@ -154,6 +92,17 @@ pub enum PolicyName {
     Skip,
     /// Recompute the update to classify the cause.
     Rerun,
+}
+
+/// Where each rank computes.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    /// The CPU kernels (`gradbus_kernels::backend::Cpu`).
+    #[default]
+    Cpu,
+    /// One CUDA GPU per local rank (`rank::gpu_ordinal`); more local ranks than GPUs share them.
+    Cuda,
 }
 
 /// When to all-reduce a bucket: as soon as backward has finished it, or after backward.
@@ -471,16 +420,17 @@ fn default_timeout() -> f64 {
 impl Config {
     /// Load `path`, apply the `--set` overrides, check ranges. Returns the config, its hash and
     /// the canonical merged TOML (which rebuilds the same config with no overrides).
-    pub fn load(path: &Path, overrides: &[String]) -> Result<(Config, u64, String), ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+    pub fn load(path: &Path, overrides: &[String]) -> Result<(Config, u64, String), WorkerError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| WorkerError::ConfigRead { path: path.into(), source })?;
         Config::from_toml(&text, &path.display().to_string(), overrides)
     }
 
     /// Parse TOML text (named `origin` in errors), apply overrides, check ranges.
-    pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<(Config, u64, String), ConfigError> {
+    pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<(Config, u64, String), WorkerError> {
         let mut table: toml::Table = text
             .parse()
-            .map_err(|e: toml::de::Error| ConfigError::Invalid { path: origin.into(), message: e.to_string() })?;
+            .map_err(|e: toml::de::Error| WorkerError::ConfigToml { path: origin.into(), message: e.to_string() })?;
         for arg in overrides {
             apply_override(&mut table, arg)?;
         }
@@ -488,7 +438,7 @@ impl Config {
         // serde would take an empty array for a table whose fields all have defaults.
         for (key, v) in table.iter().filter(|(k, _)| SECTIONS.contains(&k.as_str())) {
             if !v.is_table() {
-                return Err(ConfigError::Schema {
+                return Err(WorkerError::ConfigKey {
                     key: key.clone(),
                     origin,
                     message: format!("invalid type: {}, expected a table", v.type_str()),
@@ -504,7 +454,7 @@ impl Config {
             } else {
                 "examples/tiny.toml documents every key with a value of its type"
             };
-            ConfigError::Schema {
+            WorkerError::ConfigKey {
                 key: e.span().and_then(|s| key_at(&canonical, s.start)).unwrap_or_else(|| "?".into()),
                 origin,
                 message,
@@ -519,7 +469,7 @@ impl Config {
 
     /// Every range rule of every key; the first one broken is the error. No rule allocates, so an
     /// absurd model shape is refused here or by [`Config::memory`], never by an allocation.
-    fn check(&self) -> Result<(), ConfigError> {
+    fn check(&self) -> Result<(), WorkerError> {
         let (m, rl, o, l) = (&self.model, &self.rl, &self.optim, &self.loss);
         let finite_pos = |x: f64| x.is_finite() && x > 0.0;
         let finite_nonneg = |x: f64| x.is_finite() && x >= 0.0;
@@ -692,17 +642,17 @@ impl Config {
                     Some((entry, field)) => format!("e.g. {field} = {example} in the {entry}] entry"),
                     None => format!("e.g. --set {key}={example}"),
                 };
-                Err(ConfigError::Range { key, value, why, hint })
+                Err(WorkerError::ConfigRange { key, value, why, hint })
             }
             None => Ok(()),
         }
     }
 
     /// The checks that need the world size: a planned fault's rank must exist.
-    pub fn check_world(&self, world: usize) -> Result<(), ConfigError> {
+    pub fn check_world(&self, world: usize) -> Result<(), WorkerError> {
         for (i, f) in self.faults.iter().enumerate() {
             if f.rank >= world {
-                return Err(ConfigError::Range {
+                return Err(WorkerError::ConfigRange {
                     key: format!("faults[{i}].rank"),
                     value: f.rank.to_string(),
                     why: format!("must be below the world size {world} (the fault would never fire)"),
@@ -721,7 +671,7 @@ impl Config {
         let (b, t) = (rl.prompts_per_rank.saturating_mul(rl.group_size), rl.response_len.saturating_add(1));
         let bt = b as f64 * t as f64;
         // Activations, the loss's dlogits (B, T, V) and per-position caches.
-        let activations = 4.0 * (crate::model::Activations::numel(m, b, t) + bt * m.vocab as f64 + 16.0 * bt);
+        let activations = 4.0 * (crate::model::activations_numel(m, b, t) + bt * m.vocab as f64 + 16.0 * bt);
         // Weights (trainer, rollout engine, frozen reference) and Adam's two moments.
         let state = 4.0 * 5.0 * params;
         let grads = 4.0 * params;
@@ -748,12 +698,12 @@ impl Config {
 
     /// Refuse the config when [`Config::memory`] exceeds what `machine` has: memory available
     /// (`MemAvailable`) for the whole node, /dev/shm free space for the gradient segment.
-    pub fn check_memory(&self, local_ranks: usize, shared: bool, machine: &Machine) -> Result<(), ConfigError> {
+    pub fn check_memory(&self, local_ranks: usize, shared: bool, machine: &Machine) -> Result<(), WorkerError> {
         let e = self.memory(local_ranks, shared);
         let hint = "make the model or the batch smaller (model.channels, model.layers, model.vocab, \
                     rl.prompts_per_rank, rl.group_size), or run fewer ranks on this node";
         if let Some(have) = machine.mem_available.filter(|&have| e.total() > have) {
-            return Err(ConfigError::Memory {
+            return Err(WorkerError::Memory {
                 estimate: format!(
                     "the job needs about {} of memory on this node and the machine has {} available \
                      (MemAvailable): {}; {}",
@@ -766,7 +716,7 @@ impl Config {
             });
         }
         if let Some(free) = machine.shm_free.filter(|&free| e.segment > free) {
-            return Err(ConfigError::Memory {
+            return Err(WorkerError::Memory {
                 estimate: format!(
                     "the gradients of {} local rank(s) need about {} in /dev/shm and it has {} free \
                      ({} parameters; {})",
@@ -780,6 +730,21 @@ impl Config {
             });
         }
         Ok(())
+    }
+
+    /// The check of `device` for a node of `local_ranks` ranks: `device = "cuda"` needs a build
+    /// with the `cuda` feature and, on the machine that runs the ranks (`here`: this one), the CUDA
+    /// driver (libcuda.so) and a GPU; a launcher whose ranks run elsewhere checks only the build.
+    /// More local ranks than GPUs is allowed: the warning to print is returned.
+    pub fn check_device(&self, local_ranks: usize, here: bool) -> Result<Option<String>, WorkerError> {
+        if self.device == Device::Cpu {
+            return Ok(None);
+        }
+        let probe = gradbus_kernels::cuda::probe();
+        if !here && !matches!(probe, Err(gradbus_kernels::Error::NotCompiledWithCuda)) {
+            return Ok(None);
+        }
+        cuda_check(probe, local_ranks)
     }
 
     /// The collectives' policy from the config.
@@ -796,10 +761,36 @@ impl Config {
     }
 }
 
+/// [`Config::check_device`] for `device = "cuda"` given the driver probe's answer (the number of
+/// GPUs it sees).
+fn cuda_check(probe: Result<usize, gradbus_kernels::Error>, local_ranks: usize) -> Result<Option<String>, WorkerError> {
+    use gradbus_kernels::Error as E;
+    let err = |why: String, hint: &str| WorkerError::Device { why, hint: hint.into() };
+    match probe {
+        Err(E::NotCompiledWithCuda) => Err(err(
+            "this gradbus was built without the cuda feature".into(),
+            "build it with `cargo build --release --features cuda` (or `cargo install --path . --features cuda`), or set device = \"cpu\"",
+        )),
+        Err(E::NoCudaDriver(why)) => Err(err(
+            format!("no CUDA driver: {why}"),
+            "install the NVIDIA driver (it provides libcuda.so) and run on a machine with a GPU, or set device = \"cpu\"",
+        )),
+        Err(e) => Err(err(e.to_string(), "check `nvidia-smi`, or set device = \"cpu\"")),
+        Ok(0) => Err(err(
+            "the CUDA driver sees no GPU".into(),
+            "check `nvidia-smi` and CUDA_VISIBLE_DEVICES, or set device = \"cpu\"",
+        )),
+        Ok(gpus) if gpus < local_ranks => Ok(Some(format!(
+            "device = \"cuda\": {local_ranks} local ranks share {gpus} GPU(s) (rank r takes GPU r mod {gpus})"
+        ))),
+        Ok(_) => Ok(None),
+    }
+}
+
 /// Apply `a.b.c=value` to a TOML table. The value is parsed as a TOML value (`3`, `1e-3`, `true`,
 /// `"safe"`); a bare word that is not valid TOML is taken as a string, so `loss.style=safe` works.
-fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), ConfigError> {
-    let bad = |why: &str| ConfigError::BadOverride { arg: arg.into(), why: why.into() };
+fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), WorkerError> {
+    let bad = |why: &str| WorkerError::BadOverride { arg: arg.into(), why: why.into() };
     let (key, raw) = arg.split_once('=').ok_or_else(|| bad("missing '='"))?;
     let key = key.trim();
     if key.is_empty() || key.split('.').any(str::is_empty) {
@@ -824,15 +815,15 @@ fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), ConfigError>
 mod tests {
     use super::*;
 
-    fn load(sets: &[&str]) -> Result<Config, ConfigError> {
+    fn load(sets: &[&str]) -> Result<Config, WorkerError> {
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/tiny.toml")).unwrap();
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         Config::from_toml(&text, "tiny.toml", &sets).map(|c| c.0)
     }
 
-    fn key_of(e: ConfigError) -> String {
+    fn key_of(e: WorkerError) -> String {
         match e {
-            ConfigError::Range { key, .. } | ConfigError::Schema { key, .. } => key,
+            WorkerError::ConfigRange { key, .. } | WorkerError::ConfigKey { key, .. } => key,
             other => panic!("not a keyed error: {other}"),
         }
     }
@@ -880,6 +871,27 @@ mod tests {
         let c = load(&["faults=[{kind=\"kill\",rank=2,step=0}]"]).unwrap();
         assert_eq!(key_of(c.check_world(2).unwrap_err()), "faults[0].rank");
         c.check_world(3).unwrap();
+    }
+
+    #[test]
+    fn device_cuda_names_the_missing_feature_driver_or_gpu_and_allows_sharing_with_a_warning() {
+        use gradbus_kernels::Error as E;
+        let msg = |r: Result<Option<String>, WorkerError>| r.unwrap_err().to_string();
+        let m = msg(cuda_check(Err(E::NotCompiledWithCuda), 1));
+        assert!(
+            m.contains("`device`") && m.contains("without the cuda feature") && m.contains("--features cuda"),
+            "{m}"
+        );
+        let m = msg(cuda_check(Err(E::NoCudaDriver("libcuda.so could not be loaded".into())), 1));
+        assert!(m.contains("libcuda.so") && m.contains("NVIDIA driver"), "{m}");
+        assert!(msg(cuda_check(Ok(0), 1)).contains("no GPU"));
+        assert_eq!(cuda_check(Ok(2), 2).unwrap(), None);
+        let w = cuda_check(Ok(1), 4).unwrap().expect("a warning");
+        assert!(w.contains("4 local ranks share 1 GPU"), "{w}");
+        let cpu = load(&["device=\"cpu\""]).unwrap();
+        assert_eq!((cpu.device, cpu.check_device(64, true).unwrap()), (Device::Cpu, None));
+        assert_eq!(load(&["device=\"cuda\""]).unwrap().device, Device::Cuda);
+        assert_eq!(key_of(load(&["device=\"tpu\""]).unwrap_err()), "device");
     }
 
     #[test]

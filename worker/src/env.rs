@@ -69,6 +69,8 @@ pub const SLURM_NODEID: &str = "SLURM_NODEID";
 pub const SLURM_STEP_NUM_NODES: &str = "SLURM_STEP_NUM_NODES";
 /// Slurm: nodes of the job.
 pub const SLURM_NNODES: &str = "SLURM_NNODES";
+/// Slurm: nodes of the job (the newer name of `SLURM_NNODES`).
+pub const SLURM_JOB_NUM_NODES: &str = "SLURM_JOB_NUM_NODES";
 /// Slurm: tasks on each node of the step, compressed (`2(x3),1` = 2,2,2,1).
 pub const SLURM_STEP_TASKS_PER_NODE: &str = "SLURM_STEP_TASKS_PER_NODE";
 /// Slurm: tasks on each node of the job, same format.

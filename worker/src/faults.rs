@@ -7,8 +7,9 @@
 use serde::Deserialize;
 
 use gradbus_collectives::{Layout, StepId};
+use gradbus_kernels::backend::Backend;
 
-use crate::config::ConfigError;
+use crate::error::WorkerError;
 
 /// What goes wrong.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
@@ -110,15 +111,15 @@ struct EnvPlan {
 
 impl FaultPlan {
     /// The plan for `rank`: the config's faults plus those in `GRADBUS_FAULTS`.
-    pub fn new(config: &[Fault], rank: usize) -> Result<FaultPlan, ConfigError> {
+    pub fn new(config: &[Fault], rank: usize) -> Result<FaultPlan, WorkerError> {
         FaultPlan::with_env(config, rank, std::env::var(crate::env::FAULTS).ok().as_deref())
     }
 
     /// As [`FaultPlan::new`], with `env` the value of `GRADBUS_FAULTS` (unset or blank: none).
-    fn with_env(config: &[Fault], rank: usize, env: Option<&str>) -> Result<FaultPlan, ConfigError> {
+    fn with_env(config: &[Fault], rank: usize, env: Option<&str>) -> Result<FaultPlan, WorkerError> {
         let mut faults: Vec<Fault> = config.to_vec();
         if let Some(text) = env.filter(|t| !t.trim().is_empty()) {
-            let p: EnvPlan = toml::from_str(text).map_err(|source| ConfigError::FaultsEnv { source })?;
+            let p: EnvPlan = toml::from_str(text).map_err(|source| WorkerError::FaultsEnv { source })?;
             faults.extend(p.faults);
         }
         faults.retain(|f| f.rank == rank);
@@ -155,7 +156,7 @@ impl FaultPlan {
     }
 
     /// Plant the nan/inf/scale faults of this update into parameter `param`'s final gradient `grad`.
-    pub fn poison(&self, at: StepId, layout: &Layout, param: usize, grad: &mut [f32]) {
+    pub fn poison<B: Backend>(&self, be: &B, at: StepId, layout: &Layout, param: usize, mut grad: B::ViewMut<'_>) {
         for f in self.matching(at).filter(|f| matches!(f.kind, FaultKind::Nan | FaultKind::Inf | FaultKind::Scale)) {
             if f.transient && at.attempt > 0 {
                 continue;
@@ -167,15 +168,18 @@ impl FaultPlan {
             if slot.map(|s| s.param) != Some(param) {
                 continue;
             }
+            // Through the host (a test's fault, not a hot path): the same values on any backend.
+            let mut g = be.to_host(B::reborrow(&grad)).into_owned();
             if f.kind == FaultKind::Scale {
                 let max = f32::MAX as f64;
-                for g in grad.iter_mut() {
-                    *g = (*g as f64 * f.factor).clamp(-max, max) as f32;
+                for x in g.iter_mut() {
+                    *x = (*x as f64 * f.factor).clamp(-max, max) as f32;
                 }
-            } else if !grad.is_empty() {
-                let i = f.element.min(grad.len() - 1);
-                grad[i] = if f.kind == FaultKind::Nan { f32::NAN } else { f32::INFINITY };
+            } else if !g.is_empty() {
+                let i = f.element.min(g.len() - 1);
+                g[i] = if f.kind == FaultKind::Nan { f32::NAN } else { f32::INFINITY };
             }
+            be.write(B::reborrow_mut(&mut grad), &g);
         }
     }
 
@@ -219,9 +223,9 @@ mod tests {
             "[[faults]]\nrank = 0\nstep = 1\nkind = \"nan\"\ncolour = 1\n",
         ] {
             let e = FaultPlan::with_env(&[], 0, Some(bad)).unwrap_err();
-            assert!(matches!(e, ConfigError::FaultsEnv { .. }), "{bad}: {e:?}");
+            assert!(matches!(e, WorkerError::FaultsEnv { .. }), "{bad}: {e:?}");
             assert!(e.to_string().starts_with("GRADBUS_FAULTS: "), "{bad}: {e}");
-            assert_eq!(crate::WorkerError::from(e).code(), crate::exit::Code::Usage);
+            assert_eq!(e.code(), crate::exit::Code::Usage);
         }
     }
 

@@ -12,14 +12,16 @@ use serde::Serialize;
 
 use gradbus_collectives::transport::bucket_health;
 use gradbus_collectives::{Layout, ParamGrads};
+use gradbus_kernels::backend::{Backend, Cpu};
 
-pub use crate::artifacts::Finding;
-use crate::artifacts::{self, ArtifactError, DumpMeta, HealthRecord, Loaded};
 use crate::config::Config;
-use crate::gradients;
+use crate::error::WorkerError;
+use crate::gradients::{self, Work};
 use crate::model::{self, Gpt};
 use crate::probe::{ExpOp, Phase, Probe};
 use crate::task::Batch;
+pub use gradbus_artifacts::Finding;
+use gradbus_artifacts::{self as artifacts, DumpMeta, HealthRecord, Loaded};
 
 /// A probe that keeps the first non-finite output it sees.
 #[derive(Debug, Default)]
@@ -46,10 +48,19 @@ fn phase_name(p: Phase) -> &'static str {
 }
 
 impl Probe for Trace {
-    fn check(&mut self, op: &'static str, layer: Option<usize>, phase: Phase, data: &[f32], dims: &[usize]) {
+    fn check<B: Backend>(
+        &mut self,
+        be: &B,
+        op: &'static str,
+        layer: Option<usize>,
+        phase: Phase,
+        data: B::View<'_>,
+        dims: &[usize],
+    ) {
         if self.first.is_some() {
             return;
         }
+        let data = be.to_host(data);
         if let Some(i) = data.iter().position(|v| !v.is_finite()) {
             let (sample, token) = unravel(i, dims);
             self.first = Some(Finding {
@@ -66,10 +77,11 @@ impl Probe for Trace {
         }
     }
 
-    fn grad(&mut self, param: usize, data: &[f32]) {
+    fn grad<B: Backend>(&mut self, be: &B, param: usize, data: B::View<'_>) {
         if self.first.is_some() {
             return;
         }
+        let data = be.to_host(data);
         if let Some(i) = data.iter().position(|v| !v.is_finite()) {
             let name = self.param_names.get(param).cloned().unwrap_or_else(|| format!("param {param}"));
             self.first = Some(Finding {
@@ -86,46 +98,25 @@ impl Probe for Trace {
         }
     }
 
-    fn exp(&mut self, e: ExpOp<'_>) {
+    fn exp<B: Backend>(&mut self, be: &B, e: ExpOp<'_, B>) {
         if self.first.is_some() {
             return;
         }
-        let bad = |i: &usize| e.evaluated[*i] && !e.output[*i].is_finite();
-        let n = (0..e.output.len()).filter(bad).count();
-        if let Some(i) = (0..e.output.len()).find(bad) {
+        let (input, output, mask) = (be.to_host(e.input), be.to_host(e.output), be.to_host(e.mask));
+        let bad = |i: &usize| (!e.safe || mask[*i] != 0.0) && !output[*i].is_finite();
+        let n = (0..output.len()).filter(bad).count();
+        if let Some(i) = (0..output.len()).find(bad) {
             self.first = Some(Finding {
                 op: e.op.to_string(),
                 layer: None,
                 phase: "forward",
                 sample: Some(i / e.dims[1]),
                 token: Some(i % e.dims[1]),
-                value: e.output[i],
-                exp_input: Some(e.input[i]),
-                masked: Some(e.mask[i] == 0.0),
+                value: output[i],
+                exp_input: Some(input[i]),
+                masked: Some(mask[i] == 0.0),
                 overflows: Some(n),
             });
-        }
-    }
-}
-
-impl Finding {
-    /// One human line.
-    pub fn describe(&self) -> String {
-        let at = match (self.sample, self.token) {
-            (Some(s), Some(t)) => format!(" at sample {s}, token {t}"),
-            _ => String::new(),
-        };
-        let layer = self.layer.map(|l| format!(" (block {l})")).unwrap_or_default();
-        match (self.exp_input, self.masked) {
-            (Some(x), Some(m)) => format!(
-                "{} {}{layer}: exp of a log-ratio of {x:.2} (> ln(f32::MAX) = 88.72) = {}{at}, a {} position; {} position(s) overflowed",
-                self.phase,
-                self.op,
-                self.value,
-                if m { "MASKED" } else { "response" },
-                self.overflows.unwrap_or(1)
-            ),
-            _ => format!("{} {}{layer}: {}{at}", self.phase, self.op, self.value),
         }
     }
 }
@@ -151,28 +142,14 @@ pub struct Replay {
     pub first: Option<Finding>,
 }
 
-/// Why a replay could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum ReplayError {
-    /// The dump (or its directory) could not be found or read.
-    #[error("{0}")]
-    NotFound(String),
-    /// A dump was refused (checksum, truncation, version, missing key).
-    #[error(transparent)]
-    Artifact(#[from] ArtifactError),
-    /// The config embedded in the dump does not parse.
-    #[error("{0}")]
-    Config(#[from] crate::config::ConfigError),
-}
-
 /// The dump to replay: a file, or in a dumps directory the first rank the report names.
-fn pick_dump(path: &Path) -> Result<(PathBuf, Loaded<DumpMeta>), ReplayError> {
+fn pick_dump(path: &Path) -> Result<(PathBuf, Loaded<DumpMeta>), WorkerError> {
     if !path.is_dir() {
         return Ok((path.to_path_buf(), artifacts::load(path)?));
     }
     let dumps = if path.join("dumps").is_dir() { path.join("dumps") } else { path.to_path_buf() };
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dumps)
-        .map_err(|e| ReplayError::NotFound(format!("{}: {e}", dumps.display())))?
+        .map_err(|e| WorkerError::DumpNotFound(format!("{}: {e}", dumps.display())))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "bin"))
         .collect();
@@ -186,7 +163,7 @@ fn pick_dump(path: &Path) -> Result<(PathBuf, Loaded<DumpMeta>), ReplayError> {
         first.get_or_insert((f, l));
     }
     first.ok_or_else(|| {
-        ReplayError::NotFound(format!(
+        WorkerError::DumpNotFound(format!(
             "{}: no dump files (hint: dumps are written when the job aborts)",
             dumps.display()
         ))
@@ -194,7 +171,7 @@ fn pick_dump(path: &Path) -> Result<(PathBuf, Loaded<DumpMeta>), ReplayError> {
 }
 
 /// Re-execute the dumped update in this process.
-pub fn replay(path: &Path, trace: bool) -> Result<Replay, ReplayError> {
+pub fn replay(path: &Path, trace: bool) -> Result<Replay, WorkerError> {
     let (dump, l) = pick_dump(path)?;
     let meta = &l.meta;
     let (cfg, _, _) = Config::from_toml(&meta.config, &format!("{} (embedded config)", dump.display()), &[])?;
@@ -214,14 +191,14 @@ pub fn replay(path: &Path, trace: bool) -> Result<Replay, ReplayError> {
         old_logp: l.get("old_logp")?.to_vec(),
         ref_logp: l.get("ref_logp")?.to_vec(),
     };
-    let mut acts = model::Activations::new(&cfg.model, b, t);
+    let mut work = Work::new(&Cpu, &cfg, b, t);
     let mut grads = vec![0.0; layout.len];
     let mut probe = Trace { first: None, param_names: layout.slots.iter().map(|s| s.name.clone()).collect() };
     let g = &mut ParamGrads::new(&mut grads, &layout);
     let stats = if trace {
-        gradients::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut probe)
+        gradients::compute_gradients(&Cpu, &gpt, &cfg, &params, &mut work, &mb, g, &mut probe)
     } else {
-        gradients::compute_gradients(&gpt, &cfg, &params, &mut acts, &mb, g, &mut crate::probe::NoProbe)
+        gradients::compute_gradients(&Cpu, &gpt, &cfg, &params, &mut work, &mb, g, &mut crate::probe::NoProbe)
     };
     let chunks = meta.health_chunks.max(1);
     let buckets: Vec<HealthRecord> =

@@ -4,23 +4,27 @@
 //! [`cli::main_with_args`] is the `gradbus worker` subcommand (the `gradbus` binary calls it): it
 //! parses arguments and maps `WorkerError`s to the exit codes of [`exit::Code`].
 
-pub mod artifacts;
 pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod env;
+pub mod error;
 pub mod exit;
 pub mod failure;
 pub mod faults;
 pub mod forensics;
 pub mod gradients;
+pub mod host;
+pub mod judge;
 pub mod loss;
 pub mod metrics;
 pub mod model;
+pub mod policy;
 pub mod probe;
 pub mod rank;
 pub mod rollout;
+pub mod rundir;
 pub mod task;
 pub mod train;
 pub mod update;
@@ -29,64 +33,18 @@ use std::path::PathBuf;
 
 use gradbus_collectives::{Layout, Solo, Transport};
 
-use crate::config::{Config, ConfigError};
+use crate::update::UpdateValues;
+
+use gradbus_collectives::BusBackend;
+use gradbus_kernels::backend::Cpu;
+
+use crate::config::{Config, Device};
 
 use crate::exit::Code;
 use crate::rank::RankInfo;
 use crate::train::{Outcome, Trainer};
 
-/// Everything that ends a worker early.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    /// The config is bad.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// This process cannot tell its rank from the launcher's environment.
-    #[error(transparent)]
-    Rank(#[from] rank::RankError),
-    /// Bad arguments or input, with the hint in the message.
-    #[error("{0}")]
-    Usage(String),
-    /// The collectives layer failed (timeout, dead peer, /dev/shm).
-    #[error(transparent)]
-    Bus(#[from] gradbus_collectives::Error),
-    /// A file could not be written or read.
-    #[error("{what}: {source}")]
-    Io {
-        /// The file, named.
-        what: String,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// An artifact (checkpoint, dump, report, metrics) was refused or could not be written.
-    #[error(transparent)]
-    Artifact(#[from] artifacts::ArtifactError),
-    /// Replicas diverged: the parameter checksums disagree.
-    #[error("{0}")]
-    Diverged(String),
-}
-
-impl WorkerError {
-    /// An I/O error naming the file.
-    pub fn io(what: &str, source: std::io::Error) -> WorkerError {
-        WorkerError::Io { what: what.into(), source }
-    }
-
-    /// The exit code of this error.
-    pub fn code(&self) -> Code {
-        use gradbus_collectives::Error as E;
-        match self {
-            WorkerError::Config(_) | WorkerError::Rank(_) | WorkerError::Usage(_) => Code::Usage,
-            WorkerError::Artifact(artifacts::ArtifactError::Io { .. }) => Code::RankFailed,
-            WorkerError::Artifact(_) => Code::Usage,
-            WorkerError::Bus(E::Timeout { .. }) => Code::Timeout,
-            WorkerError::Bus(E::ShmFull { .. } | E::BadSegment { .. } | E::Mpi { .. } | E::Config { .. }) => {
-                Code::Usage
-            }
-            WorkerError::Bus(_) | WorkerError::Io { .. } | WorkerError::Diverged(_) => Code::RankFailed,
-        }
-    }
-}
+pub use crate::error::WorkerError;
 
 /// Arguments of `gradbus worker`.
 #[derive(Clone, Debug, Default)]
@@ -99,6 +57,8 @@ pub struct WorkerArgs {
     pub run_dir: Option<PathBuf>,
     /// `--resume`: continue from the run dir's latest complete checkpoint.
     pub resume: bool,
+    /// `--overwrite`: delete an earlier run in the run dir, then start a new one there.
+    pub overwrite: bool,
 }
 
 /// The multi-rank transports a worker can pick (a world of one uses `Solo`).
@@ -139,7 +99,7 @@ impl std::fmt::Display for TransportKind {
 fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result<Box<dyn Transport>, WorkerError> {
     let forced = std::env::var(env::TRANSPORT).ok().filter(|v| !v.is_empty());
     let kind = match forced.as_deref() {
-        None if info.world == 1 => return Ok(Box::new(Solo::new(layout))),
+        None if info.world == 1 => return Ok(Box::new(Solo::new(layout, UpdateValues::names()))),
         Some(k) => k.parse()?,
         None if info.nodes > 1 && info.local_size == 1 => TransportKind::Mpi,
         None if info.nodes > 1 => TransportKind::Hier,
@@ -153,6 +113,7 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
         local_size: info.local_size,
         config_hash: hash,
         layout,
+        values: UpdateValues::names(),
         timeout: std::time::Duration::from_secs_f64(cfg.collective_timeout_s),
     };
     if kind == TransportKind::Shm {
@@ -177,7 +138,7 @@ fn mpi_transport(
     use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
     let expect = Expect { rank: info.rank, world: info.world, source: info.source.into(), timeout: bus.timeout };
     Ok(match kind {
-        TransportKind::Mpi => Box::new(MpiTransport::open(expect, bus.layout, bus.config_hash)?),
+        TransportKind::Mpi => Box::new(MpiTransport::open(expect, bus.layout, bus.values, bus.config_hash)?),
         _ => Box::new(HierTransport::open(expect, bus)?),
     })
 }
@@ -203,12 +164,40 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     // and each rank can only see its own share (the others may already hold theirs).
     cfg.check_world(info.world)?;
     cfg.check_memory(1, info.world > 1, &config::Machine { shm_free: None, ..config::Machine::probe() })?;
+    if let Some(warning) = cfg.check_device(info.local_size, true)? {
+        if info.local_rank == 0 {
+            eprintln!("warning: {warning}");
+        }
+    }
     let run_dir = info.run_dir(args.run_dir.clone());
     std::fs::create_dir_all(&run_dir).map_err(|e| WorkerError::io(&run_dir.display().to_string(), e))?;
+    // Rank 0 owns the run directory unless this job's launcher does (held to the end of the run).
+    let mode = rundir::Mode::of(args.resume, args.overwrite);
+    let _owner = if info.rank == 0 { rundir::claim_as_worker(&run_dir, mode, &info.job_id)? } else { None };
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let hash = config_hash ^ layout.hash();
-    let bus = transport(&info, &cfg, hash, layout)?;
-    let mut trainer = Trainer::new(cfg, hash, canonical, info, run_dir, bus, args.resume)?;
+    match cfg.device {
+        Device::Cpu => {
+            let bus = transport(&info, &cfg, hash, layout)?;
+            train(Cpu, cfg, hash, canonical, info, run_dir, bus, args.resume)
+        }
+        Device::Cuda => train_cuda(cfg, hash, canonical, info, run_dir, layout, args.resume),
+    }
+}
+
+/// The step loop on backend `be` to its end.
+#[allow(clippy::too_many_arguments)]
+fn train<B: BusBackend>(
+    be: B,
+    cfg: Config,
+    hash: u64,
+    canonical: String,
+    info: RankInfo,
+    run_dir: PathBuf,
+    bus: Box<dyn Transport>,
+    resume: bool,
+) -> Result<Code, WorkerError> {
+    let mut trainer = Trainer::new(be, cfg, hash, canonical, info, run_dir, bus, resume)?;
     match trainer.run() {
         Ok(Outcome::Done) => Ok(Code::Done),
         Ok(Outcome::Aborted(report)) => {
@@ -220,4 +209,75 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
             Err(e)
         }
     }
+}
+
+/// This rank's GPU (`rank::gpu_ordinal`, shared round-robin when the node has fewer GPUs than local
+/// ranks: `Config::check_device` warned about it), and whether it is the rank's own.
+#[cfg(feature = "cuda")]
+fn gpu_index(info: &RankInfo) -> Result<(usize, bool), WorkerError> {
+    let gpus = gradbus_kernels::cuda::probe().unwrap_or(1).max(1);
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let bound = visible.as_deref().is_some_and(|v| v.split(',').filter(|d| !d.trim().is_empty()).count() == 1);
+    match rank::gpu_ordinal(info.local_rank, visible.as_deref()) {
+        Ok(ordinal) => Ok((ordinal % gpus, bound || gpus >= info.local_size)),
+        Err(WorkerError::TooFewGpus { devices, .. }) => Ok((info.local_rank % devices, false)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `device = "cuda"`: the step loop on this rank's GPU (the CUDA backend: parameters, gradients, Adam
+/// moments and activations on the device). The gradients: with a GPU per rank and more than one
+/// rank, NCCL over the GPUs (scanned and reduced on the device, only the health rows to the host);
+/// else through the host transport (`gradbus_collectives::Staged`: each bucket to the host, reduced
+/// with the transport's tallies, back to the device). `GRADBUS_TRANSPORT` keeps the host transport.
+/// Either way the verdicts, reports and dumps are the CPU path's.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+fn train_cuda(
+    cfg: Config,
+    hash: u64,
+    canonical: String,
+    info: RankInfo,
+    run_dir: PathBuf,
+    layout: Layout,
+    resume: bool,
+) -> Result<Code, WorkerError> {
+    let (ordinal, own) = gpu_index(&info)?;
+    let gpu = gradbus_kernels::cuda::Gpu::new(ordinal)
+        .map_err(|e| WorkerError::Usage(format!("device = \"cuda\": rank {} on GPU {ordinal}: {e}", info.rank)))?;
+    let forced = std::env::var(env::TRANSPORT).ok().is_some_and(|v| !v.is_empty());
+    let bus: Box<dyn Transport> = if info.world > 1 && own && !forced {
+        Box::new(gradbus_collectives::nccl::NcclTransport::open(gradbus_collectives::nccl::NcclConfig {
+            rank: info.rank,
+            world: info.world,
+            device: ordinal,
+            run_dir: run_dir.clone(),
+            job_id: info.job_id.clone(),
+            timeout: std::time::Duration::from_secs_f64(cfg.collective_timeout_s),
+            config_hash: hash,
+            layout,
+            values: UpdateValues::names(),
+        })?)
+    } else {
+        Box::new(gradbus_collectives::Staged::new(&gpu, transport(&info, &cfg, hash, layout)?))
+    };
+    train(gpu, cfg, hash, canonical, info, run_dir, bus, resume)
+}
+
+/// Without the `cuda` feature `Config::check_device` refuses `device = "cuda"` before this.
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
+fn train_cuda(
+    _cfg: Config,
+    _hash: u64,
+    _canonical: String,
+    _info: RankInfo,
+    _run_dir: PathBuf,
+    _layout: Layout,
+    _resume: bool,
+) -> Result<Code, WorkerError> {
+    Err(WorkerError::Device {
+        why: "gradbus was built without the cuda feature".into(),
+        hint: "build it with `cargo build --release --features cuda`".into(),
+    })
 }

@@ -10,12 +10,16 @@
 //! gives `0 * inf = NaN` in the gradient while the loss stays finite - also at masked positions, which
 //! contribute 0 to the loss. [`LossStyle::Safe`] is the fix of verl/OpenRLHF/NeMo-RL/TRL: masked
 //! positions are selected out before anything is computed, and each log-ratio is clamped to [-20, 20]
-//! before its exp. Invariants: single-threaded, fixed order, deterministic; every exp's operands go
-//! to the [`Probe`], and each backward stage's output too, so a trace can name the first non-finite.
+//! before its exp. The arithmetic is the backend's: the log-softmax gathered at the targets, then the
+//! per-position GRPO op (`gradbus_kernels::ops::grpo`), and their backwards. Invariants:
+//! deterministic; every exp's operands go to the [`Probe`], and each backward stage's output too, so a
+//! trace can name the first non-finite.
 
 use serde::{Deserialize, Serialize};
 
-use gradbus_kernels::ops::{logsoftmax_gather_backward, logsoftmax_gather_forward};
+use gradbus_kernels::backend::Backend;
+use gradbus_kernels::ops::grpo::{GrpoGrads, GrpoSaved, GrpoScalars};
+pub use gradbus_kernels::ops::grpo::{GrpoStats as LossStats, K3_CLAMP, LOGRATIO_CLAMP};
 
 use crate::probe::{ExpOp, Phase, Probe};
 
@@ -52,11 +56,6 @@ impl Default for LossConfig {
 /// The one definition; `gradbus report` and the headroom warnings use it.
 pub const EXP_OVERFLOW: f32 = 88.72284;
 
-/// Bound of the k3 value (both styles, as ROLL and verl).
-pub const K3_CLAMP: f32 = 10.0;
-/// Bound of a log-ratio before its exp in the safe style.
-pub const LOGRATIO_CLAMP: f32 = 20.0;
-
 /// The loss's inputs besides the logits; per-position slices are (B, T).
 #[derive(Clone, Copy, Debug)]
 pub struct LossInputs<'a> {
@@ -76,262 +75,140 @@ pub struct LossInputs<'a> {
     pub ref_logp: &'a [f32],
 }
 
-/// What the loss reports. Log-ratios are as computed (before the safe style's clamp), at every
-/// position, whether or not an exp was evaluated there: they measure the headroom to exp's overflow
-/// at ln(f32::MAX) = 88.72.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct LossStats {
-    /// The loss.
-    pub loss: f32,
-    /// Mean PPO ratio over response positions.
-    pub ratio: f32,
-    /// Mean (clamped) k3 KL over response positions.
-    pub kl: f32,
-    /// Largest |logp - old| at response positions (the PPO ratio's exp input).
-    pub max_ratio_logratio_response: f32,
-    /// Largest |logp - old| at masked positions.
-    pub max_ratio_logratio_masked: f32,
-    /// Largest |ref - logp| at response positions (the k3 exp's input).
-    pub max_kl_logratio_response: f32,
-    /// Largest |ref - logp| at masked positions.
-    pub max_kl_logratio_masked: f32,
-    /// max of the two response log-ratio maxima.
-    pub max_logratio_response: f32,
-    /// max of the two masked log-ratio maxima.
-    pub max_logratio_masked: f32,
-    /// Smallest log-prob of a response target under the current policy.
-    pub min_response_logp: f32,
-    /// Number of response positions (the token-mean's divisor is max(this, 1)).
-    pub response_tokens: usize,
-}
-
-/// Per-position values kept from forward for backward, (B, T) each.
-#[derive(Clone, Debug, Default)]
-pub struct LossCache {
-    logp: Vec<f32>,
-    lse: Vec<f32>,
-    /// Whether the exps were evaluated (all positions in the roll style, response ones in safe).
-    evaluated: Vec<bool>,
-    lr1_raw: Vec<f32>,
-    lr1: Vec<f32>,
-    ratio: Vec<f32>,
-    lr2_raw: Vec<f32>,
-    lr2: Vec<f32>,
-    e2: Vec<f32>,
-    k3: Vec<f32>,
-    denom: f32,
-}
-
-/// Log-probs of `targets` under `logits`. logits: (N, V), targets: (N) -> (N).
-pub fn target_logp(logits: &[f32], targets: &[u32], v: usize) -> Vec<f32> {
-    let n = targets.len();
-    let (mut logp, mut lse) = (vec![0.0; n], vec![0.0; n]);
-    logsoftmax_gather_forward(&mut logp, &mut lse, logits, targets, n, v);
-    logp
-}
-
-/// PyTorch's `torch.min(a, b)`: NaN if either is NaN (Rust's `f32::min` would drop the NaN).
-fn torch_min(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.min(b)
+impl LossConfig {
+    /// The settings as the GRPO op takes them.
+    fn scalars(&self) -> GrpoScalars {
+        GrpoScalars { safe: self.style == LossStyle::Safe, clip: self.clip, kl_coef: self.kl_coef }
     }
 }
 
-/// PyTorch's `clamp`: NaN stays NaN.
-fn torch_clamp(x: f32, lo: f32, hi: f32) -> f32 {
-    x.clamp(lo, hi)
-}
-
-/// PyTorch's clamp backward: the gradient where `lo <= x <= hi`, else 0 (also for NaN x).
-fn clamp_grad(g: f32, x: f32, lo: f32, hi: f32) -> f32 {
-    if x >= lo && x <= hi {
-        g
-    } else {
-        0.0
-    }
-}
-
-/// Forward of the loss. logits: (B, T, V). Fills `cache` for [`loss_backward`].
-#[allow(clippy::needless_range_loop)] // one index runs over six parallel (B, T) arrays
-pub fn loss_forward<P: Probe + ?Sized>(
-    cfg: &LossConfig,
-    logits: &[f32],
-    inp: &LossInputs<'_>,
+/// The loss's buffers on a backend, for up to `cap` = (B, T) positions of a vocabulary of V: its
+/// inputs (uploaded at each call), the values kept from forward for backward, and `dlogits`.
+pub struct LossBufs<B: Backend> {
+    cap: (usize, usize),
     v: usize,
-    cache: &mut LossCache,
+    targets: B::Ids,
+    mask: B::Buf,     // (B, T)
+    adv: B::Buf,      // (B)
+    old_logp: B::Buf, // (B, T)
+    ref_logp: B::Buf, // (B, T)
+    logp: B::Buf,     // (B, T)
+    lse: B::Buf,      // (B, T)
+    saved: GrpoSaved<B::Buf>,
+    grads: GrpoGrads<B::Buf>,
+    dlogits: B::Buf, // (B, T, V)
+}
+
+impl<B: Backend> LossBufs<B> {
+    /// Buffers for up to `b` sequences of `t` positions over a vocabulary of `v`.
+    pub fn new(be: &B, b: usize, t: usize, v: usize) -> LossBufs<B> {
+        let n = b * t;
+        LossBufs {
+            cap: (b, t),
+            v,
+            targets: be.ids(n),
+            mask: be.zeros(n),
+            adv: be.zeros(b),
+            old_logp: be.zeros(n),
+            ref_logp: be.zeros(n),
+            logp: be.zeros(n),
+            lse: be.zeros(n),
+            saved: GrpoSaved::<()>::default().map(|()| be.zeros(n)),
+            grads: GrpoGrads::<()>::default().map(|()| be.zeros(n)),
+            dlogits: be.zeros(n * v),
+        }
+    }
+
+    /// The gradient of the loss with respect to the logits of the last [`rl_loss`], (B, T, V).
+    pub fn dlogits<'a>(&'a self, be: &B, b: usize, t: usize) -> B::View<'a> {
+        be.view(&self.dlogits, 0..b * t * self.v)
+    }
+}
+
+/// Log-probs of `targets` under `logits`. logits: (N, V), targets: (N) -> (N), on the host.
+pub fn target_logp<B: Backend>(be: &B, logits: B::View<'_>, targets: &[u32], v: usize) -> Vec<f32> {
+    let n = targets.len();
+    let mut ids = be.ids(n);
+    be.upload_ids(&mut ids, targets);
+    let (mut logp, mut lse) = (be.zeros(n), be.zeros(n));
+    be.logsoftmax_gather_forward(be.all_mut(&mut logp), be.all_mut(&mut lse), logits, &ids, n, v);
+    be.to_host(be.all(&logp)).into_owned()
+}
+
+/// The loss of one mini-batch and its gradient with respect to the logits (B, T, V), left in
+/// `bufs` ([`LossBufs::dlogits`]). Forward: log-softmax at the targets, the GRPO terms; backward:
+/// the GRPO op's, then the log-softmax's (PyTorch autograd's arithmetic; see the module doc).
+pub fn rl_loss<B: Backend, P: Probe>(
+    be: &B,
+    cfg: &LossConfig,
+    logits: B::View<'_>,
+    inp: &LossInputs<'_>,
+    bufs: &mut LossBufs<B>,
     probe: &mut P,
 ) -> LossStats {
-    let (b, t) = (inp.b, inp.t);
+    let (b, t, v) = (inp.b, inp.t, bufs.v);
     let n = b * t;
-    assert!(logits.len() == n * v && inp.targets.len() == n && inp.mask.len() == n, "loss_forward: shapes");
-    assert!(inp.adv.len() == b && inp.old_logp.len() == n && inp.ref_logp.len() == n, "loss_forward: shapes");
-    let safe = cfg.style == LossStyle::Safe;
-    let c = cache;
-    for buf in [&mut c.logp, &mut c.lse, &mut c.lr1_raw, &mut c.lr1, &mut c.ratio, &mut c.lr2_raw, &mut c.lr2] {
-        buf.clear();
-        buf.resize(n, 0.0);
-    }
-    c.e2.clear();
-    c.e2.resize(n, 1.0);
-    c.ratio.fill(1.0);
-    c.k3.clear();
-    c.k3.resize(n, 0.0);
-    c.evaluated.clear();
-    c.evaluated.resize(n, false);
-
-    logsoftmax_gather_forward(&mut c.logp, &mut c.lse, logits, inp.targets, n, v);
-    probe.check("loss.logp", None, Phase::Forward, &c.logp, &[b, t]);
-
-    let response_tokens = inp.mask.iter().filter(|&&m| m != 0.0).count();
-    c.denom = response_tokens.max(1) as f32;
-    let mut st = LossStats { response_tokens, min_response_logp: 0.0, ..LossStats::default() };
-    let mut min_logp = f32::INFINITY;
-    for i in 0..n {
-        let resp = inp.mask[i] != 0.0;
-        c.lr1_raw[i] = c.logp[i] - inp.old_logp[i];
-        c.lr2_raw[i] = inp.ref_logp[i] - c.logp[i];
-        let (m1, m2) = if resp {
-            (&mut st.max_ratio_logratio_response, &mut st.max_kl_logratio_response)
-        } else {
-            (&mut st.max_ratio_logratio_masked, &mut st.max_kl_logratio_masked)
-        };
-        *m1 = m1.max(c.lr1_raw[i].abs());
-        *m2 = m2.max(c.lr2_raw[i].abs());
-        if resp {
-            min_logp = min_logp.min(c.logp[i]);
-        }
-        if safe && !resp {
-            continue; // selected out: no exp, no term, no gradient
-        }
-        c.evaluated[i] = true;
-        let lim = if safe { LOGRATIO_CLAMP } else { f32::INFINITY };
-        c.lr1[i] = torch_clamp(c.lr1_raw[i], -lim, lim);
-        c.ratio[i] = c.lr1[i].exp();
-        c.lr2[i] = torch_clamp(c.lr2_raw[i], -lim, lim);
-        c.e2[i] = c.lr2[i].exp();
-        c.k3[i] = (c.e2[i] - 1.0) - c.lr2[i];
-    }
-    if response_tokens > 0 {
-        st.min_response_logp = min_logp;
-    }
-    st.max_logratio_response = st.max_ratio_logratio_response.max(st.max_kl_logratio_response);
-    st.max_logratio_masked = st.max_ratio_logratio_masked.max(st.max_kl_logratio_masked);
+    assert!(b <= bufs.cap.0 && t <= bufs.cap.1, "rl_loss: (B, T) = ({b}, {t}) past the buffers");
+    assert!(inp.targets.len() == n && inp.mask.len() == n, "rl_loss: shapes");
+    assert!(inp.adv.len() == b && inp.old_logp.len() == n && inp.ref_logp.len() == n, "rl_loss: shapes");
+    let s = cfg.scalars();
+    let k = bufs;
+    be.upload_ids(&mut k.targets, inp.targets);
+    be.write(be.view_mut(&mut k.mask, 0..n), inp.mask);
+    be.write(be.view_mut(&mut k.adv, 0..b), inp.adv);
+    be.write(be.view_mut(&mut k.old_logp, 0..n), inp.old_logp);
+    be.write(be.view_mut(&mut k.ref_logp, 0..n), inp.ref_logp);
+    let pos = |buf| be.view(buf, 0..n);
     let dims = [b, t];
-    let (mask, evaluated) = (inp.mask, &c.evaluated[..]);
-    probe.exp(ExpOp { op: "loss.ratio_exp", input: &c.lr1, output: &c.ratio, mask, evaluated, dims });
-    probe.exp(ExpOp { op: "loss.kl_exp", input: &c.lr2, output: &c.e2, mask, evaluated, dims });
 
-    // Terms, then the token-mean: sum(pg * mask) / N + kl_coef * sum(k3c * mask) / N (roll), or the
-    // same sums over the selected positions only (safe).
-    let (lo, hi) = (1.0 - cfg.clip, 1.0 + cfg.clip);
-    let mut terms = vec![0.0f32; n];
-    let (mut pg_sum, mut kl_sum, mut ratio_sum, mut kl_resp_sum) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
-    for i in 0..n {
-        if !c.evaluated[i] {
-            continue;
-        }
-        let a = inp.adv[i / t];
-        let surr1 = c.ratio[i] * a;
-        let surr2 = torch_clamp(c.ratio[i], lo, hi) * a;
-        let pg = -torch_min(surr1, surr2);
-        let k3c = torch_clamp(c.k3[i], -K3_CLAMP, K3_CLAMP);
-        let m = if safe { 1.0 } else { inp.mask[i] };
-        pg_sum += pg * m;
-        kl_sum += k3c * m;
-        terms[i] = pg * m + cfg.kl_coef * k3c * m;
-        if inp.mask[i] != 0.0 {
-            ratio_sum += c.ratio[i];
-            kl_resp_sum += k3c;
-        }
-    }
-    probe.check("loss.terms", None, Phase::Forward, &terms, &dims);
-    st.loss = pg_sum / c.denom + cfg.kl_coef * (kl_sum / c.denom);
-    st.ratio = ratio_sum / c.denom;
-    st.kl = kl_resp_sum / c.denom;
+    // forward
+    let (logp, lse) = (be.view_mut(&mut k.logp, 0..n), be.view_mut(&mut k.lse, 0..n));
+    be.logsoftmax_gather_forward(logp, lse, B::dup(&logits), &k.targets, n, v);
+    probe.check(be, "loss.logp", None, Phase::Forward, pos(&k.logp), &dims);
+    let adv = be.view(&k.adv, 0..b);
+    let st =
+        be.grpo_forward(&s, pos(&k.logp), pos(&k.mask), adv, pos(&k.old_logp), pos(&k.ref_logp), b, t, &mut k.saved);
+    let saved = &k.saved;
+    let mask = pos(&k.mask);
+    let (safe, m) = (s.safe, || B::dup(&mask));
+    probe.exp(
+        be,
+        ExpOp { op: "loss.ratio_exp", input: pos(&saved.lr1), output: pos(&saved.ratio), mask: m(), safe, dims },
+    );
+    probe.exp(be, ExpOp { op: "loss.kl_exp", input: pos(&saved.lr2), output: pos(&saved.e2), mask: m(), safe, dims });
+    probe.check(be, "loss.terms", None, Phase::Forward, pos(&saved.terms), &dims);
+
+    // backward
+    be.grpo_backward(&s, m(), be.view(&k.adv, 0..b), saved, st.denom(), b, t, &mut k.grads);
+    probe.check(be, "loss.ratio_exp", None, Phase::Backward, pos(&k.grads.d_lr1), &dims);
+    probe.check(be, "loss.kl_exp", None, Phase::Backward, pos(&k.grads.d_lr2), &dims);
+    probe.check(be, "loss.logp", None, Phase::Backward, pos(&k.grads.dlogp), &dims);
+    be.fill(be.view_mut(&mut k.dlogits, 0..n * v), 0.0);
+    let dlogits = be.view_mut(&mut k.dlogits, 0..n * v);
+    be.logsoftmax_gather_backward(dlogits, pos(&k.grads.dlogp), logits, pos(&k.lse), &k.targets, n, v);
+    probe.check(be, "loss.logits", None, Phase::Backward, be.view(&k.dlogits, 0..n * v), &[b, t, v]);
     st
 }
 
-/// Backward of the loss: dlogits (B, T, V) +=. Replays PyTorch autograd's arithmetic for the graph
-/// [`loss_forward`] built (see the module doc).
-pub fn loss_backward<P: Probe + ?Sized>(
+/// [`rl_loss`] on the CPU backend over host slices, in fresh buffers: the statistics and dlogits
+/// (B, T, V). For tests and tools; the step loop keeps its buffers.
+pub fn rl_loss_host<P: Probe>(
     cfg: &LossConfig,
     logits: &[f32],
     inp: &LossInputs<'_>,
-    v: usize,
-    cache: &LossCache,
-    dlogits: &mut [f32],
-    probe: &mut P,
-) {
-    let (b, t) = (inp.b, inp.t);
-    let n = b * t;
-    assert_eq!(dlogits.len(), n * v, "loss_backward: dlogits are not (B, T, V)");
-    let c = cache;
-    let safe = cfg.style == LossStyle::Safe;
-    let lim = if safe { LOGRATIO_CLAMP } else { f32::INFINITY };
-    let (lo, hi) = (1.0 - cfg.clip, 1.0 + cfg.clip);
-    let mut d_lr1 = vec![0.0f32; n];
-    let mut d_lr2 = vec![0.0f32; n];
-    let mut dlogp = vec![0.0f32; n];
-    for i in 0..n {
-        if !c.evaluated[i] {
-            continue;
-        }
-        let a = inp.adv[i / t];
-        let m = if safe { 1.0 } else { inp.mask[i] };
-        // loss = sum(pg * m) / N + kl_coef * (sum(k3c * m) / N)
-        let d_pg = (1.0 / c.denom) * m;
-        let d_k3c = (cfg.kl_coef / c.denom) * m;
-        // pg = -min(surr1, surr2): PyTorch's minimum backward splits ties, and NaN compares false.
-        let d_min = -d_pg;
-        let surr1 = c.ratio[i] * a;
-        let surr2 = torch_clamp(c.ratio[i], lo, hi) * a;
-        let half = if surr1 == surr2 { d_min / 2.0 } else { d_min };
-        let d_surr1 = if surr1 > surr2 { 0.0 } else { half };
-        let d_surr2 = if surr1 < surr2 { 0.0 } else { half };
-        // surr1 = ratio * a; surr2 = clamp(ratio) * a; ratio = exp(lr1): d = grad * output.
-        let d_ratio = d_surr1 * a + clamp_grad(d_surr2 * a, c.ratio[i], lo, hi);
-        d_lr1[i] = d_ratio * c.ratio[i];
-        // k3c = clamp(k3); k3 = (e2 - 1) - lr2; e2 = exp(lr2).
-        let d_k3 = clamp_grad(d_k3c, c.k3[i], -K3_CLAMP, K3_CLAMP);
-        d_lr2[i] = d_k3 * c.e2[i] + -d_k3;
-    }
-    probe.check("loss.ratio_exp", None, Phase::Backward, &d_lr1, &[b, t]);
-    probe.check("loss.kl_exp", None, Phase::Backward, &d_lr2, &[b, t]);
-    for i in 0..n {
-        if !c.evaluated[i] {
-            continue;
-        }
-        // lr1 = clamp(logp - old), lr2 = clamp(ref - logp): the clamps only in the safe style.
-        let g1 = if safe { clamp_grad(d_lr1[i], c.lr1_raw[i], -lim, lim) } else { d_lr1[i] };
-        let g2 = if safe { clamp_grad(d_lr2[i], c.lr2_raw[i], -lim, lim) } else { d_lr2[i] };
-        dlogp[i] = g1 + -g2;
-    }
-    probe.check("loss.logp", None, Phase::Backward, &dlogp, &[b, t]);
-    logsoftmax_gather_backward(dlogits, &dlogp, logits, &c.lse, inp.targets, n, v);
-    probe.check("loss.logits", None, Phase::Backward, dlogits, &[b, t, v]);
-}
-
-/// Forward and backward in one call: the stats and a fresh dlogits (B, T, V).
-pub fn rl_loss<P: Probe + ?Sized>(
-    cfg: &LossConfig,
-    logits: &[f32],
-    inp: &LossInputs<'_>,
-    v: usize,
     probe: &mut P,
 ) -> (LossStats, Vec<f32>) {
-    let mut cache = LossCache::default();
-    let stats = loss_forward(cfg, logits, inp, v, &mut cache, probe);
-    let mut dlogits = vec![0.0; logits.len()];
-    loss_backward(cfg, logits, inp, v, &cache, &mut dlogits, probe);
-    (stats, dlogits)
+    let be = &gradbus_kernels::backend::Cpu;
+    let mut bufs = LossBufs::new(be, inp.b, inp.t, logits.len() / (inp.b * inp.t).max(1));
+    let st = rl_loss(be, cfg, logits, inp, &mut bufs, probe);
+    (st, bufs.dlogits(be, inp.b, inp.t).to_vec())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::probe::NoProbe;
+    use gradbus_kernels::backend::Cpu;
 
     const V: usize = 4;
 
@@ -340,7 +217,7 @@ mod tests {
     fn run(style: LossStyle, kl_gap: f32, ratio_gap: f32, mask0: f32, adv: f32) -> (LossStats, Vec<f32>) {
         let logits = [0.3, -0.2, 0.1, 0.0, -0.5, 0.2, 0.4, 0.1];
         let targets = [1, 2];
-        let logp = target_logp(&logits, &targets, V);
+        let logp = target_logp(&Cpu, &logits, &targets, V);
         let old_logp = [logp[0] - ratio_gap, logp[1] + 0.05];
         let ref_logp = [logp[0] + kl_gap, logp[1] - 0.1];
         let inp = LossInputs {
@@ -352,7 +229,7 @@ mod tests {
             old_logp: &old_logp,
             ref_logp: &ref_logp,
         };
-        rl_loss(&LossConfig { style, clip: 0.2, kl_coef: 0.01 }, &logits, &inp, V, &mut NoProbe)
+        rl_loss_host(&LossConfig { style, clip: 0.2, kl_coef: 0.01 }, &logits, &inp, &mut NoProbe)
     }
 
     fn all_finite(x: &[f32]) -> bool {
@@ -402,7 +279,7 @@ mod tests {
     fn loss_value_matches_the_formula_on_ordinary_values() {
         // Position 0: lr1 = 0.1 (ratio 1.105, inside the clip), lr2 = 0.3; position 1 as in `run`.
         let logits = [0.3, -0.2, 0.1, 0.0, -0.5, 0.2, 0.4, 0.1];
-        let logp = target_logp(&logits, &[1, 2], V);
+        let logp = target_logp(&Cpu, &logits, &[1, 2], V);
         let (st, _) = run(LossStyle::Safe, 0.3, 0.1, 1.0, 0.5);
         let k3 = |x: f64| x.exp() - 1.0 - x;
         let pg = |lr: f64, a: f64| -(lr.exp() * a).min(lr.exp().clamp(0.8, 1.2) * a);
@@ -421,19 +298,27 @@ mod tests {
             kl_input: Vec<f32>,
         }
         impl Probe for Rec {
-            fn check(&mut self, op: &'static str, _: Option<usize>, phase: Phase, data: &[f32], _: &[usize]) {
-                if self.first_bad.is_none() && data.iter().any(|x| !x.is_finite()) {
+            fn check<B: Backend>(
+                &mut self,
+                be: &B,
+                op: &'static str,
+                _: Option<usize>,
+                phase: Phase,
+                data: B::View<'_>,
+                _: &[usize],
+            ) {
+                if self.first_bad.is_none() && be.to_host(data).iter().any(|x| !x.is_finite()) {
                     self.first_bad = Some((op, phase));
                 }
             }
-            fn exp(&mut self, op: ExpOp<'_>) {
+            fn exp<B: Backend>(&mut self, be: &B, op: ExpOp<'_, B>) {
                 if op.op == "loss.kl_exp" {
-                    self.kl_input = op.input.to_vec();
+                    self.kl_input = be.to_host(op.input).into_owned();
                 }
             }
         }
         let logits = [0.3, -0.2, 0.1, 0.0, -0.5, 0.2, 0.4, 0.1];
-        let logp = target_logp(&logits, &[1, 2], V);
+        let logp = target_logp(&Cpu, &logits, &[1, 2], V);
         let inp = LossInputs {
             b: 1,
             t: 2,
@@ -444,7 +329,7 @@ mod tests {
             ref_logp: &[logp[0] + 91.3, logp[1]],
         };
         let mut rec = Rec::default();
-        let (st, _) = rl_loss(&LossConfig::default(), &logits, &inp, V, &mut rec);
+        let (st, _) = rl_loss_host(&LossConfig::default(), &logits, &inp, &mut rec);
         assert!(st.loss.is_finite());
         assert!((rec.kl_input[0] - 91.3).abs() < 1e-3);
         assert_eq!(rec.first_bad, Some(("loss.kl_exp", Phase::Backward)));

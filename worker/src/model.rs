@@ -7,14 +7,16 @@
 //! forward order, head last, so the layout puts the head at offset 0 (bucket #0). Backward runs last
 //! layer first, ACCUMULATES into the gradient buffer through per-parameter views ([`ParamGrads`]),
 //! and releases each view as soon as its gradient is final, in strictly descending parameter order,
-//! so the bus can reduce a finished bucket while backward goes on. Everything is plain f32 on one
-//! thread in a fixed order of operations: the same inputs give the same bits. Non-finite values are not
+//! so the bus can reduce a finished bucket while backward goes on. The ops run on a [`Backend`] (the
+//! CPU's kernels, or a device's), on its buffers: parameters and gradients are views of its flat
+//! buffers, activations its buffers; the model never touches their elements itself. Every op is f32
+//! in a fixed order of operations: the same inputs give the same bits. Non-finite values are not
 //! guarded against; every op's output goes to a [`Probe`] so the trace can find where they are born.
 
 use std::ops::Range;
 
-use gradbus_collectives::{GradMut, Layout, ParamGrads, ParamSpec};
-use gradbus_kernels::ops::*;
+use gradbus_collectives::{Layout, ParamSpec};
+use gradbus_kernels::backend::{Backend, GradSlots};
 use gradbus_kernels::rng::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -106,29 +108,30 @@ pub fn param_specs(cfg: &GptConfig) -> Vec<ParamSpec> {
 }
 
 /// Activations of one block, each sized for the capacity (B, T) of [`Activations`].
-struct BlockActs {
-    ln1: Vec<f32>,      // (B, T, C)
-    ln1_mean: Vec<f32>, // (B, T)
-    ln1_rstd: Vec<f32>, // (B, T)
-    qkv: Vec<f32>,      // (B, T, 3C)
-    atty: Vec<f32>,     // (B, T, C)
-    att: Vec<f32>,      // (B, NH, T, T)
-    attproj: Vec<f32>,  // (B, T, C)
-    res2: Vec<f32>,     // (B, T, C)
-    ln2: Vec<f32>,      // (B, T, C)
-    ln2_mean: Vec<f32>, // (B, T)
-    ln2_rstd: Vec<f32>, // (B, T)
-    fch: Vec<f32>,      // (B, T, 4C)
-    fch_gelu: Vec<f32>, // (B, T, 4C)
-    fcproj: Vec<f32>,   // (B, T, C)
-    res3: Vec<f32>,     // (B, T, C)
+struct BlockActs<B: Backend> {
+    ln1: B::Buf,      // (B, T, C)
+    ln1_mean: B::Buf, // (B, T)
+    ln1_rstd: B::Buf, // (B, T)
+    qkv: B::Buf,      // (B, T, 3C)
+    atty: B::Buf,     // (B, T, C)
+    att: B::Buf,      // (B, NH, T, T)
+    attproj: B::Buf,  // (B, T, C)
+    res2: B::Buf,     // (B, T, C)
+    ln2: B::Buf,      // (B, T, C)
+    ln2_mean: B::Buf, // (B, T)
+    ln2_rstd: B::Buf, // (B, T)
+    fch: B::Buf,      // (B, T, 4C)
+    fch_gelu: B::Buf, // (B, T, 4C)
+    fcproj: B::Buf,   // (B, T, C)
+    res3: B::Buf,     // (B, T, C)
 }
 
-/// Forward activations and backward scratch for up to (B, T) = the capacity given to [`new`].
-/// Forward may run with any smaller B and T; backward uses the B and T of the last forward.
+/// Forward activations and backward scratch for up to (B, T) = the capacity given to [`new`], on
+/// backend `B`. Forward may run with any smaller B and T; backward uses the B and T of the last
+/// forward.
 ///
 /// [`new`]: Activations::new
-pub struct Activations {
+pub struct Activations<B: Backend> {
     cap: (usize, usize),
     v: usize,
     b: usize,
@@ -136,38 +139,38 @@ pub struct Activations {
     /// The last forward was a KV-cached one: its activations cover only the new positions, so there
     /// is nothing for backward.
     cached: bool,
-    tokens: Vec<u32>,  // (B, T)
-    encoded: Vec<f32>, // (B, T, C)
-    blocks: Vec<BlockActs>,
-    lnf: Vec<f32>,      // (B, T, C)
-    lnf_mean: Vec<f32>, // (B, T)
-    lnf_rstd: Vec<f32>, // (B, T)
-    logits: Vec<f32>,   // (B, T, V)
+    tokens: B::Ids,  // (B, T)
+    encoded: B::Buf, // (B, T, C)
+    blocks: Vec<BlockActs<B>>,
+    lnf: B::Buf,      // (B, T, C)
+    lnf_mean: B::Buf, // (B, T)
+    lnf_rstd: B::Buf, // (B, T)
+    logits: B::Buf,   // (B, T, V)
     // Backward scratch, reused by every block.
-    dx: Vec<f32>,   // (B, T, C): gradient of the residual stream
-    dres: Vec<f32>, // (B, T, C): gradient of the mid-block residual
-    d1: Vec<f32>,   // (B, T, C)
-    d2: Vec<f32>,   // (B, T, C)
-    dqkv: Vec<f32>, // (B, T, 3C)
-    dh1: Vec<f32>,  // (B, T, 4C)
-    dh2: Vec<f32>,  // (B, T, 4C)
+    dx: B::Buf,   // (B, T, C): gradient of the residual stream
+    dres: B::Buf, // (B, T, C): gradient of the mid-block residual
+    d1: B::Buf,   // (B, T, C)
+    d2: B::Buf,   // (B, T, C)
+    dqkv: B::Buf, // (B, T, 3C)
+    dh1: B::Buf,  // (B, T, 4C)
+    dh2: B::Buf,  // (B, T, 4C)
 }
 
-impl Activations {
-    /// How many 4-byte elements [`Activations::new`] allocates for `(cfg, b, t)`, as f64 so that an
-    /// absurd shape gives a large number instead of an overflow (the config's memory estimate).
-    pub fn numel(cfg: &GptConfig, b: usize, t: usize) -> f64 {
-        let (c, v, nh, l) = (cfg.channels as f64, cfg.vocab as f64, cfg.heads as f64, cfg.layers as f64);
-        let bt = b as f64 * t as f64;
-        let block = 18.0 * bt * c + 4.0 * bt + b as f64 * nh * t as f64 * t as f64;
-        l * block + 17.0 * bt * c + 3.0 * bt + bt * v
-    }
+/// How many 4-byte elements [`Activations::new`] allocates for `(cfg, b, t)`, as f64 so that an
+/// absurd shape gives a large number instead of an overflow (the config's memory estimate).
+pub fn activations_numel(cfg: &GptConfig, b: usize, t: usize) -> f64 {
+    let (c, v, nh, l) = (cfg.channels as f64, cfg.vocab as f64, cfg.heads as f64, cfg.layers as f64);
+    let bt = b as f64 * t as f64;
+    let block = 18.0 * bt * c + 4.0 * bt + b as f64 * nh * t as f64 * t as f64;
+    l * block + 17.0 * bt * c + 3.0 * bt + bt * v
+}
 
+impl<B: Backend> Activations<B> {
     /// Buffers for up to `b` sequences of up to `t` positions.
-    pub fn new(cfg: &GptConfig, b: usize, t: usize) -> Activations {
+    pub fn new(be: &B, cfg: &GptConfig, b: usize, t: usize) -> Activations<B> {
         let (c, v, nh) = (cfg.channels, cfg.vocab, cfg.heads);
         let bt = b * t;
-        let z = |n: usize| vec![0.0f32; n];
+        let z = |n: usize| be.zeros(n);
         let blocks = (0..cfg.layers)
             .map(|_| BlockActs {
                 ln1: z(bt * c),
@@ -193,7 +196,7 @@ impl Activations {
             b: 0,
             t: 0,
             cached: false,
-            tokens: vec![0; bt],
+            tokens: be.ids(bt),
             encoded: z(bt * c),
             blocks,
             lnf: z(bt * c),
@@ -211,24 +214,29 @@ impl Activations {
     }
 
     /// The logits of the last forward, (B, T, V).
-    pub fn logits(&self) -> &[f32] {
-        &self.logits[..self.b * self.t * self.v]
+    pub fn logits<'a>(&'a self, be: &B) -> B::View<'a> {
+        be.view(&self.logits, 0..self.b * self.t * self.v)
     }
 }
 
 /// The q|k|v rows of every position fed so far, per layer, so that sampling one token at a time
 /// computes only the new position ([`Gpt::forward_cached`]) instead of the whole prefix again.
-pub struct KvCache {
+pub struct KvCache<B: Backend> {
     b: usize,
     cap: usize,
     len: usize,
-    qkv: Vec<Vec<f32>>, // per layer (B, cap, 3C)
+    qkv: Vec<B::Buf>, // per layer (B, cap, 3C)
 }
 
-impl KvCache {
+impl<B: Backend> KvCache<B> {
     /// An empty cache for `b` sequences of up to `cap` positions.
-    pub fn new(cfg: &GptConfig, b: usize, cap: usize) -> KvCache {
-        KvCache { b, cap, len: 0, qkv: (0..cfg.layers).map(|_| vec![0.0; b * cap * 3 * cfg.channels]).collect() }
+    pub fn new(be: &B, cfg: &GptConfig, b: usize, cap: usize) -> KvCache<B> {
+        KvCache { b, cap, len: 0, qkv: (0..cfg.layers).map(|_| be.zeros(b * cap * 3 * cfg.channels)).collect() }
+    }
+
+    /// Forget every position (the buffers stay): the next forward starts at position 0.
+    pub fn clear(&mut self) {
+        self.len = 0;
     }
 
     /// Positions fed so far.
@@ -282,12 +290,14 @@ impl Gpt {
         self.ranges[p].clone()
     }
 
-    fn w<'a>(&self, params: &'a [f32], p: usize) -> &'a [f32] {
-        &params[self.ranges[p].clone()]
+    /// Parameter `p`'s view of the flat parameter buffer.
+    fn w<'a, B: Backend>(&self, be: &B, params: &'a B::Buf, p: usize) -> B::View<'a> {
+        be.view(params, self.ranges[p].clone())
     }
 
     /// GPT-2 initialisation: weights N(0, 0.02), the two projections into the residual stream
     /// N(0, 0.02 / sqrt(2L)), layer-norm weights 1, biases 0. Draws in parameter order, element order.
+    /// On the host: the caller uploads the result.
     pub fn init(&self, params: &mut [f32], rng: &mut Rng) {
         let proj_std = 0.02 / ((2 * self.cfg.layers) as f32).sqrt();
         for (p, spec) in param_specs(&self.cfg).iter().enumerate() {
@@ -308,16 +318,18 @@ impl Gpt {
 
     /// Forward pass. tokens: (B, T) with B, T within the capacity of `acts` and T <= max_seq.
     /// Returns the logits, (B, T, V).
-    pub fn forward<'a, P: Probe + ?Sized>(
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<'a, B: Backend, P: Probe>(
         &self,
-        params: &[f32],
+        be: &B,
+        params: &B::Buf,
         tokens: &[u32],
         b: usize,
         t: usize,
-        acts: &'a mut Activations,
+        acts: &'a mut Activations<B>,
         probe: &mut P,
-    ) -> &'a [f32] {
-        self.forward_impl(params, tokens, b, t, None, acts, probe)
+    ) -> B::View<'a> {
+        self.forward_impl(be, params, tokens, b, t, None, acts, probe)
     }
 
     /// Forward pass of the next `tn` positions of `b` sequences whose earlier positions are in
@@ -328,31 +340,34 @@ impl Gpt {
     /// logits (B, TN, V). `acts` is scratch: no backward after this.
     ///
     /// [`forward`]: Gpt::forward
-    pub fn forward_cached<'a>(
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_cached<'a, B: Backend>(
         &self,
-        params: &[f32],
+        be: &B,
+        params: &B::Buf,
         tokens: &[u32],
         b: usize,
         tn: usize,
-        cache: &mut KvCache,
-        acts: &'a mut Activations,
-    ) -> &'a [f32] {
+        cache: &mut KvCache<B>,
+        acts: &'a mut Activations<B>,
+    ) -> B::View<'a> {
         assert!(b == cache.b && cache.len + tn <= cache.cap, "forward_cached: ({b}, {tn}) past the cache");
-        self.forward_impl(params, tokens, b, tn, Some(cache), acts, &mut NoProbe)
+        self.forward_impl(be, params, tokens, b, tn, Some(cache), acts, &mut NoProbe)
     }
 
     /// `forward` (no cache) or `forward_cached`: the positions `kv.len..kv.len + t`.
     #[allow(clippy::too_many_arguments)]
-    fn forward_impl<'a, P: Probe + ?Sized>(
+    fn forward_impl<'a, B: Backend, P: Probe>(
         &self,
-        params: &[f32],
+        be: &B,
+        params: &B::Buf,
         tokens: &[u32],
         b: usize,
         t: usize,
-        mut kv: Option<&mut KvCache>,
-        acts: &'a mut Activations,
+        mut kv: Option<&mut KvCache<B>>,
+        acts: &'a mut Activations<B>,
         probe: &mut P,
-    ) -> &'a [f32] {
+    ) -> B::View<'a> {
         let GptConfig { vocab: v, channels: c, heads: nh, layers: nl, .. } = self.cfg;
         let pos0 = kv.as_ref().map_or(0, |k| k.len);
         assert!(
@@ -366,72 +381,120 @@ impl Gpt {
         a.b = b;
         a.t = t;
         a.cached = kv.is_some();
-        a.tokens[..bt].copy_from_slice(tokens);
+        be.upload_ids(&mut a.tokens, tokens);
         let fwd = Phase::Forward;
+        let w = |p| self.w(be, params, p);
 
-        let wpe = &self.w(params, WPE)[pos0 * c..];
-        encoder_forward(&mut a.encoded, tokens, self.w(params, WTE), wpe, b, t, c, v);
-        probe.check("encoder", None, fwd, &a.encoded[..n], &[b, t, c]);
+        let wpe = be.view(params, self.ranges[WPE].start + pos0 * c..self.ranges[WPE].end);
+        be.encoder_forward(be.all_mut(&mut a.encoded), &a.tokens, w(WTE), wpe, b, t, c, v);
+        probe.check(be, "encoder", None, fwd, be.view(&a.encoded, 0..n), &[b, t, c]);
         for l in 0..nl {
             let (done, rest) = a.blocks.split_at_mut(l);
-            let x: &[f32] = if l == 0 { &a.encoded } else { &done[l - 1].res3 };
+            let x = if l == 0 { &a.encoded } else { &done[l - 1].res3 };
             let k = &mut rest[0];
-            let w = |i| self.w(params, bp(l, i));
+            let w = |i| w(bp(l, i));
             let lo = Some(l);
-            layernorm_forward(&mut k.ln1, &mut k.ln1_mean, &mut k.ln1_rstd, x, w(LN1_W), w(LN1_B), bt, c);
-            probe.check("ln1", lo, fwd, &k.ln1[..n], &[b, t, c]);
-            matmul_forward(&mut k.qkv, &k.ln1, w(QKV_W), Some(w(QKV_B)), bt, c, 3 * c);
-            probe.check("attn.qkv", lo, fwd, &k.qkv[..n3], &[b, t, 3 * c]);
+            be.layernorm_forward(
+                be.all_mut(&mut k.ln1),
+                be.all_mut(&mut k.ln1_mean),
+                be.all_mut(&mut k.ln1_rstd),
+                be.all(x),
+                w(LN1_W),
+                w(LN1_B),
+                bt,
+                c,
+            );
+            probe.check(be, "ln1", lo, fwd, be.view(&k.ln1, 0..n), &[b, t, c]);
+            be.matmul_forward(be.all_mut(&mut k.qkv), be.all(&k.ln1), w(QKV_W), Some(w(QKV_B)), bt, c, 3 * c);
+            probe.check(be, "attn.qkv", lo, fwd, be.view(&k.qkv, 0..n3), &[b, t, 3 * c]);
             match kv.as_deref_mut() {
-                None => attention_forward(&mut k.atty, &mut k.att, &k.qkv, b, t, c, nh),
+                None => {
+                    be.attention_forward(be.all_mut(&mut k.atty), be.all_mut(&mut k.att), be.all(&k.qkv), b, t, c, nh)
+                }
                 Some(cache) => {
+                    // The new rows, (B, T, 3C), into the cache's (B, cap, 3C) at position pos0.
                     let (c3, cap) = (3 * c, cache.cap);
                     let rows = &mut cache.qkv[l];
-                    for (i, new) in k.qkv[..n3].chunks_exact(c3).enumerate() {
-                        let (bi, ti) = (i / t, i % t);
-                        rows[(bi * cap + pos0 + ti) * c3..][..c3].copy_from_slice(new);
-                    }
-                    attention_forward_rows(&mut k.atty, &mut k.att, rows, cap, b, pos0, pos0 + t, c, nh);
+                    let dst = be.view_mut(rows, pos0 * c3..b * cap * c3);
+                    be.copy_2d(dst, cap * c3, be.view(&k.qkv, 0..n3), t * c3, t * c3, b);
+                    be.attention_forward_rows(
+                        be.all_mut(&mut k.atty),
+                        be.all_mut(&mut k.att),
+                        be.all(rows),
+                        cap,
+                        b,
+                        pos0,
+                        pos0 + t,
+                        c,
+                        nh,
+                    );
                 }
             }
-            probe.check("attn", lo, fwd, &k.atty[..n], &[b, t, c]);
-            matmul_forward(&mut k.attproj, &k.atty, w(PROJ_W), Some(w(PROJ_B)), bt, c, c);
-            probe.check("attn.proj", lo, fwd, &k.attproj[..n], &[b, t, c]);
-            residual_forward(&mut k.res2, x, &k.attproj, n);
-            probe.check("residual1", lo, fwd, &k.res2[..n], &[b, t, c]);
-            layernorm_forward(&mut k.ln2, &mut k.ln2_mean, &mut k.ln2_rstd, &k.res2, w(LN2_W), w(LN2_B), bt, c);
-            probe.check("ln2", lo, fwd, &k.ln2[..n], &[b, t, c]);
-            matmul_forward(&mut k.fch, &k.ln2, w(FC_W), Some(w(FC_B)), bt, c, 4 * c);
-            probe.check("mlp.fc", lo, fwd, &k.fch[..n4], &[b, t, 4 * c]);
-            gelu_forward(&mut k.fch_gelu, &k.fch, n4);
-            probe.check("mlp.gelu", lo, fwd, &k.fch_gelu[..n4], &[b, t, 4 * c]);
-            matmul_forward(&mut k.fcproj, &k.fch_gelu, w(FCPROJ_W), Some(w(FCPROJ_B)), bt, 4 * c, c);
-            probe.check("mlp.proj", lo, fwd, &k.fcproj[..n], &[b, t, c]);
-            residual_forward(&mut k.res3, &k.res2, &k.fcproj, n);
-            probe.check("residual2", lo, fwd, &k.res3[..n], &[b, t, c]);
+            probe.check(be, "attn", lo, fwd, be.view(&k.atty, 0..n), &[b, t, c]);
+            be.matmul_forward(be.all_mut(&mut k.attproj), be.all(&k.atty), w(PROJ_W), Some(w(PROJ_B)), bt, c, c);
+            probe.check(be, "attn.proj", lo, fwd, be.view(&k.attproj, 0..n), &[b, t, c]);
+            be.residual_forward(be.all_mut(&mut k.res2), be.all(x), be.all(&k.attproj), n);
+            probe.check(be, "residual1", lo, fwd, be.view(&k.res2, 0..n), &[b, t, c]);
+            be.layernorm_forward(
+                be.all_mut(&mut k.ln2),
+                be.all_mut(&mut k.ln2_mean),
+                be.all_mut(&mut k.ln2_rstd),
+                be.all(&k.res2),
+                w(LN2_W),
+                w(LN2_B),
+                bt,
+                c,
+            );
+            probe.check(be, "ln2", lo, fwd, be.view(&k.ln2, 0..n), &[b, t, c]);
+            be.matmul_forward(be.all_mut(&mut k.fch), be.all(&k.ln2), w(FC_W), Some(w(FC_B)), bt, c, 4 * c);
+            probe.check(be, "mlp.fc", lo, fwd, be.view(&k.fch, 0..n4), &[b, t, 4 * c]);
+            be.gelu_forward(be.all_mut(&mut k.fch_gelu), be.all(&k.fch), n4);
+            probe.check(be, "mlp.gelu", lo, fwd, be.view(&k.fch_gelu, 0..n4), &[b, t, 4 * c]);
+            be.matmul_forward(
+                be.all_mut(&mut k.fcproj),
+                be.all(&k.fch_gelu),
+                w(FCPROJ_W),
+                Some(w(FCPROJ_B)),
+                bt,
+                4 * c,
+                c,
+            );
+            probe.check(be, "mlp.proj", lo, fwd, be.view(&k.fcproj, 0..n), &[b, t, c]);
+            be.residual_forward(be.all_mut(&mut k.res3), be.all(&k.res2), be.all(&k.fcproj), n);
+            probe.check(be, "residual2", lo, fwd, be.view(&k.res3, 0..n), &[b, t, c]);
         }
-        let x: &[f32] = if nl == 0 { &a.encoded } else { &a.blocks[nl - 1].res3 };
-        let (wf, bf) = (self.w(params, bp(nl, 0)), self.w(params, bp(nl, 1)));
-        layernorm_forward(&mut a.lnf, &mut a.lnf_mean, &mut a.lnf_rstd, x, wf, bf, bt, c);
-        probe.check("ln_f", None, fwd, &a.lnf[..n], &[b, t, c]);
-        matmul_forward(&mut a.logits, &a.lnf, self.w(params, bp(nl, 2)), None, bt, c, v);
-        probe.check("head", None, fwd, &a.logits[..bt * v], &[b, t, v]);
+        let x = if nl == 0 { &a.encoded } else { &a.blocks[nl - 1].res3 };
+        let (wf, bf) = (w(bp(nl, 0)), w(bp(nl, 1)));
+        be.layernorm_forward(
+            be.all_mut(&mut a.lnf),
+            be.all_mut(&mut a.lnf_mean),
+            be.all_mut(&mut a.lnf_rstd),
+            be.all(x),
+            wf,
+            bf,
+            bt,
+            c,
+        );
+        probe.check(be, "ln_f", None, fwd, be.view(&a.lnf, 0..n), &[b, t, c]);
+        be.matmul_forward(be.all_mut(&mut a.logits), be.all(&a.lnf), w(bp(nl, 2)), None, bt, c, v);
+        probe.check(be, "head", None, fwd, be.view(&a.logits, 0..bt * v), &[b, t, v]);
         if let Some(cache) = kv {
             cache.len += t;
         }
-        &a.logits[..bt * v]
+        be.view(&a.logits, 0..bt * v)
     }
 
     /// Backward pass of the last forward on `acts`. dlogits: (B, T, V); grads: the gradient buffer
     /// (same layout as `params`), ACCUMULATED into, one parameter view at a time; each view is
     /// released, in strictly descending parameter order, as soon as its gradient is final, so the
     /// buckets it completes can be all-reduced while backward goes on.
-    pub fn backward<P: Probe + ?Sized>(
+    pub fn backward<B: Backend, G: GradSlots<B>, P: Probe>(
         &self,
-        params: &[f32],
-        acts: &mut Activations,
-        dlogits: &[f32],
-        grads: &mut ParamGrads<'_>,
+        be: &B,
+        params: &B::Buf,
+        acts: &mut Activations<B>,
+        dlogits: B::View<'_>,
+        grads: &mut G,
         probe: &mut P,
     ) {
         let GptConfig { vocab: v, channels: c, heads: nh, layers: nl, .. } = self.cfg;
@@ -440,122 +503,211 @@ impl Gpt {
         let bt = b * t;
         let (n, n3, n4) = (bt * c, bt * 3 * c, bt * 4 * c);
         assert!(!a.cached, "backward: the last forward was KV-cached (it keeps no activations to differentiate)");
-        assert_eq!(dlogits.len(), bt * v, "backward: dlogits are not (B, T, V) of the last forward");
         let bwd = Phase::Backward;
         let (lnf_w, lnf_b, head) = (bp(nl, 0), bp(nl, 1), bp(nl, 2));
+        let w = |p| self.w(be, params, p);
+        // The first n (3n, 4n) elements of a scratch buffer, zeroed.
+        let zeroed = |x: &mut B::Buf, n| be.fill(be.view_mut(x, 0..n), 0.0);
 
         // head: logits = lnf @ head^T
-        let d_lnf = &mut a.d1[..n];
-        d_lnf.fill(0.0);
+        zeroed(&mut a.d1, n);
         let mut dhead = grads.take(head);
-        matmul_backward(d_lnf, &mut dhead, None, dlogits, &a.lnf, self.w(params, head), bt, c, v);
-        probe.check("head", None, bwd, d_lnf, &[b, t, c]);
-        ready(grads, probe, head, dhead);
+        be.matmul_backward(
+            be.view_mut(&mut a.d1, 0..n),
+            G::view_mut(&mut dhead),
+            None,
+            dlogits,
+            be.all(&a.lnf),
+            w(head),
+            bt,
+            c,
+            v,
+        );
+        probe.check(be, "head", None, bwd, be.view(&a.d1, 0..n), &[b, t, c]);
+        ready(be, grads, probe, head, dhead);
 
         // ln_f
-        let x: &[f32] = if nl == 0 { &a.encoded } else { &a.blocks[nl - 1].res3 };
-        let dx = &mut a.dx[..n];
-        dx.fill(0.0);
+        let x = if nl == 0 { &a.encoded } else { &a.blocks[nl - 1].res3 };
+        zeroed(&mut a.dx, n);
         let (mut dw, mut db) = (grads.take(lnf_w), grads.take(lnf_b));
-        let wf = self.w(params, lnf_w);
-        layernorm_backward(dx, &mut dw, &mut db, &a.d1, x, wf, &a.lnf_mean, &a.lnf_rstd, bt, c);
-        probe.check("ln_f", None, bwd, dx, &[b, t, c]);
-        ready(grads, probe, lnf_b, db);
-        ready(grads, probe, lnf_w, dw);
+        let (mean, rstd) = (be.all(&a.lnf_mean), be.all(&a.lnf_rstd));
+        be.layernorm_backward(
+            be.view_mut(&mut a.dx, 0..n),
+            G::view_mut(&mut dw),
+            G::view_mut(&mut db),
+            be.all(&a.d1),
+            be.all(x),
+            w(lnf_w),
+            mean,
+            rstd,
+            bt,
+            c,
+        );
+        probe.check(be, "ln_f", None, bwd, be.view(&a.dx, 0..n), &[b, t, c]);
+        ready(be, grads, probe, lnf_b, db);
+        ready(be, grads, probe, lnf_w, dw);
 
         for l in (0..nl).rev() {
             let k = &a.blocks[l];
-            let x: &[f32] = if l == 0 { &a.encoded } else { &a.blocks[l - 1].res3 };
-            let w = |i| self.w(params, bp(l, i));
+            let x = if l == 0 { &a.encoded } else { &a.blocks[l - 1].res3 };
+            let w = |i| w(bp(l, i));
             let lo = Some(l);
 
             // res3 = res2 + fcproj
-            let (dres, dfcproj) = (&mut a.dres[..n], &mut a.d1[..n]);
-            dres.fill(0.0);
-            dfcproj.fill(0.0);
-            residual_backward(dres, dfcproj, &a.dx, n);
-            probe.check("residual2", lo, bwd, dres, &[b, t, c]);
+            zeroed(&mut a.dres, n);
+            zeroed(&mut a.d1, n);
+            be.residual_backward(be.view_mut(&mut a.dres, 0..n), be.view_mut(&mut a.d1, 0..n), be.all(&a.dx), n);
+            probe.check(be, "residual2", lo, bwd, be.view(&a.dres, 0..n), &[b, t, c]);
             // fcproj = gelu @ W^T + b
-            let dgelu = &mut a.dh2[..n4];
-            dgelu.fill(0.0);
+            zeroed(&mut a.dh2, n4);
             let (mut dw, mut db) = (grads.take(bp(l, FCPROJ_W)), grads.take(bp(l, FCPROJ_B)));
-            matmul_backward(dgelu, &mut dw, Some(&mut *db), &a.d1, &k.fch_gelu, w(FCPROJ_W), bt, 4 * c, c);
-            probe.check("mlp.proj", lo, bwd, dgelu, &[b, t, 4 * c]);
-            ready(grads, probe, bp(l, FCPROJ_B), db);
-            ready(grads, probe, bp(l, FCPROJ_W), dw);
+            let dgelu = be.view_mut(&mut a.dh2, 0..n4);
+            be.matmul_backward(
+                dgelu,
+                G::view_mut(&mut dw),
+                Some(G::view_mut(&mut db)),
+                be.all(&a.d1),
+                be.all(&k.fch_gelu),
+                w(FCPROJ_W),
+                bt,
+                4 * c,
+                c,
+            );
+            probe.check(be, "mlp.proj", lo, bwd, be.view(&a.dh2, 0..n4), &[b, t, 4 * c]);
+            ready(be, grads, probe, bp(l, FCPROJ_B), db);
+            ready(be, grads, probe, bp(l, FCPROJ_W), dw);
             // gelu
-            let dfch = &mut a.dh1[..n4];
-            dfch.fill(0.0);
-            gelu_backward(dfch, &k.fch, &a.dh2, n4);
-            probe.check("mlp.gelu", lo, bwd, dfch, &[b, t, 4 * c]);
+            zeroed(&mut a.dh1, n4);
+            be.gelu_backward(be.view_mut(&mut a.dh1, 0..n4), be.all(&k.fch), be.all(&a.dh2), n4);
+            probe.check(be, "mlp.gelu", lo, bwd, be.view(&a.dh1, 0..n4), &[b, t, 4 * c]);
             // fch = ln2 @ W^T + b
-            let dln2 = &mut a.d2[..n];
-            dln2.fill(0.0);
+            zeroed(&mut a.d2, n);
             let (mut dw, mut db) = (grads.take(bp(l, FC_W)), grads.take(bp(l, FC_B)));
-            matmul_backward(dln2, &mut dw, Some(&mut *db), &a.dh1, &k.ln2, w(FC_W), bt, c, 4 * c);
-            probe.check("mlp.fc", lo, bwd, dln2, &[b, t, c]);
-            ready(grads, probe, bp(l, FC_B), db);
-            ready(grads, probe, bp(l, FC_W), dw);
+            let dln2 = be.view_mut(&mut a.d2, 0..n);
+            be.matmul_backward(
+                dln2,
+                G::view_mut(&mut dw),
+                Some(G::view_mut(&mut db)),
+                be.all(&a.dh1),
+                be.all(&k.ln2),
+                w(FC_W),
+                bt,
+                c,
+                4 * c,
+            );
+            probe.check(be, "mlp.fc", lo, bwd, be.view(&a.d2, 0..n), &[b, t, c]);
+            ready(be, grads, probe, bp(l, FC_B), db);
+            ready(be, grads, probe, bp(l, FC_W), dw);
             // ln2, accumulating into the mid-block residual gradient
-            let dres = &mut a.dres[..n];
             let (mut dw, mut db) = (grads.take(bp(l, LN2_W)), grads.take(bp(l, LN2_B)));
-            layernorm_backward(dres, &mut dw, &mut db, &a.d2, &k.res2, w(LN2_W), &k.ln2_mean, &k.ln2_rstd, bt, c);
-            probe.check("ln2", lo, bwd, dres, &[b, t, c]);
-            ready(grads, probe, bp(l, LN2_B), db);
-            ready(grads, probe, bp(l, LN2_W), dw);
+            let (dres, mean, rstd) = (be.view_mut(&mut a.dres, 0..n), be.all(&k.ln2_mean), be.all(&k.ln2_rstd));
+            be.layernorm_backward(
+                dres,
+                G::view_mut(&mut dw),
+                G::view_mut(&mut db),
+                be.all(&a.d2),
+                be.all(&k.res2),
+                w(LN2_W),
+                mean,
+                rstd,
+                bt,
+                c,
+            );
+            probe.check(be, "ln2", lo, bwd, be.view(&a.dres, 0..n), &[b, t, c]);
+            ready(be, grads, probe, bp(l, LN2_B), db);
+            ready(be, grads, probe, bp(l, LN2_W), dw);
 
             // res2 = x + attproj
-            let (dx, dattproj) = (&mut a.dx[..n], &mut a.d1[..n]);
-            dx.fill(0.0);
-            dattproj.fill(0.0);
-            residual_backward(dx, dattproj, &a.dres, n);
-            probe.check("residual1", lo, bwd, dx, &[b, t, c]);
+            zeroed(&mut a.dx, n);
+            zeroed(&mut a.d1, n);
+            be.residual_backward(be.view_mut(&mut a.dx, 0..n), be.view_mut(&mut a.d1, 0..n), be.all(&a.dres), n);
+            probe.check(be, "residual1", lo, bwd, be.view(&a.dx, 0..n), &[b, t, c]);
             // attproj = atty @ W^T + b
-            let datty = &mut a.d2[..n];
-            datty.fill(0.0);
+            zeroed(&mut a.d2, n);
             let (mut dw, mut db) = (grads.take(bp(l, PROJ_W)), grads.take(bp(l, PROJ_B)));
-            matmul_backward(datty, &mut dw, Some(&mut *db), &a.d1, &k.atty, w(PROJ_W), bt, c, c);
-            probe.check("attn.proj", lo, bwd, datty, &[b, t, c]);
-            ready(grads, probe, bp(l, PROJ_B), db);
-            ready(grads, probe, bp(l, PROJ_W), dw);
+            let datty = be.view_mut(&mut a.d2, 0..n);
+            be.matmul_backward(
+                datty,
+                G::view_mut(&mut dw),
+                Some(G::view_mut(&mut db)),
+                be.all(&a.d1),
+                be.all(&k.atty),
+                w(PROJ_W),
+                bt,
+                c,
+                c,
+            );
+            probe.check(be, "attn.proj", lo, bwd, be.view(&a.d2, 0..n), &[b, t, c]);
+            ready(be, grads, probe, bp(l, PROJ_B), db);
+            ready(be, grads, probe, bp(l, PROJ_W), dw);
             // attention
-            let dqkv = &mut a.dqkv[..n3];
-            dqkv.fill(0.0);
-            attention_backward(dqkv, &a.d2, &k.qkv, &k.att, b, t, c, nh);
-            probe.check("attn", lo, bwd, dqkv, &[b, t, 3 * c]);
+            zeroed(&mut a.dqkv, n3);
+            be.attention_backward(
+                be.view_mut(&mut a.dqkv, 0..n3),
+                be.all(&a.d2),
+                be.all(&k.qkv),
+                be.all(&k.att),
+                b,
+                t,
+                c,
+                nh,
+            );
+            probe.check(be, "attn", lo, bwd, be.view(&a.dqkv, 0..n3), &[b, t, 3 * c]);
             // qkv = ln1 @ W^T + b
-            let dln1 = &mut a.d1[..n];
-            dln1.fill(0.0);
+            zeroed(&mut a.d1, n);
             let (mut dw, mut db) = (grads.take(bp(l, QKV_W)), grads.take(bp(l, QKV_B)));
-            matmul_backward(dln1, &mut dw, Some(&mut *db), &a.dqkv, &k.ln1, w(QKV_W), bt, c, 3 * c);
-            probe.check("attn.qkv", lo, bwd, dln1, &[b, t, c]);
-            ready(grads, probe, bp(l, QKV_B), db);
-            ready(grads, probe, bp(l, QKV_W), dw);
+            let dln1 = be.view_mut(&mut a.d1, 0..n);
+            be.matmul_backward(
+                dln1,
+                G::view_mut(&mut dw),
+                Some(G::view_mut(&mut db)),
+                be.all(&a.dqkv),
+                be.all(&k.ln1),
+                w(QKV_W),
+                bt,
+                c,
+                3 * c,
+            );
+            probe.check(be, "attn.qkv", lo, bwd, be.view(&a.d1, 0..n), &[b, t, c]);
+            ready(be, grads, probe, bp(l, QKV_B), db);
+            ready(be, grads, probe, bp(l, QKV_W), dw);
             // ln1, accumulating into the block input's gradient
-            let dx = &mut a.dx[..n];
             let (mut dw, mut db) = (grads.take(bp(l, LN1_W)), grads.take(bp(l, LN1_B)));
-            layernorm_backward(dx, &mut dw, &mut db, &a.d1, x, w(LN1_W), &k.ln1_mean, &k.ln1_rstd, bt, c);
-            probe.check("ln1", lo, bwd, dx, &[b, t, c]);
-            ready(grads, probe, bp(l, LN1_B), db);
-            ready(grads, probe, bp(l, LN1_W), dw);
+            let (dx, mean, rstd) = (be.view_mut(&mut a.dx, 0..n), be.all(&k.ln1_mean), be.all(&k.ln1_rstd));
+            be.layernorm_backward(
+                dx,
+                G::view_mut(&mut dw),
+                G::view_mut(&mut db),
+                be.all(&a.d1),
+                be.all(x),
+                w(LN1_W),
+                mean,
+                rstd,
+                bt,
+                c,
+            );
+            probe.check(be, "ln1", lo, bwd, be.view(&a.dx, 0..n), &[b, t, c]);
+            ready(be, grads, probe, bp(l, LN1_B), db);
+            ready(be, grads, probe, bp(l, LN1_W), dw);
         }
 
         let (mut dwte, mut dwpe) = (grads.take(WTE), grads.take(WPE));
-        encoder_backward(&mut dwte, &mut dwpe, &a.dx[..n], &a.tokens[..bt], b, t, c);
-        ready(grads, probe, WPE, dwpe);
-        ready(grads, probe, WTE, dwte);
+        be.encoder_backward(G::view_mut(&mut dwte), G::view_mut(&mut dwpe), be.view(&a.dx, 0..n), &a.tokens, b, t, c);
+        ready(be, grads, probe, WPE, dwpe);
+        ready(be, grads, probe, WTE, dwte);
     }
 }
 
 /// Hand parameter `p`'s final gradient to the probe, then release it to the bus.
-fn ready<'a, P: Probe + ?Sized>(g: &mut ParamGrads<'a>, probe: &mut P, p: usize, grad: GradMut<'a>) {
-    probe.grad(p, &grad);
+fn ready<B: Backend, G: GradSlots<B>, P: Probe>(be: &B, g: &mut G, probe: &mut P, p: usize, grad: G::Slot) {
+    probe.grad(be, p, G::view(&grad));
     g.release(p, grad);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradbus_kernels::backend::Cpu;
 
     #[test]
     fn calibration_model_has_about_103k_parameters_and_head_in_bucket_0() {
@@ -586,15 +738,15 @@ mod tests {
             }
             let (b, t, v) = (5, 9, cfg.vocab);
             let tokens: Vec<u32> = (0..b * t).map(|_| rng.below(v) as u32).collect();
-            let mut acts = Activations::new(&cfg, b, t);
-            let full = gpt.forward(&params, &tokens, b, t, &mut acts, &mut NoProbe).to_vec();
+            let mut acts = Activations::new(&Cpu, &cfg, b, t);
+            let full = gpt.forward(&Cpu, &params, &tokens, b, t, &mut acts, &mut NoProbe).to_vec();
             for steps in [vec![2, 1, 1, 1, 1, 1, 1, 1], vec![3, 2, 2, 2], vec![9]] {
-                let mut cache = KvCache::new(&cfg, b, t);
+                let mut cache = KvCache::new(&Cpu, &cfg, b, t);
                 let mut got = vec![f32::NAN; b * t * v];
                 for tn in steps {
                     let p0 = cache.len();
                     let new: Vec<u32> = tokens.chunks_exact(t).flat_map(|s| s[p0..p0 + tn].iter().copied()).collect();
-                    let logits = gpt.forward_cached(&params, &new, b, tn, &mut cache, &mut acts);
+                    let logits = gpt.forward_cached(&Cpu, &params, &new, b, tn, &mut cache, &mut acts);
                     for (i, row) in logits.chunks_exact(v).enumerate() {
                         let (bi, ti) = (i / tn, p0 + i % tn);
                         got[(bi * t + ti) * v..][..v].copy_from_slice(row);
@@ -629,7 +781,7 @@ mod tests {
     fn activation_count_matches_the_buffers() {
         let cfg = GptConfig { vocab: 7, max_seq: 9, channels: 12, heads: 3, layers: 2 };
         let (b, t) = (5, 6);
-        let a = Activations::new(&cfg, b, t);
+        let a = Activations::new(&Cpu, &cfg, b, t);
         let mut n = a.tokens.len() + a.encoded.len() + a.lnf.len() + a.lnf_mean.len() + a.lnf_rstd.len();
         n += a.logits.len() + a.dx.len() + a.dres.len() + a.d1.len() + a.d2.len();
         n += a.dqkv.len() + a.dh1.len() + a.dh2.len();
@@ -638,6 +790,6 @@ mod tests {
             n += k.attproj.len() + k.res2.len() + k.ln2.len() + k.ln2_mean.len() + k.ln2_rstd.len();
             n += k.fch.len() + k.fch_gelu.len() + k.fcproj.len() + k.res3.len();
         }
-        assert_eq!(Activations::numel(&cfg, b, t), n as f64);
+        assert_eq!(activations_numel(&cfg, b, t), n as f64);
     }
 }

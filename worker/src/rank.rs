@@ -20,158 +20,7 @@
 use std::path::PathBuf;
 
 use crate::env;
-
-/// Why this process cannot tell its place in the job (or its GPU). Each names the variables and
-/// their values; an error of `gradbus worker` with exit code 2 (usage).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum RankError {
-    /// A variable that must hold a count or an index holds something else.
-    #[error("environment variable {var}={value:?} is not a non-negative integer")]
-    NotANumber {
-        /// The variable.
-        var: &'static str,
-        /// Its value.
-        value: String,
-    },
-    /// A variable that the launcher sets beside the others is not set.
-    #[error("environment variable {var} is missing ({set_by} sets it)")]
-    Missing {
-        /// The variable.
-        var: &'static str,
-        /// Who sets it, in words.
-        set_by: String,
-    },
-    /// A Slurm tasks-per-node list has a part that is not `N` or `N(xK)`.
-    #[error("environment variable {var}={value:?}: `{part}` is not N or N(xK) (hint: Slurm writes e.g. `2(x3),1`)")]
-    TaskList {
-        /// The variable.
-        var: &'static str,
-        /// Its value.
-        value: String,
-        /// The part that does not parse.
-        part: String,
-    },
-    /// An `srun` task has none of the three tasks-per-node variables.
-    #[error(
-        "environment variable {} is missing (srun sets it, or {} with --ntasks-per-node)",
-        env::SLURM_STEP_TASKS_PER_NODE,
-        env::SLURM_NTASKS_PER_NODE
-    )]
-    NoTasksPerNode,
-    /// Slurm's task count is not the sum of its tasks per node.
-    #[error(
-        "inconsistent Slurm environment: {world_var}={world} on {nodes} node(s), but {per_var} gives {per_node:?} \
-         (hint: start the ranks with `srun` inside the allocation)"
-    )]
-    SlurmTasks {
-        /// The variable of the task count.
-        world_var: &'static str,
-        /// The task count.
-        world: usize,
-        /// The nodes of the step.
-        nodes: usize,
-        /// The variable of the tasks per node.
-        per_var: &'static str,
-        /// The tasks per node, expanded.
-        per_node: Vec<usize>,
-    },
-    /// `SLURM_NODEID` is not a node of the step.
-    #[error("inconsistent Slurm environment: {}={node_id}, but the step has {nodes} node(s)", env::SLURM_NODEID)]
-    SlurmNodeId {
-        /// `SLURM_NODEID`.
-        node_id: usize,
-        /// The nodes of the step.
-        nodes: usize,
-    },
-    /// `PMIX_RANK` is set without any launcher variable that gives the world size.
-    #[error(
-        "{}={pmix} is set, but no launcher variable gives the world size \
-         (hint: start the ranks with srun, mpirun or `gradbus run`)",
-        env::PMIX_RANK
-    )]
-    PmixAlone {
-        /// `PMIX_RANK`.
-        pmix: usize,
-    },
-    /// Two launchers of the same world size give this process different ranks (a double launch).
-    #[error(
-        "two launchers started this process: {inner}, but {outer} \
-         (hint: start the ranks once: `srun gradbus worker CONFIG` or `gradbus run --launcher srun`, \
-         not `srun gradbus run`)"
-    )]
-    DoubleLaunch {
-        /// What the innermost launcher says (source, rank, world, variables).
-        inner: String,
-        /// What the outer one says.
-        outer: String,
-    },
-    /// `PMIX_RANK` disagrees with the Slurm or Open MPI rank it was set beside.
-    #[error(
-        "{claim}, but {}={pmix} (hint: the PMIx server and the launcher disagree; is an outer launcher's \
-         {} leaking into this one?)",
-        env::PMIX_RANK,
-        env::PMIX_RANK
-    )]
-    PmixConflict {
-        /// What the launcher says.
-        claim: String,
-        /// `PMIX_RANK`.
-        pmix: usize,
-    },
-    /// The winning launcher's numbers do not describe a place in a job.
-    #[error(
-        "inconsistent rank environment ({launcher}): rank {rank} of {world}, local rank {local_rank} of {local_size}"
-    )]
-    Inconsistent {
-        /// The launcher the numbers came from.
-        launcher: &'static str,
-        /// Global rank.
-        rank: usize,
-        /// World size.
-        world: usize,
-        /// Local rank.
-        local_rank: usize,
-        /// Local size.
-        local_size: usize,
-    },
-    /// `GRADBUS_FAKE_NODES` does not divide the ranks of this node.
-    #[error("{}={fake_nodes} must divide the local size {local_size}", env::FAKE_NODES)]
-    FakeNodes {
-        /// `GRADBUS_FAKE_NODES`.
-        fake_nodes: usize,
-        /// Ranks on this node.
-        local_size: usize,
-    },
-    /// `CUDA_VISIBLE_DEVICES` lists no device.
-    #[error(
-        "{}={list:?} hides every GPU (hint: ask Slurm for GPUs with --gpus-per-task=1)",
-        env::CUDA_VISIBLE_DEVICES
-    )]
-    NoGpu {
-        /// Its value.
-        list: String,
-    },
-    /// `CUDA_VISIBLE_DEVICES=NoDevFiles`: Slurm's marker for a job without GPU device files.
-    #[error(
-        "{}=NoDevFiles: Slurm found no GPU device files for this job (hint: check gres.conf)",
-        env::CUDA_VISIBLE_DEVICES
-    )]
-    NoDevFiles,
-    /// Fewer visible devices than local ranks.
-    #[error(
-        "local rank {local_rank} needs a GPU of its own, but {}={list:?} lists {devices} \
-         (hint: one GPU per local rank: --gpus-per-task=1, or fewer tasks per node)",
-        env::CUDA_VISIBLE_DEVICES
-    )]
-    TooFewGpus {
-        /// This rank's local rank.
-        local_rank: usize,
-        /// `CUDA_VISIBLE_DEVICES`.
-        list: String,
-        /// The devices it lists.
-        devices: usize,
-    },
-}
+use crate::error::WorkerError;
 
 /// This worker's place in the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -220,19 +69,19 @@ impl Claim {
     }
 }
 
-fn num(get: Lookup, var: &'static str) -> Result<Option<usize>, RankError> {
+fn num(get: Lookup, var: &'static str) -> Result<Option<usize>, WorkerError> {
     match get(var) {
         None => Ok(None),
-        Some(value) => value.trim().parse().map(Some).map_err(|_| RankError::NotANumber { var, value }),
+        Some(value) => value.trim().parse().map(Some).map_err(|_| WorkerError::NotANumber { var, value }),
     }
 }
 
-fn need(get: Lookup, var: &'static str, set_by: &str) -> Result<usize, RankError> {
-    num(get, var)?.ok_or_else(|| RankError::Missing { var, set_by: set_by.into() })
+fn need(get: Lookup, var: &'static str, set_by: &str) -> Result<usize, WorkerError> {
+    num(get, var)?.ok_or_else(|| WorkerError::Missing { var, set_by: set_by.into() })
 }
 
 /// The launcher's own contract (`gradbus run`).
-fn gradbus(get: Lookup) -> Result<Option<Claim>, RankError> {
+fn gradbus(get: Lookup) -> Result<Option<Claim>, WorkerError> {
     if num(get, env::RANK)?.is_none() {
         return Ok(None);
     }
@@ -250,7 +99,7 @@ fn gradbus(get: Lookup) -> Result<Option<Claim>, RankError> {
 }
 
 /// Open MPI's `mpirun`.
-fn openmpi(get: Lookup) -> Result<Option<Claim>, RankError> {
+fn openmpi(get: Lookup) -> Result<Option<Claim>, WorkerError> {
     if num(get, env::OMPI_RANK)?.is_none() {
         return Ok(None);
     }
@@ -268,7 +117,7 @@ fn openmpi(get: Lookup) -> Result<Option<Claim>, RankError> {
 }
 
 /// MPICH's Hydra (`PMI_*`; the local numbers are optional there).
-fn mpich(get: Lookup) -> Result<Option<Claim>, RankError> {
+fn mpich(get: Lookup) -> Result<Option<Claim>, WorkerError> {
     let Some(rank) = num(get, env::PMI_RANK)? else { return Ok(None) };
     let world = need(get, env::PMI_SIZE, "MPICH's mpiexec")?;
     Ok(Some(Claim {
@@ -284,7 +133,7 @@ fn mpich(get: Lookup) -> Result<Option<Claim>, RankError> {
 }
 
 /// Slurm's `srun`: only in the tasks of a job step (`SLURM_STEP_ID` set), not in a batch script.
-fn slurm(get: Lookup) -> Result<Option<Claim>, RankError> {
+fn slurm(get: Lookup) -> Result<Option<Claim>, WorkerError> {
     if get(env::SLURM_STEP_ID).is_none() || get(env::SLURM_PROCID).is_none() {
         return Ok(None);
     }
@@ -303,10 +152,11 @@ fn slurm(get: Lookup) -> Result<Option<Claim>, RankError> {
     // A single number (`--ntasks-per-node`) holds for every node.
     let per_node = if per_node.len() == 1 { vec![per_node[0]; nodes] } else { per_node };
     if per_node.len() != nodes || per_node.iter().sum::<usize>() != world {
-        return Err(RankError::SlurmTasks { world_var, world, nodes, per_var, per_node });
+        return Err(WorkerError::SlurmTasks { world_var, world, nodes, per_var, per_node });
     }
-    let local_size = *per_node.get(node_id).ok_or(RankError::SlurmNodeId { node_id, nodes })?;
-    let job = get(env::SLURM_JOB_ID).ok_or_else(|| RankError::Missing { var: env::SLURM_JOB_ID, set_by: by.into() })?;
+    let local_size = *per_node.get(node_id).ok_or(WorkerError::SlurmNodeId { node_id, nodes })?;
+    let job =
+        get(env::SLURM_JOB_ID).ok_or_else(|| WorkerError::Missing { var: env::SLURM_JOB_ID, set_by: by.into() })?;
     let step = get(env::SLURM_STEP_ID).unwrap_or_default();
     Ok(Some(Claim {
         source: "slurm",
@@ -322,18 +172,18 @@ fn slurm(get: Lookup) -> Result<Option<Claim>, RankError> {
 
 /// The tasks on each node of the step: `SLURM_STEP_TASKS_PER_NODE`, else `SLURM_TASKS_PER_NODE`, else
 /// `SLURM_NTASKS_PER_NODE`; returns the variable it used.
-fn slurm_tasks_per_node(get: Lookup) -> Result<(&'static str, Vec<usize>), RankError> {
+fn slurm_tasks_per_node(get: Lookup) -> Result<(&'static str, Vec<usize>), WorkerError> {
     for var in [env::SLURM_STEP_TASKS_PER_NODE, env::SLURM_TASKS_PER_NODE, env::SLURM_NTASKS_PER_NODE] {
         if let Some(value) = get(var) {
             return tasks_per_node(var, &value).map(|t| (var, t));
         }
     }
-    Err(RankError::NoTasksPerNode)
+    Err(WorkerError::NoTasksPerNode)
 }
 
 /// Expands Slurm's compressed tasks-per-node list `value` of variable `var`: `2(x3),1` -> `[2, 2, 2, 1]`.
-pub fn tasks_per_node(var: &'static str, value: &str) -> Result<Vec<usize>, RankError> {
-    let bad = |part: &str| RankError::TaskList { var, value: value.into(), part: part.into() };
+pub fn tasks_per_node(var: &'static str, value: &str) -> Result<Vec<usize>, WorkerError> {
+    let bad = |part: &str| WorkerError::TaskList { var, value: value.into(), part: part.into() };
     let mut out = Vec::new();
     for part in value.split(',').map(str::trim) {
         let (n, times) = match part.split_once("(x") {
@@ -352,19 +202,19 @@ pub fn tasks_per_node(var: &'static str, value: &str) -> Result<Vec<usize>, Rank
 
 /// `PMIX_RANK`, a check on the launcher it was set beside (PMIx gives no world size in the
 /// environment, so it never makes a claim of its own).
-fn pmix_rank(get: Lookup) -> Result<Option<usize>, RankError> {
+fn pmix_rank(get: Lookup) -> Result<Option<usize>, WorkerError> {
     num(get, env::PMIX_RANK)
 }
 
 impl RankInfo {
     /// Discover from the process environment.
-    pub fn discover() -> Result<RankInfo, RankError> {
+    pub fn discover() -> Result<RankInfo, WorkerError> {
         let get = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         Self::discover_from(&get, (std::process::id(), parent_pid()))
     }
 
     /// Discover from `get`; `pids` = (this process, its parent) name the job when no launcher does.
-    pub fn discover_from(get: Lookup, pids: (u32, u32)) -> Result<RankInfo, RankError> {
+    pub fn discover_from(get: Lookup, pids: (u32, u32)) -> Result<RankInfo, WorkerError> {
         let claims: Vec<Claim> =
             [gradbus(get)?, openmpi(get)?, mpich(get)?, slurm(get)?].into_iter().flatten().collect();
         let pmix = pmix_rank(get)?;
@@ -380,21 +230,21 @@ impl RankInfo {
         };
         if claims.is_empty() {
             if let Some(pmix) = pmix {
-                return Err(RankError::PmixAlone { pmix });
+                return Err(WorkerError::PmixAlone { pmix });
             }
         }
         let win = claims.first().unwrap_or(&solo).clone();
         for outer in claims.iter().skip(1) {
             if outer.world == win.world && outer.rank != win.rank {
-                return Err(RankError::DoubleLaunch { inner: win.describe(), outer: outer.describe() });
+                return Err(WorkerError::DoubleLaunch { inner: win.describe(), outer: outer.describe() });
             }
         }
         if let Some(pmix) = pmix.filter(|&p| matches!(win.source, "slurm" | "openmpi") && p != win.rank) {
-            return Err(RankError::PmixConflict { claim: win.describe(), pmix });
+            return Err(WorkerError::PmixConflict { claim: win.describe(), pmix });
         }
         let Claim { source, rank, world, local_rank, local_size, .. } = win;
         if world == 0 || rank >= world || local_size == 0 || local_rank >= local_size || local_size > world {
-            return Err(RankError::Inconsistent { launcher: source, rank, world, local_rank, local_size });
+            return Err(WorkerError::Inconsistent { launcher: source, rank, world, local_rank, local_size });
         }
         let (mut node_id, mut nodes) = match win.node {
             Some(n) => n,
@@ -403,7 +253,7 @@ impl RankInfo {
         let (mut local_rank, mut local_size) = (local_rank, local_size);
         if let Some(k) = num(get, env::FAKE_NODES)? {
             if k == 0 || local_size % k != 0 {
-                return Err(RankError::FakeNodes { fake_nodes: k, local_size });
+                return Err(WorkerError::FakeNodes { fake_nodes: k, local_size });
             }
             let per = local_size / k;
             node_id = node_id * k + local_rank / per;
@@ -430,15 +280,15 @@ impl RankInfo {
 /// launcher bound this task to its own GPU (Slurm's `--gpus-per-task=1` or `--gpu-bind=single:1`):
 /// ordinal 0. Unset: every device is visible, ordinal = local rank (the driver checks that it
 /// exists). An empty list, Slurm's `NoDevFiles`, or fewer devices than local ranks is an error.
-pub fn gpu_ordinal(local_rank: usize, visible: Option<&str>) -> Result<usize, RankError> {
+pub fn gpu_ordinal(local_rank: usize, visible: Option<&str>) -> Result<usize, WorkerError> {
     let Some(list) = visible else { return Ok(local_rank) };
     let devices: Vec<&str> = list.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
     match devices.len() {
-        0 => Err(RankError::NoGpu { list: list.into() }),
-        _ if devices == ["NoDevFiles"] => Err(RankError::NoDevFiles),
+        0 => Err(WorkerError::NoGpu { list: list.into() }),
+        _ if devices == ["NoDevFiles"] => Err(WorkerError::NoDevFiles),
         1 => Ok(0),
         n if local_rank < n => Ok(local_rank),
-        n => Err(RankError::TooFewGpus { local_rank, list: list.into(), devices: n }),
+        n => Err(WorkerError::TooFewGpus { local_rank, list: list.into(), devices: n }),
     }
 }
 
@@ -450,9 +300,15 @@ fn parent_pid() -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The same error, variant and fields (the one error type holds I/O errors: no `PartialEq`).
+    #[track_caller]
+    fn assert_same(got: &WorkerError, want: WorkerError) {
+        assert_eq!(format!("{got:?}"), format!("{want:?}"));
+    }
     use std::collections::BTreeMap;
 
-    fn discover(vars: &[(&str, &str)]) -> Result<RankInfo, RankError> {
+    fn discover(vars: &[(&str, &str)]) -> Result<RankInfo, WorkerError> {
         let map: BTreeMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         RankInfo::discover_from(&|k: &str| map.get(k).cloned(), (100, 99))
     }
@@ -562,7 +418,7 @@ mod tests {
         assert_eq!(tasks_per_node("T", "1,3(x2)").unwrap(), [1, 3, 3]);
         for bad in ["", "x", "2(x3", "2(3)", "0", "2(x0)", "-1", "2(x99999999)"] {
             let e = tasks_per_node("SLURM_TASKS_PER_NODE", bad).unwrap_err();
-            assert!(matches!(&e, RankError::TaskList { value, .. } if value == bad), "{bad}: {e:?}");
+            assert!(matches!(&e, WorkerError::TaskList { value, .. } if value == bad), "{bad}: {e:?}");
             assert!(e.to_string().contains("2(x3),1"), "{bad}: {e}");
         }
         let e = discover(&with(SRUN_TASK_2, &[("SLURM_STEP_TASKS_PER_NODE", "4(x")])).unwrap_err();
@@ -657,12 +513,12 @@ mod tests {
             ],
         );
         let e = discover(&g).unwrap_err();
-        assert_eq!(
-            e,
-            RankError::DoubleLaunch {
+        assert_same(
+            &e,
+            WorkerError::DoubleLaunch {
                 inner: "gradbus says rank 3 of 4 (GRADBUS_RANK, GRADBUS_WORLD_SIZE)".into(),
-                outer: "slurm says rank 1 of 4 (SLURM_PROCID, SLURM_STEP_NUM_TASKS)".into()
-            }
+                outer: "slurm says rank 1 of 4 (SLURM_PROCID, SLURM_STEP_NUM_TASKS)".into(),
+            },
         );
         assert!(e.to_string().contains("hint:"), "{e}");
         // mpirun -np 4 inside `srun -n 4` likewise.
@@ -694,11 +550,11 @@ mod tests {
     fn pmix_must_agree_with_the_launcher_it_was_set_beside() {
         assert_eq!(discover(&with(SRUN_TASK_2, &[("PMIX_RANK", "2")])).unwrap().rank, 2);
         let e = discover(&with(SRUN_TASK_2, &[("PMIX_RANK", "1")])).unwrap_err();
-        assert!(matches!(e, RankError::PmixConflict { pmix: 1, .. }), "{e:?}");
+        assert!(matches!(e, WorkerError::PmixConflict { pmix: 1, .. }), "{e:?}");
         let e = e.to_string();
         assert!(e.contains("slurm says rank 2 of 4") && e.contains("PMIX_RANK=1"), "{e}");
         let e = discover(&[("PMIX_RANK", "1")]).unwrap_err();
-        assert_eq!(e, RankError::PmixAlone { pmix: 1 });
+        assert_same(&e, WorkerError::PmixAlone { pmix: 1 });
         let e = e.to_string();
         assert!(e.contains("PMIX_RANK=1") && e.contains("world size"), "{e}");
     }
@@ -706,26 +562,26 @@ mod tests {
     #[test]
     fn inconsistent_slurm_variables_are_errors_naming_them() {
         let e = discover(&with(SRUN_TASK_2, &[("SLURM_STEP_NUM_TASKS", "5")])).unwrap_err();
-        assert!(matches!(e, RankError::SlurmTasks { world: 5, nodes: 1, .. }), "{e:?}");
+        assert!(matches!(e, WorkerError::SlurmTasks { world: 5, nodes: 1, .. }), "{e:?}");
         let e = e.to_string();
         assert!(e.contains("SLURM_STEP_NUM_TASKS=5") && e.contains("SLURM_STEP_TASKS_PER_NODE"), "{e}");
         let e = discover(&with(SRUN_TASK_2, &[("SLURM_PROCID", "two")])).unwrap_err();
-        assert_eq!(e, RankError::NotANumber { var: "SLURM_PROCID", value: "two".into() });
+        assert_same(&e, WorkerError::NotANumber { var: "SLURM_PROCID", value: "two".into() });
         assert_eq!(e.to_string(), "environment variable SLURM_PROCID=\"two\" is not a non-negative integer");
         let no_local: Vec<_> = SRUN_TASK_2.iter().filter(|(k, _)| *k != "SLURM_LOCALID").copied().collect();
         let e = discover(&no_local).unwrap_err();
         assert_eq!(e.to_string(), "environment variable SLURM_LOCALID is missing (srun sets it)");
         let e = discover(&with(SRUN_TASK_2, &[("SLURM_LOCALID", "4")])).unwrap_err();
-        assert!(matches!(e, RankError::Inconsistent { launcher: "slurm", local_rank: 4, .. }), "{e:?}");
+        assert!(matches!(e, WorkerError::Inconsistent { launcher: "slurm", local_rank: 4, .. }), "{e:?}");
         assert!(e.to_string().contains("local rank 4 of 4"), "{e}");
         let e = discover(&with(SRUN_TASK_2, &[("SLURM_NODEID", "1")])).unwrap_err();
-        assert_eq!(e, RankError::SlurmNodeId { node_id: 1, nodes: 1 });
+        assert_same(&e, WorkerError::SlurmNodeId { node_id: 1, nodes: 1 });
         assert!(e.to_string().contains("SLURM_NODEID=1"), "{e}");
         let no_job: Vec<_> = SRUN_TASK_2.iter().filter(|(k, _)| *k != "SLURM_JOB_ID").copied().collect();
         let e = discover(&no_job).unwrap_err();
         assert_eq!(e.to_string(), "environment variable SLURM_JOB_ID is missing (srun sets it)");
         let no_per_node: Vec<_> = SRUN_TASK_2.iter().filter(|(k, _)| !k.ends_with("TASKS_PER_NODE")).copied().collect();
-        assert_eq!(discover(&no_per_node).unwrap_err(), RankError::NoTasksPerNode);
+        assert_same(&discover(&no_per_node).unwrap_err(), WorkerError::NoTasksPerNode);
     }
 
     #[test]
@@ -743,7 +599,7 @@ mod tests {
         let i = discover(&with(&g, &[("GRADBUS_FAKE_NODES", "2")])).unwrap();
         assert_eq!((i.local_rank, i.local_size, i.node_id, i.nodes), (0, 1, 1, 4));
         let e = discover(&g[..1]).unwrap_err();
-        assert!(matches!(e, RankError::Missing { var: "GRADBUS_WORLD_SIZE", .. }), "{e:?}");
+        assert!(matches!(e, WorkerError::Missing { var: "GRADBUS_WORLD_SIZE", .. }), "{e:?}");
         assert!(e.to_string().contains("GRADBUS_WORLD_SIZE is missing"), "{e}");
         let e = discover(&with(&g, &[("GRADBUS_FAKE_NODES", "3")])).unwrap_err();
         assert_eq!(e.to_string(), "GRADBUS_FAKE_NODES=3 must divide the local size 2");
@@ -753,16 +609,16 @@ mod tests {
 
     #[test]
     fn one_gpu_per_local_rank_follows_cuda_visible_devices() {
-        assert_eq!(gpu_ordinal(3, None), Ok(3), "all devices visible: the local rank");
-        assert_eq!(gpu_ordinal(2, Some("4,5,6,7")), Ok(2), "Slurm's per-job list, renumbered from 0");
-        assert_eq!(gpu_ordinal(3, Some("GPU-a1,GPU-b2,GPU-c3,GPU-d4")), Ok(3));
-        assert_eq!(gpu_ordinal(3, Some("6")), Ok(0), "--gpus-per-task=1: this task's own GPU");
+        assert_eq!(gpu_ordinal(3, None).ok(), Some(3), "all devices visible: the local rank");
+        assert_eq!(gpu_ordinal(2, Some("4,5,6,7")).ok(), Some(2), "Slurm's per-job list, renumbered from 0");
+        assert_eq!(gpu_ordinal(3, Some("GPU-a1,GPU-b2,GPU-c3,GPU-d4")).ok(), Some(3));
+        assert_eq!(gpu_ordinal(3, Some("6")).ok(), Some(0), "--gpus-per-task=1: this task's own GPU");
         let e = gpu_ordinal(4, Some("0,1,2,3")).unwrap_err();
-        assert_eq!(e, RankError::TooFewGpus { local_rank: 4, list: "0,1,2,3".into(), devices: 4 });
+        assert_same(&e, WorkerError::TooFewGpus { local_rank: 4, list: "0,1,2,3".into(), devices: 4 });
         let e = e.to_string();
         assert!(e.contains("local rank 4") && e.contains("CUDA_VISIBLE_DEVICES=\"0,1,2,3\""), "{e}");
         assert!(gpu_ordinal(0, Some("")).unwrap_err().to_string().contains("hides every GPU"));
-        assert_eq!(gpu_ordinal(0, Some("NoDevFiles")), Err(RankError::NoDevFiles));
-        assert!(RankError::NoDevFiles.to_string().starts_with("CUDA_VISIBLE_DEVICES=NoDevFiles: "));
+        assert_same(&gpu_ordinal(0, Some("NoDevFiles")).unwrap_err(), WorkerError::NoDevFiles);
+        assert!(WorkerError::NoDevFiles.to_string().starts_with("CUDA_VISIBLE_DEVICES=NoDevFiles: "));
     }
 }

@@ -2,30 +2,45 @@
 //! advantages, then epochs x mini-batches of forward, RL loss, backward onto the bus, bucket
 //! all-reduces, one agreed verdict, and the update - identical on every rank.
 //!
+//! The loop owns its parts and passes each what it needs, so the data flow is visible here and the
+//! parts import nothing of the loop: the [`Policy`] (weights, Adam state, replica checksum, on the
+//! backend), the [`RolloutEngine`] (rollout weights, reference, KV cache), the [`Judge`] (verdict
+//! history, spike detectors, warnings) and the [`MetricsWriter`]. Per update:
+//!
+//! ```text
+//!  policy.params --forward_backward--> gradients on the bus --agree--> table --Agreed::new--> agreed
+//!  judge.judge(table, agreed) --> verdict --Proceed--> policy.apply(reduced gradients, agreed norm)
+//!  metrics.write(table, agreed, verdict, policy.checksum) ; bus.publish(agreed) ; Abort --> dumps
+//! ```
+//!
 //! Invariants: every random draw is a pure function of (seed, purpose, step, rank), and every
 //! reduction has a fixed order, so the same config, seed and world size give bitwise-identical
 //! metrics and weights, also after resume. Replicas are checked: each rank's parameter checksum
 //! travels in the agreement, and a mismatch stops the job before a diverged replica trains on.
 
 use std::path::PathBuf;
+use std::time::Instant;
 
-use gradbus_collectives::spikes::SpikeDetector;
-use gradbus_collectives::{History, Layout, Report, StepId, Transport};
+use gradbus_collectives::{Action, BusBackend, Layout, LocalReport, Progress, Report, StepId, Transport};
 use gradbus_kernels::rng::Rng;
 
+use crate::checkpoint;
 use crate::config::Config;
+use crate::error::WorkerError;
+use crate::failure::{describe, trace_failure, write_failure};
 use crate::faults::{FaultPhase, FaultPlan};
-use crate::metrics::open_metrics;
-use crate::model::{self, Gpt};
+use crate::gradients::Work;
+use crate::judge::Judge;
+use crate::metrics::{MetricsWriter, UpdateRecord};
+use crate::model::Gpt;
+use crate::policy::Policy;
 use crate::rank::RankInfo;
-use crate::rollout::purpose;
-use crate::WorkerError;
+use crate::rollout::{purpose, RolloutEngine};
+use crate::task::Batch;
+use crate::update::{check_replicas, forward_backward, warn_headroom, Agreed, UpdateValues};
 
-/// The replica checksum of the weights (kernels/src/checksum.rs).
-pub use gradbus_kernels::checksum::checksum;
-
-/// The whole state of one rank's training.
-pub struct Trainer {
+/// The whole state of one rank's training on backend `B`.
+pub struct Trainer<B: BusBackend> {
     /// The config.
     pub cfg: Config,
     /// Its hash (agreed by all ranks through the bus).
@@ -36,41 +51,22 @@ pub struct Trainer {
     pub info: RankInfo,
     /// Run directory.
     pub run_dir: PathBuf,
-    /// The model.
-    pub gpt: Gpt,
     /// The transport.
     pub bus: Box<dyn Transport>,
-    /// Trainer weights.
-    pub params: Vec<f32>,
-    /// Adam first moments.
-    pub m: Vec<f32>,
-    /// Adam second moments.
-    pub v: Vec<f32>,
-    /// Adam step counter.
-    pub adam_t: u64,
-    /// `checksum(&params)`, kept up to date by whatever writes `params` (init, resume, the AdamW
-    /// pass, which hashes as it writes), so an update never re-reads the weights to hash them.
-    pub(crate) params_checksum: u64,
-    /// The rollout engine's copy of the weights.
-    pub rollout: Vec<f32>,
-    /// The frozen reference policy.
-    pub reference: Vec<f32>,
-    /// Verdict history.
-    pub history: History,
-    /// Spike detectors of the agreed loss and gradient norm (in that order).
-    pub spikes: [SpikeDetector; 2],
-    /// Updates whose agreed log-ratio headroom fell under `warn.headroom`.
-    pub warnings: u32,
-    /// The last update's agreed loss, mean reward and gradient norm, for the step's summary line.
-    pub(crate) last: [f64; 3],
-    /// Planned faults.
-    pub faults: FaultPlan,
     /// Next RL step to run.
     pub step: u64,
+    be: B,
+    gpt: Gpt,
+    work: Work<B>,
+    policy: Policy<B>,
+    rollout: RolloutEngine<B>,
+    judge: Judge,
+    metrics: MetricsWriter,
+    faults: FaultPlan,
     /// Whether bucket reduces overlap backward (`Config::overlap`, resolved for this node).
-    pub overlap: bool,
-    pub(crate) acts: model::Activations,
-    pub(crate) metrics: Option<std::fs::File>,
+    overlap: bool,
+    /// The last update's agreed numbers, for the step's summary line.
+    last: Option<Agreed>,
 }
 
 /// How a run ended.
@@ -82,78 +78,75 @@ pub enum Outcome {
     Aborted(Box<Report>),
 }
 
-impl Trainer {
+impl<B: BusBackend> Trainer<B> {
     /// A fresh trainer at step 0 (or resumed from the latest complete checkpoint in the run dir).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
+        be: B,
         cfg: Config,
         config_hash: u64,
         config_text: String,
         info: RankInfo,
         run_dir: PathBuf,
-        bus: Box<dyn Transport>,
+        mut bus: Box<dyn Transport>,
         resume: bool,
-    ) -> Result<Trainer, WorkerError> {
+    ) -> Result<Trainer<B>, WorkerError> {
         let layout = bus.layout().clone();
         let gpt = Gpt::new(&cfg.model, &layout);
-        let mut params = vec![0.0; layout.len];
-        gpt.init(&mut params, &mut Rng::new(&[cfg.seed, purpose::INIT]));
         let faults = FaultPlan::new(&cfg.faults, info.rank)?;
-        let max_b = cfg.rl.prompts_per_rank * cfg.rl.group_size;
-        let acts = model::Activations::new(&cfg.model, max_b, cfg.rl.response_len + 1);
-        let mut t = Trainer {
-            m: vec![0.0; layout.len],
-            v: vec![0.0; layout.len],
-            adam_t: 0,
-            params_checksum: checksum(&params),
-            rollout: params.clone(),
-            reference: params.clone(),
-            params,
-            history: History::default(),
-            spikes: [
-                SpikeDetector::new(cfg.spike.window, cfg.spike.z_limit),
-                SpikeDetector::new(cfg.spike.window, cfg.spike.z_limit),
-            ],
-            warnings: 0,
-            last: [f64::NAN; 3],
-            faults,
-            step: 0,
-            overlap: cfg.overlap.resolve(info.nodes, info.local_size),
-            acts,
-            metrics: None,
-            gpt,
-            bus,
-            cfg,
-            config_hash,
-            config_text,
-            info,
-            run_dir,
-        };
-        if t.faults.has_phase(FaultPhase::Reduce) {
-            let plan = t.faults.clone();
-            t.bus.set_inside_reduce_hook(Box::new(move |at, bucket| {
+        if faults.has_phase(FaultPhase::Reduce) {
+            let plan = faults.clone();
+            bus.set_inside_reduce_hook(Box::new(move |at, bucket| {
                 if bucket == 0 {
                     plan.at_phase(FaultPhase::Reduce, at);
                 }
             }));
         }
+        let mut init = vec![0.0; layout.len];
+        gpt.init(&mut init, &mut Rng::new(&[cfg.seed, purpose::INIT]));
+        let (mut policy, mut rollout) = (Policy::new(&be, &init, None, 0), RolloutEngine::new(&be, &cfg, &init));
+        let (mut judge, mut step) = (Judge::new(&cfg), 0);
         if resume {
-            t.resume()?;
+            let r = checkpoint::restore(&run_dir, &layout, &cfg, &config_text, &info)?;
+            policy = Policy::new(&be, &r.params, Some((&r.m, &r.v)), r.adam_t);
+            be.write(be.all_mut(&mut rollout.weights), &r.rollout);
+            (judge, step) = (r.judge, r.step);
         }
-        if t.info.rank == 0 {
-            let l = t.layout();
+        let overlap = cfg.overlap.resolve(info.nodes, info.local_size);
+        if info.rank == 0 {
             eprintln!(
                 "{} parameters in {} buckets, reduced {} ({} ranks)",
-                l.slots.iter().map(|s| s.numel).sum::<usize>(),
-                l.buckets.len(),
-                if t.overlap { "while backward goes on" } else { "after backward" },
-                t.info.world
+                layout.slots.iter().map(|s| s.numel).sum::<usize>(),
+                layout.buckets.len(),
+                if overlap { "while backward goes on" } else { "after backward" },
+                info.world
             );
-            t.metrics = Some(open_metrics(&t.run_dir, t.step)?);
         }
-        Ok(t)
+        let metrics = MetricsWriter::open(&run_dir, step, info.rank)?;
+        let max_b = cfg.rl.prompts_per_rank * cfg.rl.group_size;
+        let work = Work::new(&be, &cfg, max_b, cfg.rl.response_len + 1);
+        Ok(Trainer {
+            be,
+            gpt,
+            work,
+            policy,
+            rollout,
+            judge,
+            metrics,
+            faults,
+            overlap,
+            last: None,
+            bus,
+            step,
+            cfg,
+            config_hash,
+            config_text,
+            info,
+            run_dir,
+        })
     }
 
-    pub(crate) fn layout(&self) -> &Layout {
+    fn layout(&self) -> &Layout {
         self.bus.layout()
     }
 
@@ -168,31 +161,53 @@ impl Trainer {
             }
             self.step += 1;
             let every = self.cfg.checkpoint.every;
-            if every > 0 && self.step % every == 0 {
+            if every > 0 && self.step % every == 0 && self.info.rank == 0 {
                 self.save_checkpoint()?;
             }
         }
         Ok(Outcome::Done)
     }
 
-    /// A one-line summary of the step just finished, from the last metrics the ranks agreed on.
+    /// A one-line summary of the step just finished, from the last numbers the ranks agreed on.
     fn step_summary(&self) -> String {
-        let [loss, reward, norm] = self.last;
+        let (loss, reward, norm) =
+            self.last.as_ref().map_or((f64::NAN, f64::NAN, f64::NAN), |a| (a.loss, a.values.reward, a.grad_norm));
         format!(
             "step {} done: {} updates, loss {loss:.4}, reward {reward:.3}, grad norm {norm:.4}, {} skipped in total",
             self.step,
             self.cfg.rl.epochs * self.cfg.rl.minibatches,
-            self.history.skipped
+            self.judge.history.skipped
         )
+    }
+
+    /// Write the state after `self.step` completed steps (rank 0; replicas are identical).
+    fn save_checkpoint(&self) -> Result<(), WorkerError> {
+        let (be, p) = (&self.be, &self.policy);
+        let host = |buf| be.to_host(be.all(buf));
+        let (params, m, v, rollout) = (host(&p.params), host(&p.m), host(&p.v), host(&self.rollout.weights));
+        let state = checkpoint::State {
+            step: self.step,
+            adam_t: p.adam_t,
+            params: &params,
+            m: &m,
+            v: &v,
+            rollout: &rollout,
+            params_checksum: p.checksum(),
+            judge: &self.judge,
+        };
+        let run = crate::rundir::record(&self.config_text, self.info.world);
+        checkpoint::save(&self.run_dir, self.config_hash, self.layout(), &state, run, &self.faults)
     }
 
     /// One RL step: rollout, then every update of every epoch. Returns the abort report, if any.
     fn rl_step(&mut self) -> Result<Option<Report>, WorkerError> {
         let (seed, step, rank) = (self.cfg.seed, self.step, self.info.rank as u64);
-        if step % self.cfg.rollout_sync_interval == 0 {
-            self.rollout.copy_from_slice(&self.params);
+        let synced = step % self.cfg.rollout_sync_interval == 0;
+        if synced {
+            self.rollout.sync(&self.be, &self.policy.params);
         }
-        let batch = self.rollout_batch()?;
+        let (be, gpt, cfg) = (&self.be, &self.gpt, &self.cfg);
+        let batch = self.rollout.batch(be, gpt, cfg, step, rank, synced, &self.policy.params, &mut self.work.acts);
         let rl = self.cfg.rl.clone();
         let per_mb = batch.b / rl.minibatches;
         for epoch in 0..rl.epochs {
@@ -210,5 +225,65 @@ impl Trainer {
             }
         }
         Ok(None)
+    }
+
+    /// One optimizer update, with reruns as the verdict asks. Returns the abort report, if any.
+    fn update(&mut self, mb: &Batch, mut at: StepId) -> Result<Option<Report>, WorkerError> {
+        let (be, rank) = (&self.be, self.info.rank);
+        loop {
+            let start = Instant::now();
+            let replica = self.policy.checksum();
+            let (gpt, cfg, faults) = (&self.gpt, &self.cfg, &self.faults);
+            let params = &self.policy.params;
+            let stats =
+                forward_backward(be, gpt, cfg, params, &mut self.work, &mut *self.bus, faults, self.overlap, mb, at)?;
+            warn_headroom(&stats, cfg.warn.headroom, rank, at);
+            let values = UpdateValues::local(mb, &stats).to_report();
+            let table = self.bus.agree(at, LocalReport { loss: stats.loss as f64, values, replica })?;
+            check_replicas(&table, at)?;
+            let agreed = Agreed::new(&table);
+            let (verdict, spike) = self.judge.judge(&table, &agreed, self.bus.layout(), cfg, at);
+            if let Some(r) = &verdict.report {
+                log::warn!("rank {rank}: {}", describe(r));
+            }
+            let lr = self.policy.lr(&cfg.optim);
+            if verdict.action == Action::Proceed {
+                let grads = be.reduced_grads(&mut *self.bus);
+                self.policy.apply(be, grads, agreed.grad_norm, agreed.world, &cfg.optim, lr);
+            }
+            let record = UpdateRecord {
+                at,
+                action: verdict.action,
+                spike: spike.as_deref(),
+                lr,
+                skipped: self.judge.history.skipped,
+                checksum: self.policy.checksum(),
+                start,
+            };
+            self.metrics.write(&table, &agreed, &record)?;
+            self.bus.publish(Progress {
+                step: self.step,
+                loss: agreed.loss as f32,
+                grad_norm: agreed.grad_norm as f32,
+                skipped: self.judge.history.skipped as u32,
+                warnings: self.judge.warnings,
+            });
+            self.last = Some(agreed);
+            match verdict.action {
+                Action::Proceed | Action::Skip => return Ok(None),
+                Action::Rerun => at.attempt += 1,
+                Action::Abort => {
+                    let report = verdict.report.expect("an abort carries its report");
+                    let params = be.to_host(be.all(&self.policy.params));
+                    let chunks = self.bus.health_chunks();
+                    write_failure(&self.run_dir, &self.info, &self.config_text, chunks, &params, mb, &table, &report)?;
+                    if report.ranks.contains(&rank) {
+                        let (layout, params) = (self.bus.layout(), &self.policy.params);
+                        trace_failure(be, gpt, cfg, params, &mut self.work, layout, mb, &report, &self.run_dir, rank)?;
+                    }
+                    return Ok(Some(report));
+                }
+            }
+        }
     }
 }

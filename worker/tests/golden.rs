@@ -7,7 +7,8 @@
 use std::collections::BTreeMap;
 
 use gradbus_collectives::{Layout, ParamGrads};
-use gradbus_worker::loss::{rl_loss, LossConfig, LossInputs, LossStyle};
+use gradbus_kernels::backend::Cpu;
+use gradbus_worker::loss::{rl_loss_host, LossConfig, LossInputs, LossStyle};
 use gradbus_worker::model::{param_specs, Activations, Gpt, GptConfig, NoProbe};
 
 const PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/golden/gpt_grpo.bin");
@@ -99,7 +100,7 @@ fn model_and_loss_match_pytorch_golden_file() {
         layers: cfg_v[4] as usize,
     };
     assert_eq!(cfg, GptConfig::default(), "the golden file is made for the calibration model");
-    let (b, t, v) = (cfg_v[5] as usize, cfg_v[6] as usize, cfg.vocab);
+    let (b, t) = (cfg_v[5] as usize, cfg_v[6] as usize);
     let lc = g["loss_config"].f32();
     let specs = param_specs(&cfg);
     let layout = Layout::new(&specs, 0);
@@ -113,20 +114,20 @@ fn model_and_loss_match_pytorch_golden_file() {
     let tokens: Vec<u32> = g["tokens"].i32().iter().map(|&x| x as u32).collect();
     let targets: Vec<u32> = g["targets"].i32().iter().map(|&x| x as u32).collect();
     let (mask, adv, old, reff) = (g["mask"].f32(), g["adv"].f32(), g["old_logp"].f32(), g["ref_logp"].f32());
-    let mut acts = Activations::new(&cfg, b, t);
+    let mut acts = Activations::new(&Cpu, &cfg, b, t);
 
     // Safe loss: logits, loss, every gradient.
-    let logits = gpt.forward(&params, &tokens, b, t, &mut acts, &mut NoProbe).to_vec();
+    let logits = gpt.forward(&Cpu, &params, &tokens, b, t, &mut acts, &mut NoProbe).to_vec();
     let e = rel_err(&logits, &g["safe.logits"].f32());
     println!("logits: rel err {e:.2e}");
     assert!(e <= TOL_LOGITS, "logits differ from PyTorch: {e:e}");
     let inputs = LossInputs { b, t, targets: &targets, mask: &mask, adv: &adv, old_logp: &old, ref_logp: &reff };
     let safe = LossConfig { style: LossStyle::Safe, clip: lc[0], kl_coef: lc[1] };
-    let (stats, dlogits) = rl_loss(&safe, &logits, &inputs, v, &mut NoProbe);
+    let (stats, dlogits) = rl_loss_host(&safe, &logits, &inputs, &mut NoProbe);
     let want = g["safe.loss"].f32()[0];
     assert!((stats.loss - want).abs() <= TOL_LOSS * want.abs().max(1.0), "loss {} vs PyTorch {want}", stats.loss);
     let mut grads = vec![0.0f32; layout.len];
-    gpt.backward(&params, &mut acts, &dlogits, &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
+    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
     let mut failures = Vec::new();
     for (p, s) in specs.iter().enumerate() {
         let e = rel_err(&grads[gpt.param_range(p)], &g[&format!("safe.grad.{}", s.name)].f32());
@@ -142,13 +143,13 @@ fn model_and_loss_match_pytorch_golden_file() {
     let ref_roll = g["roll.ref_logp"].f32();
     let inputs = LossInputs { ref_logp: &ref_roll, ..inputs };
     let roll = LossConfig { style: LossStyle::Roll, clip: lc[0], kl_coef: lc[1] };
-    let logits = gpt.forward(&params, &tokens, b, t, &mut acts, &mut NoProbe).to_vec();
-    let (stats, dlogits) = rl_loss(&roll, &logits, &inputs, v, &mut NoProbe);
+    let logits = gpt.forward(&Cpu, &params, &tokens, b, t, &mut acts, &mut NoProbe).to_vec();
+    let (stats, dlogits) = rl_loss_host(&roll, &logits, &inputs, &mut NoProbe);
     let want = g["roll.loss"].f32()[0];
     assert!(stats.loss.is_finite() && (stats.loss - want).abs() <= TOL_LOSS * want.abs().max(1.0));
     assert!(stats.max_kl_logratio_masked > 88.73, "the planted gap shows in the stats");
     grads.fill(0.0);
-    gpt.backward(&params, &mut acts, &dlogits, &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
+    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
     let mut nans = 0;
     for (p, s) in specs.iter().enumerate() {
         let want_nan = &g[&format!("roll.grad_is_nan.{}", s.name)].data;

@@ -3,8 +3,9 @@
 //! test) the forward+backward time of the calibration model.
 
 use gradbus_collectives::{Layout, ParamGrads};
+use gradbus_kernels::backend::{Backend, Cpu};
 use gradbus_kernels::rng::Rng;
-use gradbus_worker::loss::{rl_loss, target_logp, LossConfig, LossInputs, LossStyle};
+use gradbus_worker::loss::{rl_loss_host, target_logp, LossConfig, LossInputs, LossStyle};
 use gradbus_worker::model::{param_specs, Activations, Gpt, GptConfig, NoProbe};
 
 /// A small model with every path exercised: 2 blocks, 2 heads, T = max_seq so every wpe row is used.
@@ -69,8 +70,9 @@ fn data(cfg: &GptConfig, gpt: &Gpt, params: &[f32], b: usize, t: usize, rng: &mu
         }
     }
     let adv: Vec<f32> = (0..b).map(|_| rng.normal()).collect();
-    let mut acts = Activations::new(cfg, b, t);
-    let logp = target_logp(gpt.forward(params, &tokens, b, t, &mut acts, &mut NoProbe), &targets, v);
+    let mut acts = Activations::new(&Cpu, cfg, b, t);
+    let logp =
+        target_logp(&Cpu, gpt.forward(&Cpu, &params.to_vec(), &tokens, b, t, &mut acts, &mut NoProbe), &targets, v);
     let old = logp.iter().map(|&l| l + 0.15 * rng.normal()).collect();
     let reff = logp.iter().map(|&l| l + 0.5 * rng.normal()).collect();
     Data { b, t, tokens, targets, mask, adv, old, reff }
@@ -180,11 +182,11 @@ fn every_parameter_gradient_matches_f64_central_differences() {
     let d = data(&cfg, &gpt, &params, b, t, &mut rng);
     let lc = LossConfig { style: LossStyle::Safe, clip: 0.2, kl_coef: 0.5 }; // a large kl_coef: k3 matters
 
-    let mut acts = Activations::new(&cfg, b, t);
-    let logits = gpt.forward(&params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
-    let (stats, dlogits) = rl_loss(&lc, &logits, &d.inputs(), cfg.vocab, &mut NoProbe);
+    let mut acts = Activations::new(&Cpu, &cfg, b, t);
+    let logits = gpt.forward(&Cpu, &params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
+    let (stats, dlogits) = rl_loss_host(&lc, &logits, &d.inputs(), &mut NoProbe);
     let mut grads = vec![0.0f32; layout.len];
-    gpt.backward(&params, &mut acts, &dlogits, &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
+    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
 
     let p64: Vec<f64> = params.iter().map(|&x| x as f64).collect();
     let l64 = loss_f64(&cfg, &gpt, &p64, &d, &lc);
@@ -232,10 +234,10 @@ fn backward_reports_each_parameter_once_descending_and_final() {
     let mut rng = Rng::new(&[42, 2]);
     let params = random_params(&cfg, &gpt, layout.len, &mut rng);
     let d = data(&cfg, &gpt, &params, 2, 4, &mut rng);
-    let mut acts = Activations::new(&cfg, 2, 5);
-    let logits = gpt.forward(&params, &d.tokens, 2, 4, &mut acts, &mut NoProbe).to_vec();
+    let mut acts = Activations::new(&Cpu, &cfg, 2, 5);
+    let logits = gpt.forward(&Cpu, &params, &d.tokens, 2, 4, &mut acts, &mut NoProbe).to_vec();
     let lc = LossConfig { style: LossStyle::Safe, ..LossConfig::default() };
-    let (_, dlogits) = rl_loss(&lc, &logits, &d.inputs(), cfg.vocab, &mut NoProbe);
+    let (_, dlogits) = rl_loss_host(&lc, &logits, &d.inputs(), &mut NoProbe);
 
     // Record the order; snapshots of each gradient at its report must equal the final gradient.
     struct Snap<'a> {
@@ -243,7 +245,8 @@ fn backward_reports_each_parameter_once_descending_and_final() {
         snaps: Vec<(usize, Vec<f32>)>,
     }
     impl gradbus_worker::model::Probe for Snap<'_> {
-        fn grad(&mut self, p: usize, data: &[f32]) {
+        fn grad<B: Backend>(&mut self, be: &B, p: usize, data: B::View<'_>) {
+            let data = be.to_host(data);
             assert_eq!(data.len(), self.gpt.param_range(p).len());
             self.snaps.push((p, data.to_vec()));
         }
@@ -251,7 +254,7 @@ fn backward_reports_each_parameter_once_descending_and_final() {
     let mut grads = vec![0.0f32; layout.len];
     let mut snap = Snap { gpt: &gpt, snaps: Vec::new() };
     let mut g = ParamGrads::new(&mut grads, &layout);
-    gpt.backward(&params, &mut acts, &dlogits, &mut g, &mut snap);
+    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut g, &mut snap);
     let order = g.released().to_vec();
     let n = gpt.num_params();
     assert_eq!(order, (0..n).rev().collect::<Vec<_>>());
@@ -270,11 +273,11 @@ fn forward_backward_is_bitwise_repeatable_and_accumulates() {
     let mut rng = Rng::new(&[3, 2]);
     let (b, t) = (8, 10);
     let d = data(&cfg, &gpt, &params, b, t, &mut rng);
-    let mut acts = Activations::new(&cfg, b, t);
+    let mut acts = Activations::new(&Cpu, &cfg, b, t);
     let mut run = |grads: &mut Vec<f32>| {
-        let logits = gpt.forward(&params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
-        let (st, dl) = rl_loss(&LossConfig::default(), &logits, &d.inputs(), cfg.vocab, &mut NoProbe);
-        gpt.backward(&params, &mut acts, &dl, &mut ParamGrads::new(grads, &layout), &mut NoProbe);
+        let logits = gpt.forward(&Cpu, &params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
+        let (st, dl) = rl_loss_host(&LossConfig::default(), &logits, &d.inputs(), &mut NoProbe);
+        gpt.backward(&Cpu, &params, &mut acts, &dl[..], &mut ParamGrads::new(grads, &layout), &mut NoProbe);
         st.loss
     };
     let (mut g1, mut g2) = (vec![0.0; layout.len], vec![0.0; layout.len]);
@@ -300,16 +303,16 @@ fn bench_forward_backward_calibration_model_b64_t10() {
     gpt.init(&mut params, &mut Rng::new(&[3, 1]));
     let (b, t) = (64, 10);
     let d = data(&cfg, &gpt, &params, b, t, &mut Rng::new(&[3, 3]));
-    let mut acts = Activations::new(&cfg, b, t);
+    let mut acts = Activations::new(&Cpu, &cfg, b, t);
     let mut grads = vec![0.0f32; layout.len];
     let (mut fwd, mut total) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..30 {
         let t0 = std::time::Instant::now();
-        let logits = gpt.forward(&params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
+        let logits = gpt.forward(&Cpu, &params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
         let t1 = t0.elapsed().as_secs_f64();
-        let (_, dl) = rl_loss(&LossConfig::default(), &logits, &d.inputs(), cfg.vocab, &mut NoProbe);
+        let (_, dl) = rl_loss_host(&LossConfig::default(), &logits, &d.inputs(), &mut NoProbe);
         grads.fill(0.0);
-        gpt.backward(&params, &mut acts, &dl, &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
+        gpt.backward(&Cpu, &params, &mut acts, &dl[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
         fwd = fwd.min(t1);
         total = total.min(t0.elapsed().as_secs_f64());
     }

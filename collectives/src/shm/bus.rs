@@ -12,15 +12,14 @@ use gradbus_kernels::{reduce_in_place, reduce_plain, reduce_to_one, Health};
 use memmap2::MmapRaw;
 
 use super::liveness::{monotonic_ns, self_start_time, thread_cpu_time};
-use super::segment::REPORT_BYTES;
 use super::segment::{
     attach, check_job_id, create, load_health, store_health, BusConfig, Geometry, HealthCell, RankCell,
 };
 use super::{FAIL_MARKED, ST_ATTACHED, ST_DEPARTED};
-use crate::agreement::{AgreementPath, Summary};
+use crate::agreement::{AgreementPath, LocalReport, Summary};
 use crate::layout::{chunk_range, Layout, ALIGN_FLOATS};
 use crate::transport::{Progress, Transport};
-use crate::verdict::{HealthTable, LocalReport, StepId};
+use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
 /// The shared-memory bus of one rank.
@@ -70,7 +69,7 @@ impl ShmBus {
             });
         }
         let path = ShmBus::segment_path(&cfg.shm_dir, &cfg.job_id, cfg.node_id);
-        let geo = Geometry::new(cfg.local_size, cfg.layout.buckets.len(), cfg.layout.len);
+        let geo = Geometry::new(cfg.local_size, cfg.layout.buckets.len(), cfg.layout.len, cfg.values.len());
         let start = Instant::now();
         let (file, map, creator) = if cfg.local_rank == 0 {
             let (f, m) = create(&cfg, &path, &geo)?;
@@ -127,17 +126,18 @@ impl ShmBus {
         }
     }
 
-    pub(super) fn report_cell(&self, parity: u64, k: usize) -> &[AtomicU64; 8] {
+    pub(super) fn report_cell(&self, parity: u64, k: usize) -> &[AtomicU64] {
         assert!(k < self.geo.n);
-        // SAFETY: report (parity, k) lies in [reports, grads) (Geometry), 8-byte aligned, 8 atomics.
-        unsafe { &*self.map.as_ptr().add(self.geo.reports + (parity as usize * self.geo.n + k) * REPORT_BYTES).cast() }
+        let words = LocalReport::words(self.cfg.values.len());
+        let at = self.geo.reports + (parity as usize * self.geo.n + k) * self.geo.report;
+        // SAFETY: report (parity, k) lies in [reports, grads) (Geometry), 64-byte aligned, and holds
+        // `geo.report >= 8 * words` bytes: `words` atomics, valid for any bits.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at).cast::<AtomicU64>(), words) }
     }
 
     fn read_report(&self, parity: u64, k: usize) -> LocalReport {
-        let w = self.report_cell(parity, k);
-        LocalReport::from_words(&std::array::from_fn::<u64, { LocalReport::WORDS }, _>(|i| {
-            w[i].load(Ordering::Relaxed)
-        }))
+        let w: Vec<u64> = self.report_cell(parity, k).iter().map(|w| w.load(Ordering::Relaxed)).collect();
+        LocalReport::from_words(&w)
     }
 
     /// Local rank `k`'s health per bucket in the last agreed update (its cells of every reducer's
@@ -317,12 +317,19 @@ unsafe impl Transport for ShmBus {
     /// anomaly (or `GRADBUS_AGREEMENT=table`) does it read every rank's cells too.
     fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
         let (n, me, parity) = (self.geo.n, self.cfg.local_rank, self.update % 2);
+        let values = &self.cfg.values;
+        assert_eq!(
+            local.values.len(),
+            values.len(),
+            "a report of {} values to a bus of {values:?}",
+            local.values.len()
+        );
         for (w, v) in self.report_cell(parity, me).iter().zip(local.to_words()) {
             w.store(v, Ordering::Relaxed);
         }
         self.barrier_tagged("agree", at, None)?;
         let nb = self.geo.buckets;
-        let mut summary = Summary::empty(nb);
+        let mut summary = Summary::empty(nb, &self.cfg.values);
         let mut reduced = vec![Health::default(); nb];
         for (b, red) in reduced.iter_mut().enumerate() {
             let len = self.cfg.layout.buckets[b].range.len();
@@ -349,7 +356,7 @@ unsafe impl Transport for ShmBus {
         }
         let local = (0..n).map(|k| self.last_local_row(k)).collect::<Vec<_>>();
         let local = (0..nb).flat_map(|b| local.iter().map(move |row| row[b])).collect();
-        let table = HealthTable::detailed(n, local, reduced, reports, None);
+        let table = HealthTable::detailed(n, &self.cfg.values, local, reduced, reports, None);
         debug_assert_eq!(table.summary, summary, "both paths agree on the summary");
         Ok(table)
     }

@@ -17,8 +17,8 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use super::liveness::{process_alive, self_start_time};
 use super::{HEADER_BYTES, MAGIC, NONE, PAGE, VERSION};
+use crate::agreement::{LocalReport, ValueNames};
 use crate::layout::Layout;
-use crate::verdict::LocalReport;
 use crate::Error;
 
 /// How the bus is opened by one rank.
@@ -38,12 +38,15 @@ pub struct BusConfig {
     pub config_hash: u64,
     /// The layout of the gradient buffer, the same on every rank.
     pub layout: Layout,
+    /// The workload values each rank reports in the agreement, the same on every rank (they size
+    /// the report cells).
+    pub values: ValueNames,
     /// Deadline of every wait (attach and each barrier).
     pub timeout: Duration,
 }
 
 impl BusConfig {
-    /// A config with `shm_dir` = `/dev/shm`, node 0 and a 60 s timeout.
+    /// A config with `shm_dir` = `/dev/shm`, node 0, no workload values and a 60 s timeout.
     pub fn new(job_id: impl Into<String>, local_rank: usize, local_size: usize, layout: Layout) -> BusConfig {
         BusConfig {
             shm_dir: PathBuf::from("/dev/shm"),
@@ -53,6 +56,7 @@ impl BusConfig {
             local_size,
             config_hash: layout.hash(),
             layout,
+            values: ValueNames::default(),
             timeout: Duration::from_secs(60),
         }
     }
@@ -73,6 +77,8 @@ pub(super) struct Header {
     pub(super) buckets: AtomicU64,
     pub(super) len: AtomicU64,
     pub(super) size: AtomicU64,
+    /// `ValueNames::hash` of the workload values the report cells hold.
+    pub(super) values_hash: AtomicU64,
 }
 
 /// Where waiters sleep: `seq` is a futex word bumped whenever a barrier may have completed (or a
@@ -111,14 +117,11 @@ pub(super) struct RankCell {
     pub(super) tags: [[AtomicU64; 5]; 2],
 }
 
-/// Bytes of one report cell: `LocalReport::WORDS` words, padded to a cache line.
-pub(super) const REPORT_BYTES: usize = 64;
-const _: () = assert!(LocalReport::WORDS * 8 <= REPORT_BYTES);
-
 /// A stored `Health`: nan, inf, sumsq bits, first bad (or `NONE`).
 pub(super) type HealthCell = [AtomicU64; 4];
 
-/// Byte offsets of the regions of a segment, a pure function of (ranks, buckets, buffer length).
+/// Byte offsets of the regions of a segment, a pure function of (ranks, buckets, buffer length,
+/// workload values).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Geometry {
     pub(super) n: usize,
@@ -129,6 +132,8 @@ pub(super) struct Geometry {
     /// health per source rank, the health of the chunk's sum, and the NaN/Inf totals of the sources.
     pub(super) entry: usize,
     pub(super) reports: usize,
+    /// Bytes of one report cell: `LocalReport::words(values)` words, padded to cache lines.
+    pub(super) report: usize,
     pub(super) grads: usize,
     pub(super) slot_stride: usize,
     pub(super) size: usize,
@@ -139,14 +144,16 @@ pub(super) fn round_up(x: usize, to: usize) -> usize {
 }
 
 impl Geometry {
-    pub(super) fn new(n: usize, buckets: usize, len: usize) -> Geometry {
+    pub(super) fn new(n: usize, buckets: usize, len: usize, values: usize) -> Geometry {
         let cells = HEADER_BYTES;
         let table = round_up(cells + n * size_of::<RankCell>(), PAGE);
         let entry = round_up(8 + (n + 2) * size_of::<HealthCell>(), 64);
         let reports = round_up(table + 2 * buckets * n * entry, PAGE);
-        let grads = round_up(reports + 2 * n * REPORT_BYTES, PAGE);
+        let report = round_up(8 * LocalReport::words(values), 64);
+        let grads = round_up(reports + 2 * n * report, PAGE);
         let slot_stride = round_up(len * 4, PAGE).max(PAGE);
-        Geometry { n, buckets, cells, table, entry, reports, grads, slot_stride, size: grads + n * slot_stride }
+        let size = grads + n * slot_stride;
+        Geometry { n, buckets, cells, table, entry, reports, report, grads, slot_stride, size }
     }
 }
 
@@ -291,6 +298,7 @@ pub(super) fn create(cfg: &BusConfig, path: &Path, geo: &Geometry) -> Result<(Fi
     h.buckets.store(geo.buckets as u64, Ordering::Relaxed);
     h.len.store(cfg.layout.len as u64, Ordering::Relaxed);
     h.size.store(geo.size as u64, Ordering::Relaxed);
+    h.values_hash.store(cfg.values.hash(), Ordering::Relaxed);
     // Everything else (cells, table, slots) is zero: fresh pages of a new file. Magic last.
     h.magic.store(MAGIC, Ordering::Release);
     Ok((file, map))
@@ -374,6 +382,13 @@ pub(super) fn check_header(
             "every rank must be given the same local size",
         ));
     }
+    let vhash = h.values_hash.load(Ordering::Relaxed);
+    if vhash != cfg.values.hash() {
+        return Err((
+            format!("segment made for workload values {vhash:#018x}, this rank reports {:?}", cfg.values),
+            "every rank must run the same workload (the same gradbus build)",
+        ));
+    }
     let lhash = h.layout_hash.load(Ordering::Relaxed);
     let size = h.size.load(Ordering::Relaxed);
     if lhash != cfg.layout.hash() || size != geo.size as u64 || len != geo.size {
@@ -396,14 +411,15 @@ mod tests {
 
     #[test]
     pub(super) fn geometry_regions_are_ordered_aligned_and_disjoint() {
-        for (n, b, len) in [(1, 1, 16), (2, 3, 1000), (4, 0, 0), (8, 100, 1 << 20)] {
-            let g = Geometry::new(n, b, len);
+        for (n, b, len, v) in [(1, 1, 16, 0), (2, 3, 1000, 5), (4, 0, 0, 6), (8, 100, 1 << 20, 40)] {
+            let g = Geometry::new(n, b, len, v);
             assert!(size_of::<Header>() <= WAKE_OFF);
             assert!(WAKE_OFF + size_of::<WakeLine>() <= HEADER_BYTES);
             assert_eq!(size_of::<RankCell>() % 128, 0);
             assert!(g.cells + n * size_of::<RankCell>() <= g.table);
             assert!(g.table + 2 * b * n * g.entry <= g.reports);
-            assert!(g.reports + 2 * n * 64 <= g.grads);
+            assert!(g.report >= 8 * (2 + v) && g.report % 64 == 0);
+            assert!(g.reports + 2 * n * g.report <= g.grads);
             assert!(g.slot_stride >= len * 4 && g.slot_stride % PAGE == 0);
             assert_eq!(g.grads % PAGE, 0);
             assert_eq!(g.size, g.grads + n * g.slot_stride);

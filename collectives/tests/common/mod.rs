@@ -1,6 +1,11 @@
 //! Helpers shared by the multi-process tests of the collectives.
 
-use gradbus_collectives::{HealthTable, LocalReport, Verdict};
+use gradbus_collectives::{HealthTable, ValueNames, Verdict};
+
+/// The workload values the multi-process tests report (3 of them: the bus takes any number).
+pub fn value_names() -> ValueNames {
+    ValueNames::new(&["reward", "kl", "spare"])
+}
 
 /// Everything a rank decides and reports from after an agreement, floats as bits: the summary,
 /// the reduced buckets' health, the global norm, the loss and value aggregates, the verdict. The
@@ -15,11 +20,10 @@ pub fn digest(table: &HealthTable, verdict: &Verdict) -> String {
         table.mean_loss().to_bits(),
         table.nonfinite_ranks()
     );
-    for k in 0..LocalReport::VALUES {
-        let v = &s.values[k];
+    for (name, v) in s.values() {
         out += &format!(
-            "value {k}: mean {:016x} max {:016x} min {:016x}\n",
-            table.mean_value(k).to_bits(),
+            "value {name}: mean {:016x} max {:016x} min {:016x}\n",
+            table.mean_value(name).to_bits(),
             v.max().to_bits(),
             v.min().to_bits()
         );

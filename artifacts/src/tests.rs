@@ -57,6 +57,7 @@ fn checkpoint_meta() -> CheckpointMeta {
         spikes: [SpikeDetector::new(8, 6.0), SpikeDetector::new(8, 6.0)],
         warnings: 2,
         history: SavedHistory { consecutive_skips: 1, skipped: 3, recent: [true, false].into(), suspects: vec![2] },
+        run: Some(RunRecord { gradbus: crate::version::build(), world: 2, config: "seed = 1\n".into() }),
     }
 }
 
@@ -113,7 +114,8 @@ fn sealed_json_round_trips_with_non_finite_numbers_as_null() {
     assert_eq!((back.reward, back.checksum, back.verdict), (l.reward, l.checksum, l.verdict));
     let r = report();
     let text = report_text(&r);
-    assert_eq!(unseal::<Report>(text.trim_end(), REPORT_FORMAT, "r").unwrap(), r);
+    assert!(text.starts_with("{\n  \"format\": 2,\n  \"gradbus\": {\n    \"version\": "), "{text}");
+    assert_eq!(parse_report(&text, "r").unwrap(), r);
 }
 
 #[test]
@@ -155,17 +157,26 @@ fn report_refuses_flips_truncation_missing_key_and_unknown_version() {
     let good = report_text(&report()).into_bytes();
     let check = |b: &[u8]| {
         let t = std::str::from_utf8(b).map_err(|e| ArtifactError::Schema { file: "t".into(), what: e.to_string() })?;
-        unseal::<Report>(t.trim_end_matches('\n'), REPORT_FORMAT, "t").map(|_| ())
+        parse_report(t, "t").map(|_| ())
     };
     // The final newline is not content: every other byte is.
     every_flip_is_refused(&good[..good.len() - 1], check, "report.json");
     every_truncation_is_refused(&good[..good.len() - 1], check, "report.json");
     let mut v = serde_json::to_value(report()).unwrap();
     v.as_object_mut().unwrap().remove("classification");
-    let e = unseal::<Report>(&seal(REPORT_FORMAT, &v, true), REPORT_FORMAT, "report.json").unwrap_err();
+    let e = parse_report(&seal(1, &v, true), "report.json").unwrap_err();
     assert!(e.to_string().contains("missing field `classification`"), "{e}");
-    let e = unseal::<Report>(&seal(2, &report(), true), REPORT_FORMAT, "report.json").unwrap_err();
-    assert!(matches!(e, ArtifactError::Version { found: 2, .. }), "{e}");
+    // Format 2 must name its build.
+    let e = parse_report(&seal(REPORT_FORMAT, &report(), true), "report.json").unwrap_err();
+    assert!(e.to_string().contains("report.json: missing key `gradbus`"), "{e}");
+    let e = parse_report(&seal(3, &report(), true), "report.json").unwrap_err();
+    assert!(matches!(e, ArtifactError::Version { found: 3, expected: 2, .. }), "{e}");
+}
+
+#[test]
+fn a_report_of_format_1_is_still_read() {
+    // As gradbus wrote it before reports named their build: no `gradbus` key.
+    assert_eq!(parse_report(&seal(1, &report(), true), "report.json").unwrap(), report());
 }
 
 #[test]
@@ -232,11 +243,33 @@ fn checkpoint_metadata_and_dump_refuse_a_missing_key_and_an_unknown_version() {
     let e = decode::<DumpMeta>(&encode(&NoB { rank: 1 }, &[]), "rank-1.bin").unwrap_err();
     assert!(e.to_string().contains("rank-1.bin: header: key `meta`: missing field"), "{e}");
     let e = decode::<CheckpointMeta>(&encode(&Future(checkpoint_meta()), &[]), "state.bin").unwrap_err();
-    assert!(matches!(e, ArtifactError::Version { what: "format", found: 7, expected: 1, .. }), "{e}");
+    assert!(matches!(e, ArtifactError::Version { what: "format", found: 7, expected: 2, .. }), "{e}");
     let mut old = encode(&checkpoint_meta(), &[]);
     old[4..8].copy_from_slice(&1u32.to_le_bytes());
     let e = decode::<CheckpointMeta>(&old, "state.bin").unwrap_err();
     assert!(e.to_string().contains("unknown container version 1, this build reads 2"), "{e}");
+}
+
+/// Metadata as JSON, encoded under a chosen format version.
+#[derive(Serialize, Deserialize)]
+#[serde(transparent)]
+struct Raw<const F: u32>(serde_json::Value);
+impl<const F: u32> Kind for Raw<F> {
+    const KIND: &'static str = "checkpoint";
+    const FORMAT: u32 = F;
+}
+
+#[test]
+fn a_checkpoint_of_format_1_is_read_without_its_run_and_format_2_must_have_one() {
+    let mut v1 = serde_json::to_value(checkpoint_meta()).unwrap();
+    v1.as_object_mut().unwrap().remove("run");
+    let l = decode::<CheckpointMeta>(&encode(&Raw::<1>(v1.clone()), &[("params", &A)]), "state.bin").unwrap();
+    assert_eq!(l.meta, CheckpointMeta { run: None, ..checkpoint_meta() });
+    let e = decode::<CheckpointMeta>(&encode(&Raw::<2>(v1.clone()), &[]), "state.bin").unwrap_err();
+    assert!(e.to_string().contains("missing field `run`"), "{e}");
+    // A format-1 header that somehow has `run` is not one gradbus wrote: refused, not overwritten.
+    v1["run"] = serde_json::Value::Null;
+    assert!(decode::<CheckpointMeta>(&encode(&Raw::<1>(v1), &[]), "state.bin").is_err());
 }
 
 fn save(dir: &Path, step: u64) {

@@ -1,7 +1,8 @@
 //! Every file gradbus writes and reads back, defined once: `metrics.jsonl` lines, `report.json`,
 //! failure dumps (`dumps/rank-K.bin`) and checkpoints (`checkpoints/step-N/state.bin` and `DONE`).
-//! Writers and readers (the worker, `gradbus replay`, `gradbus report`, `--resume`) use these types
-//! and functions only.
+//! Writers and readers (the worker, `gradbus replay`, `gradbus report`, `--resume`, the Python
+//! guard's `report.json`) use these types and functions only. A crate of its own, below the worker:
+//! the launcher and the Python package read and write these formats without linking the worker.
 //!
 //! Invariants: every artifact carries its format version and a CRC-32C of its content, written with
 //! the data, and every load verifies both before it trusts a byte; a missing key is an error, never
@@ -31,14 +32,19 @@ use gradbus_collectives::spikes::SpikeDetector;
 use gradbus_collectives::{Action, Report};
 use gradbus_kernels::Health;
 
+use crate::version::Build;
+
+pub mod version;
+
 /// Format version of a `metrics.jsonl` line.
 pub const METRICS_FORMAT: u32 = 1;
-/// Format version of `report.json`.
-pub const REPORT_FORMAT: u32 = 1;
+/// Format version of `report.json` (2 adds `gradbus`, the build that wrote it; 1 is still read).
+pub const REPORT_FORMAT: u32 = 2;
 /// Format version of a checkpoint's `DONE` marker.
 pub const DONE_FORMAT: u32 = 1;
-/// Format version of a checkpoint's `state.bin` metadata.
-pub const CHECKPOINT_FORMAT: u32 = 1;
+/// Format version of a checkpoint's `state.bin` metadata (2 adds `run`: what it was trained with;
+/// 1 is still read).
+pub const CHECKPOINT_FORMAT: u32 = 2;
 /// Format version of a failure dump's metadata.
 pub const DUMP_FORMAT: u32 = 1;
 /// Version of the binary container (`GBTF`).
@@ -150,6 +156,16 @@ pub fn seal<T: Serialize>(format: u32, body: &T, pretty: bool) -> String {
 /// Verify and parse a sealed JSON object written by [`seal`]; `file` names it in errors (with
 /// `:LINE` for a line of a JSON-lines file).
 pub fn unseal<T: DeserializeOwned>(text: &str, format: u32, file: &str) -> Result<T, ArtifactError> {
+    let (version, v) = unseal_value(text, file)?;
+    if version != format as u64 {
+        return Err(ArtifactError::Version { file: file.into(), what: "format", found: version, expected: format });
+    }
+    from_value(serde_json::Value::Object(v)).map_err(|what| ArtifactError::Schema { file: file.to_string(), what })
+}
+
+/// Verify a sealed JSON object's checksum; its format version and its other keys (for a reader of
+/// several versions).
+fn unseal_value(text: &str, file: &str) -> Result<(u64, serde_json::Map<String, serde_json::Value>), ArtifactError> {
     let schema = |what: String| ArtifactError::Schema { file: file.to_string(), what };
     // The checksum first: a damaged byte is reported as what it is, whatever it broke.
     let written = text.rfind(CRC_KEY).and_then(|k| {
@@ -172,15 +188,13 @@ pub fn unseal<T: DeserializeOwned>(text: &str, format: u32, file: &str) -> Resul
     if expected != found {
         return Err(ArtifactError::Checksum { file: file.into(), section: "content".into(), expected, found });
     }
-    let mut v = parsed.map_err(|e| schema(format!("not JSON: {e}")))?;
-    let obj = v.as_object_mut().ok_or_else(|| schema("not a JSON object".into()))?;
+    let serde_json::Value::Object(mut obj) = parsed.map_err(|e| schema(format!("not JSON: {e}")))? else {
+        return Err(schema("not a JSON object".into()));
+    };
     obj.remove("crc32c");
     let version = obj.remove("format").ok_or_else(|| schema("missing key `format`".into()))?;
     let version = version.as_u64().ok_or_else(|| schema("key `format` is not an integer".into()))?;
-    if version != format as u64 {
-        return Err(ArtifactError::Version { file: file.into(), what: "format", found: version, expected: format });
-    }
-    from_value(v).map_err(schema)
+    Ok((version, obj))
 }
 
 /// Deserialize a JSON value; an error names the key (`history.skipped: invalid type: ...`).
@@ -249,7 +263,7 @@ pub mod hex64 {
 
 /// A field that must be present although it may be `null` (serde defaults a missing `Option` to
 /// `None`; here a missing key is an error).
-fn required<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+pub(crate) fn required<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
     T::deserialize(d)
 }
 
@@ -343,16 +357,41 @@ pub fn read_metrics(path: &Path) -> Result<Vec<MetricsLine>, ArtifactError> {
 // ------------------------------------------------------------------------------------------------
 // report.json
 
-/// `report.json` (pretty, for people too).
+/// `report.json` as written: the build that wrote it, then the report's own keys.
+#[derive(Serialize)]
+struct ReportFile<'a> {
+    gradbus: Build,
+    #[serde(flatten)]
+    report: &'a Report,
+}
+
+/// `report.json` (pretty, for people too), naming this build.
 pub fn report_text(report: &Report) -> String {
-    seal(REPORT_FORMAT, report, true) + "\n"
+    seal(REPORT_FORMAT, &ReportFile { gradbus: crate::version::build(), report }, true) + "\n"
+}
+
+/// Verify and parse the text of a `report.json` of format 2, or of format 1 (before reports named
+/// their build); `file` names it in errors.
+pub fn parse_report(text: &str, file: &str) -> Result<Report, ArtifactError> {
+    let schema = |what: String| ArtifactError::Schema { file: file.to_string(), what };
+    let (version, mut v) = unseal_value(text.trim_end_matches('\n'), file)?;
+    match version {
+        1 => {}
+        2 => {
+            let build = v.remove("gradbus").ok_or_else(|| schema("missing key `gradbus`".into()))?;
+            from_value::<Build>(build).map_err(|e| schema(format!("key `gradbus`: {e}")))?;
+        }
+        found => {
+            return Err(ArtifactError::Version { file: file.into(), what: "format", found, expected: REPORT_FORMAT })
+        }
+    }
+    from_value(serde_json::Value::Object(v)).map_err(schema)
 }
 
 /// Read and verify `report.json`.
 pub fn read_report(path: &Path) -> Result<Report, ArtifactError> {
     let bytes = read(path)?;
-    let text = String::from_utf8_lossy(&bytes);
-    unseal(text.trim_end_matches('\n'), REPORT_FORMAT, &path.display().to_string())
+    parse_report(&String::from_utf8_lossy(&bytes), &path.display().to_string())
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -393,6 +432,12 @@ pub trait Kind: Serialize + DeserializeOwned {
     const KIND: &'static str;
     /// Format version of the metadata.
     const FORMAT: u32;
+
+    /// Brings the metadata JSON of an older `format` up to [`Kind::FORMAT`]; false when this build
+    /// does not read that format (the load then fails with a version error).
+    fn upgrade(_format: u64, _meta: &mut serde_json::Value) -> bool {
+        false
+    }
 }
 
 /// Encode `meta` and `tensors` into the container.
@@ -466,7 +511,7 @@ pub fn decode<M: Kind>(bytes: &[u8], file: &str) -> Result<Loaded<M>, ArtifactEr
     if expected != found {
         return Err(ArtifactError::Checksum { file: file.into(), section: "header".into(), expected, found });
     }
-    let raw: serde_json::Value = serde_json::from_slice(header).map_err(|e| schema(format!("header: {e}")))?;
+    let mut raw: serde_json::Value = serde_json::from_slice(header).map_err(|e| schema(format!("header: {e}")))?;
     match raw.get("kind").and_then(|k| k.as_str()) {
         Some(k) if k == M::KIND => {}
         Some(k) => return Err(schema(format!("a {k}, not a {} (hint: pass the right file)", M::KIND))),
@@ -474,6 +519,7 @@ pub fn decode<M: Kind>(bytes: &[u8], file: &str) -> Result<Loaded<M>, ArtifactEr
     }
     match raw.get("format").map(|f| f.as_u64()) {
         Some(Some(f)) if f == M::FORMAT as u64 => {}
+        Some(Some(f)) if raw.get_mut("meta").is_some_and(|meta| M::upgrade(f, meta)) => {}
         Some(Some(f)) => {
             return Err(ArtifactError::Version { file: file.into(), what: "format", found: f, expected: M::FORMAT })
         }
@@ -597,6 +643,28 @@ pub struct Finding {
     pub overflows: Option<usize>,
 }
 
+impl Finding {
+    /// One human line.
+    pub fn describe(&self) -> String {
+        let at = match (self.sample, self.token) {
+            (Some(s), Some(t)) => format!(" at sample {s}, token {t}"),
+            _ => String::new(),
+        };
+        let layer = self.layer.map(|l| format!(" (block {l})")).unwrap_or_default();
+        match (self.exp_input, self.masked) {
+            (Some(x), Some(m)) => format!(
+                "{} {}{layer}: exp of a log-ratio of {x:.2} (> ln(f32::MAX) = 88.72) = {}{at}, a {} position; {} position(s) overflowed",
+                self.phase,
+                self.op,
+                self.value,
+                if m { "MASKED" } else { "response" },
+                self.overflows.unwrap_or(1)
+            ),
+            _ => format!("{} {}{layer}: {}{at}", self.phase, self.op, self.value),
+        }
+    }
+}
+
 /// `trace-rank-K.json`: the first non-finite op of a rank's failing update.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TraceFile {
@@ -657,11 +725,104 @@ pub struct CheckpointMeta {
     pub warnings: u32,
     /// The verdict history.
     pub history: SavedHistory,
+    /// The config, world size and build the state was trained with (null in a checkpoint of
+    /// format 1, which did not record them).
+    #[serde(deserialize_with = "required")]
+    pub run: Option<RunRecord>,
 }
 
 impl Kind for CheckpointMeta {
     const KIND: &'static str = "checkpoint";
     const FORMAT: u32 = CHECKPOINT_FORMAT;
+
+    fn upgrade(format: u64, meta: &mut serde_json::Value) -> bool {
+        match (format, meta.as_object_mut()) {
+            (1, Some(m)) => m.insert("run".into(), serde_json::Value::Null).is_none(),
+            _ => false,
+        }
+    }
+}
+
+/// What a run's state was trained with: `--resume` compares it with the config it is given.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunRecord {
+    /// The build of gradbus.
+    pub gradbus: Build,
+    /// World size.
+    pub world: usize,
+    /// The canonical config text (`--set` overrides applied).
+    pub config: String,
+}
+
+// ------------------------------------------------------------------------------------------------
+// The run directory's owner and history (`gradbus_worker::rundir`).
+
+/// Format version of `gradbus.lock`'s content.
+pub const LOCK_FORMAT: u32 = 1;
+/// Format version of a `resumes.jsonl` line.
+pub const RESUME_FORMAT: u32 = 1;
+
+/// `RUN_DIR/gradbus.lock`: the job that holds (or last held) the directory's lock.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LockHolder {
+    /// The job id (the launcher's, or the worker's under a bare mpirun or srun).
+    pub job_id: String,
+    /// The process that holds the lock.
+    pub pid: u32,
+    /// Its host.
+    pub host: String,
+    /// When it took the lock, UTC (`2026-12-01T05:17:00Z`).
+    pub started: String,
+    /// Its command line.
+    pub command: String,
+    /// Its build.
+    pub gradbus: Build,
+}
+
+impl LockHolder {
+    /// The file's text (one line).
+    pub fn to_text(&self) -> String {
+        seal(LOCK_FORMAT, self, false) + "\n"
+    }
+}
+
+/// One changed key of a resumed run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Change {
+    /// The dotted config key, or `world size`.
+    pub key: String,
+    /// The value the checkpoint was trained with (TOML), or `(not set)`.
+    pub old: String,
+    /// The value of this run.
+    pub new: String,
+}
+
+/// One line of `RUN_DIR/resumes.jsonl`: a resume, and what it changed (written by rank 0).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeRecord {
+    /// The step the run resumed at (the checkpoint's).
+    pub step: u64,
+    /// The resuming job.
+    pub job_id: String,
+    /// When, UTC.
+    pub at: String,
+    /// The resuming build.
+    pub gradbus: Build,
+    /// Seed, world size and data-affecting keys that differ from the checkpoint's run; null when
+    /// the checkpoint (format 1) did not record its run.
+    #[serde(deserialize_with = "required")]
+    pub changes: Option<Vec<Change>>,
+}
+
+impl ResumeRecord {
+    /// The line as written (no newline).
+    pub fn to_line(&self) -> String {
+        seal(RESUME_FORMAT, self, false)
+    }
 }
 
 /// `DONE`: written last, it says the checkpoint is complete and holds `state.bin`'s checksum.

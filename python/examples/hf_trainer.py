@@ -1,0 +1,114 @@
+"""A Hugging Face Trainer run with the gradbus guard: a tiny GPT-2 from a config (random weights, no
+download) trained with DDP over gloo on the CPU, optionally with a NaN planted in one rank's gradient.
+
+    torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy abort --plant 1:3:transformer.h.1.mlp.c_fc.weight:42
+    torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy skip  --plant 1:3:transformer.h.1.mlp.c_fc.weight:42
+
+--plant RANK:STEP:PARAM:ELEMENT writes a NaN into PARAM's gradient element ELEMENT on rank RANK at
+global step STEP (0-based; example_cli.py: a stand-in for a loss gone non-finite).
+--guard none runs the Trainer alone. --out DIR writes each rank's outcome (result-rankK.json: the
+Trainer's global_step, log history, the scheduler's step count, the optimizer's step count, a
+checksum of the weights, the parameters holding a non-finite value, the error and report) for the tests. Exit: 0, or 3 when the guard aborted.
+"""
+
+import hashlib
+import json
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+import example_cli
+import gradbus.hf
+import gradbus.torch as gbt
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Random token sequences (the same on every run; the Trainer's sampler splits them by rank)."""
+
+    def __init__(self, n: int, seq: int, vocab: int):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Plant(TrainerCallback):
+    """The planted NaN (example_cli.plant) at its global step, on its rank."""
+
+    def __init__(self, model: torch.nn.Module, spec: str):
+        self.model, self.spec, self.handle = model, spec, None
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.handle = example_cli.plant(self.spec, args.process_index, state.global_step, dict(self.model.named_parameters()).__getitem__)
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def checksum(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for n, p in model.named_parameters():
+        h.update(n.encode())
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> int:
+    ap = example_cli.parser(__doc__, "runs/hf")
+    ap.set_defaults(steps=6)
+    ap.add_argument("--out", default=None, help="where each rank writes result-rankK.json (for the tests)")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+
+    torch.manual_seed(0)  # the same random weights on every rank and every run
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32))
+    args = TrainingArguments(
+        output_dir=a.run_dir, max_steps=a.steps, per_device_train_batch_size=4, learning_rate=1e-3,
+        lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        ddp_backend="gloo", ddp_find_unused_parameters=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16, 64))
+    if a.plant:
+        trainer.add_callback(Plant(model, a.plant))
+    guard = None
+    if a.policy != "none":
+        guard = gradbus.hf.guard(trainer, policy=a.policy, run_dir=a.run_dir)  # the line a user adds
+    out = {"error": None, "report": None}
+    rc = 0
+    try:
+        trainer.train()
+    except gbt.NonFiniteGradients as e:
+        print(f"[rank {args.process_index}] {e}", flush=True)
+        out.update(error=str(e), report=e.report)
+        rc = 3
+    opt = trainer.optimizer.optimizer
+    out.update(
+        global_step=trainer.state.global_step,
+        log_history=trainer.state.log_history,
+        scheduler_steps=trainer.lr_scheduler.last_epoch,
+        optimizer_steps=sorted({int(s["step"]) for s in opt.state.values()}),
+        weights=checksum(model),
+        nonfinite_params=[n for n, p in model.named_parameters() if not torch.isfinite(p).all()],
+        skipped=None if guard is None else guard.skipped,
+    )
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, f"result-rank{args.process_index}.json"), "w") as f:
+            json.dump(out, f, default=str)
+    if torch.distributed.is_initialized():
+        # After an agreed abort every rank is healthy: wait until all have recorded their outcome
+        # (torchrun stops the others as soon as one exits non-zero).
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""The PyTorch guard with CUDA tensors, in one run with a table at the end (issue 22).
+
+Checks, each a real DDP job (python/tests/ddp_case.py) on GPU 0:
+  1. world 1 over NCCL: a clean guarded run equals plain DDP bit for bit (losses, weights, Adam
+     state); a planted NaN aborts with a report naming the rank, parameter and element; skip keeps
+     the weights and Adam state; fp16 autocast with a GradScaler equals the plain GradScaler run.
+  2. 2 ranks sharing GPU 0 over gloo with CUDA tensors: the same clean, NaN and skip cases.
+  3. the guard's overhead against PyTorch's `allreduce_hook`, world 1 over NCCL, on a model of
+     --params-m million parameters (default 100: 6 x Linear(4096, 4096), batch 256, AdamW), wall
+     time per update with CUDA synchronised, alternated rounds; goal: <= 2% of an update.
+
+Usage:
+  gpu_check.py                 on a machine with a GPU; exit 0 passed, 1 failed, 3 skipped (no GPU)
+  gpu_check.py --cpu           every check on the CPU over gloo (the overhead on a small model), to
+                               test this script where there is no GPU
+
+`import gradbus` must find the package (scripts/gpu-check.d/80-python-guard sets PYTHONPATH to the wheel it
+unpacked). Run from anywhere: ddp_case is imported from this file's tests/ folder.
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# `python python/gpu_check.py` puts python/ first on the path, where the source package (without its
+# native core) would shadow the installed one: import gradbus from the installation, ddp_case from tests/.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, os.path.join(HERE, "tests"))
+
+import torch  # noqa: E402
+
+from ddp_case import run, same_state  # noqa: E402
+
+NAN = {"rank": 0, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"}
+
+
+def clean(world, base, tmp):
+    plain = run(world, dict(base, guard=None), os.path.join(tmp, "plain"))
+    guarded = run(world, dict(base, guard={"policy": "abort", "replica_every": 1}), os.path.join(tmp, "guarded"))
+    for r, (p, g) in enumerate(zip(plain, guarded)):
+        assert g["error"] is None, g["error"]
+        assert g["verdicts"] == ["proceed"] * base["steps"], g["verdicts"]
+        assert g["losses"] == p["losses"], f"rank {r}: losses differ from plain DDP"
+        assert g["scales"] == p["scales"], f"rank {r}: loss scales differ"
+        assert all(same_state(a, b) for a, b in zip(p["snapshots"], g["snapshots"])), f"rank {r}: state differs"
+    return f"{world} rank(s), {base['steps']} updates: bitwise plain DDP"
+
+
+def planted(world, base, tmp):
+    plant = dict(NAN, rank=world - 1)
+    run_dir = os.path.join(tmp, "run")
+    res = run(world, dict(base, guard={"policy": "abort", "run_dir": run_dir, "scan": "auto"}, plants=[plant]), tmp)
+    for r in res:
+        rep = r["report"]
+        assert rep is not None, r["error"]
+        assert (rep["step"], rep["ranks"], rep["param"], rep["element"], rep["nan"]) == (2, [world - 1], "mid.weight", 4321, 1), rep
+        assert os.path.exists(os.path.join(run_dir, "report.json"))
+    return f"rank {world - 1}'s NaN named on every rank: mid.weight element 4321"
+
+
+def skip(world, base, tmp):
+    res = run(world, dict(base, guard={"policy": "skip"}, plants=[dict(NAN, rank=0)]), tmp)
+    for r in res:
+        assert r["verdicts"][:4] == ["proceed", "proceed", "skip", "proceed"], r["verdicts"]
+        assert same_state(r["snapshots"][2], r["snapshots"][3]), "the skipped update changed the state"
+        assert same_state(r["snapshots"][-1], res[0]["snapshots"][-1]), "replicas differ"
+    return "update 2 skipped: weights and Adam state kept, replicas identical"
+
+
+def fp16(world, base, tmp):
+    case = dict(base, amp="fp16", scaler={"init_scale": 2.0 ** 24}, steps=8)
+    plain = run(world, dict(case, guard=None), os.path.join(tmp, "plain"))
+    guarded = run(world, dict(case, guard={"policy": "abort"}), os.path.join(tmp, "guarded"))
+    for p, g in zip(plain, guarded):
+        assert g["error"] is None, g["error"]
+        assert g["scales"] == p["scales"] and g["losses"] == p["losses"]
+        assert all(same_state(a, b) for a, b in zip(p["snapshots"], g["snapshots"]))
+        assert g["overflows"] == [a == "skip" for a in g["verdicts"]]
+    return f"{guarded[0]['verdicts'].count('skip')} overflow(s) skipped as the GradScaler skips them, bitwise"
+
+
+def overhead(device, backend, params_m, batch, iters, rounds):
+    """Wall ms per update of PyTorch's allreduce_hook and of the guard (policy skip), world 1."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradbus.torch as gbt
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    width = 4096 if device.type == "cuda" else 512
+    layers = max(1, -(-int(params_m * 1e6) // (width * (width + 1))))
+    x = torch.randn(batch, width, device=device)
+
+    def setup(guard):
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+        ddp = DDP(net)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-6)
+        if guard:
+            g = gbt.Guard(policy="skip", names=net)
+            ddp.register_comm_hook(g, gbt.allreduce_hook)
+            return ddp, gbt.GuardedOptimizer(opt, g)
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return ddp, opt
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def round_ms(ddp, opt, n):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            opt.step()
+        sync()
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    variants = {"allreduce_hook": setup(False), "gradbus guard": setup(True)}
+    for ddp, opt in variants.values():
+        round_ms(ddp, opt, 3)  # warm-up: DDP's bucket rebuild, allocations, cuBLAS
+    ms = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, (ddp, opt) in variants.items():
+            ms[k].append(round_ms(ddp, opt, iters))
+    dist.destroy_process_group()
+    ratios = [g / b for g, b in zip(ms["gradbus guard"], ms["allreduce_hook"])]
+    n = layers * width * (width + 1)
+    return n, statistics.median(ms["allreduce_hook"]), statistics.median(ms["gradbus guard"]), statistics.median(ratios), min(ratios), max(ratios)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="run every check on the CPU (gloo) to test this script")
+    ap.add_argument("--params-m", type=float, help="overhead model, million parameters (GPU 100, --cpu 2)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    if not a.cpu and not torch.cuda.is_available():
+        print("SKIPPED: no CUDA device for the python guard GPU check (torch.cuda.is_available() is False); nothing was checked")
+        return 3
+    import gradbus
+
+    dev = "cpu" if a.cpu else "cuda"
+    one = {"steps": 4, "device": dev, "backend": "gloo" if a.cpu else "nccl"}
+    two = {"steps": 4, "device": dev, "backend": "gloo"}
+    where = "CPU (--cpu)" if a.cpu else torch.cuda.get_device_name(0)
+    print(f"python guard GPU check on {where}: torch {torch.__version__}, gradbus {gradbus.__file__}", flush=True)
+    label1 = "world 1, " + ("gloo (--cpu)" if a.cpu else "NCCL")
+    checks = [
+        (f"{label1}: clean run", lambda t: clean(1, one, t)),
+        (f"{label1}: planted NaN", lambda t: planted(1, one, t)),
+        (f"{label1}: skip", lambda t: skip(1, one, t)),
+        (f"{label1}: fp16 + GradScaler", lambda t: fp16(1, one, t)),
+        ("2 ranks, one device, gloo: clean run", lambda t: clean(2, two, t)),
+        ("2 ranks, one device, gloo: planted NaN", lambda t: planted(2, two, t)),
+        ("2 ranks, one device, gloo: skip", lambda t: skip(2, two, t)),
+    ]
+    rows, failed = [], False
+    for name, check in checks:
+        t0 = time.time()
+        try:
+            with tempfile.TemporaryDirectory(prefix="gradbus-gpu-check-") as tmp:
+                rows.append((name, "ok: " + check(tmp) + f" ({time.time() - t0:.0f} s)"))
+        except Exception as e:  # the table says which check failed; the trace goes to the log
+            traceback.print_exc()
+            rows.append((name, f"FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]))
+            failed = True
+        print(f"{name}: {rows[-1][1]}", flush=True)
+    params_m = a.params_m or (2.0 if a.cpu else 100.0)
+    device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
+    try:
+        n, base, guard, ratio, lo, hi = overhead(device, "gloo" if a.cpu else "nccl", params_m, a.batch, a.iters, a.rounds)
+        goal = "met" if ratio <= 1.02 else "NOT met"
+        rows.append((f"overhead, {n / 1e6:.1f}M params, batch {a.batch}",
+                     f"allreduce_hook {base:.2f} ms, guard {guard:.2f} ms per update: guard/hook {ratio:.4f} "
+                     f"(rounds {lo:.4f}..{hi:.4f}); goal <= 1.02: {goal}"))
+    except Exception as e:
+        traceback.print_exc()
+        rows.append(("overhead", f"FAILED: {type(e).__name__}: {e}"[:200]))
+        failed = True
+    print("\n== python guard GPU check summary")
+    for name, result in rows:
+        print(f"{name:45s} {result}")
+    print("python guard GPU check:", "FAILED" if failed else "all checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

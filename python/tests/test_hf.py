@@ -1,0 +1,91 @@
+"""The guard in a Hugging Face Trainer run: python/examples/hf_trainer.py (a tiny GPT-2 from a config)
+under torchrun, 2 processes, DDP over gloo on the CPU."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers not installed (python/requirements-frameworks.txt)")
+
+import gradbus.hf as ghf  # noqa: E402
+from ddp_case import free_port  # noqa: E402
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "hf_trainer.py")
+PARAM = "transformer.h.1.mlp.c_fc.weight"
+STEPS = 6
+
+
+def torchrun(tmp_path, name, *args):
+    """Run the example under torchrun; (exit code, output, [result of rank 0, rank 1])."""
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           EXAMPLE, "--steps", str(STEPS), "--run-dir", str(out / "run"), "--out", str(out), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    results = []
+    for r in range(2):
+        path = out / f"result-rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no result; exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+        results.append(json.loads(path.read_text()))
+    return p.returncode, p.stdout + p.stderr, results
+
+
+def steps_of(result):
+    return [e for e in result["log_history"] if "loss" in e]
+
+
+def test_version_outside_the_supported_range_is_refused_with_a_hint():
+    ghf.check_version("5.24.0")
+    for bad in ("4.57.6", "6.0.0"):
+        with pytest.raises(RuntimeError, match=rf"transformers {bad} is not supported.*hint: pip install"):
+            ghf.check_version(bad)
+
+
+def test_planted_nan_stops_every_rank_with_the_report(tmp_path):
+    rc, out, res = torchrun(tmp_path, "abort", "--policy", "abort", "--plant", f"1:3:{PARAM}:42")
+    assert rc != 0, out
+    errors = {r["error"] for r in res}
+    assert len(errors) == 1 and None not in errors, errors
+    msg = errors.pop()
+    assert f"param {PARAM} element 42" in msg and "rank(s) [1]" in msg and "step 3 " in msg, msg
+    for r in (0, 1):
+        assert f"[rank {r}] {msg}" in out, f"rank {r} did not print the report line"
+    report = json.loads((tmp_path / "abort" / "run" / "report.json").read_text())
+    assert (report["step"], report["ranks"], report["param"], report["element"], report["nan"]) == (3, [1], PARAM, 42, 1)
+    assert all(r["report"] == report for r in res)
+    assert all(r["global_step"] == 3 and r["optimizer_steps"] == [3] for r in res), "stopped before the poisoned update"
+    assert res[0]["weights"] == res[1]["weights"] and res[0]["nonfinite_params"] == []
+
+
+def test_clean_run_is_the_trainer_alone_bitwise(tmp_path):
+    _, _, plain = torchrun(tmp_path, "plain", "--policy", "none")
+    rc, out, guarded = torchrun(tmp_path, "guarded", "--policy", "abort")
+    assert rc == 0, out
+    for r in range(2):
+        assert guarded[r]["weights"] == plain[r]["weights"], f"rank {r}: weights differ from the Trainer alone"
+        assert [e["loss"] for e in steps_of(guarded[r])] == [e["loss"] for e in steps_of(plain[r])]
+        assert [e["gradbus_skipped"] for e in steps_of(guarded[r])] == [0] * STEPS
+
+
+def test_skip_keeps_the_trainers_step_counter_lr_schedule_and_logs_consistent(tmp_path):
+    _, _, clean = torchrun(tmp_path, "clean", "--policy", "skip")
+    rc, out, res = torchrun(tmp_path, "skip", "--policy", "skip", "--plant", f"1:3:{PARAM}:42")
+    assert rc == 0, out
+    lr = [e["learning_rate"] for e in steps_of(clean[0])]
+    for k, r in enumerate(res):
+        assert r["error"] is None and r["skipped"] == 1
+        # The Trainer's own bookkeeping of a skipped update, as for an fp16 overflow: global_step
+        # counts it, the LR scheduler and the optimizer (its step count) do not.
+        assert r["global_step"] == STEPS and r["scheduler_steps"] == STEPS - 1 and r["optimizer_steps"] == [STEPS - 1]
+        logged = steps_of(r)
+        assert [e["step"] for e in logged] == list(range(1, STEPS + 1)), f"rank {k}: one log entry per global step"
+        # Step 4 (global step 3, skipped) logs the LR it would have used; the schedule then resumes
+        # from where it stood, one step behind the clean run's.
+        assert [e["learning_rate"] for e in logged] == lr[:4] + lr[3:STEPS - 1], f"rank {k}"
+        assert math.isnan(logged[3]["grad_norm"]) and all(math.isfinite(e["grad_norm"]) for i, e in enumerate(logged) if i != 3)
+        assert [e["gradbus_skipped"] for e in logged] == [0, 0, 0, 1, 1, 1]
+    assert res[0]["weights"] == res[1]["weights"], "replicas differ"
+    assert res[0]["weights"] != clean[0]["weights"] and res[0]["nonfinite_params"] == []
