@@ -8,6 +8,7 @@ update STEP, through a tensor hook on the tensor autograd accumulates PARAM's gr
 
 import argparse
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Callable, Optional, Tuple
 
@@ -67,3 +68,13 @@ def run(train: Callable[[], None], aborted: type) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return rc
+
+
+def exit_now(rc: int) -> None:
+    """Exit with `rc` once everything is printed and the process group is gone, skipping the
+    interpreter's teardown: there torch 2.15's gloo sometimes aborts ("terminate called without an
+    active exception", SIGABRT: a joinable C++ thread destroyed), which would turn a finished run's
+    exit code into a crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

@@ -53,7 +53,7 @@ from gradbus import _core
 log = logging.getLogger("gradbus")
 
 POLICIES = ("abort", "skip", "rerun")
-AGREEMENTS = ("summary", "table")
+AGREEMENTS = ("auto", "summary", "table")
 
 
 class NonFiniteGradients(RuntimeError):
@@ -227,8 +227,10 @@ class Guard:
         `min_loss_scale` and Megatron's `--min-loss-scale`).
     replica_every: every N-th update (0: never) each rank hashes its parameters (those of `names`)
         on their device; a mismatch raises `ReplicasDiverged` on every rank.
-    agreement: "summary" (the O(buckets) summary; the table only on an anomaly) or "table" (the
-        per-rank table on every update).
+    agreement: "auto" (the runtime's cost model picks, for this world size and bucket count, the
+        cheaper of the two below, as `gradbus run` does: the table for small jobs, the summary at
+        scale), "summary" (the O(buckets) summary; the table only on an anomaly) or "table" (the
+        per-rank table on every update). The verdicts and reports are the same on every path.
     """
 
     def __init__(
@@ -246,7 +248,7 @@ class Guard:
         scaler: Any = None,
         min_scale: float = 1.0,
         replica_every: int = 0,
-        agreement: str = "summary",
+        agreement: str = "auto",
     ):
         if policy not in POLICIES:
             raise ValueError(f"gradbus.torch.Guard: policy {policy!r}: expected one of {POLICIES}")
@@ -289,7 +291,9 @@ class Guard:
         self.skips: Deque[Verdict] = collections.deque(maxlen=1024)
         """The most recent skipped updates' verdicts, with their reports (oldest first)."""
         self.tabled = 0
-        """Updates whose verdict needed the full per-rank table (an anomaly, or agreement="table")."""
+        """Updates whose verdict needed the full per-rank table (an anomaly, or the table path)."""
+        self.path: Optional[str] = None
+        """The agreement path of the last update: "table" or "summary" (see `agreement`)."""
         self._cells: Dict[int, Any] = {}
         self._layout: Dict[int, List[Tuple[str, int]]] = {}
         self._loss: Any = None
@@ -466,7 +470,9 @@ class Guard:
         row = self._row(n)
         layout = [self._layout[b] for b in range(n)]
         world = dist.get_world_size(self.process_group)
-        if self.agreement == "table":
+        path = _core.cheaper_path(world, n) if self.agreement == "auto" else self.agreement
+        self.path = path
+        if path == "table":
             work, outs = self._gather(row, async_op=True)
             self._pending = ("table", [work], outs, row, layout, world)
         else:

@@ -219,6 +219,14 @@ fn contribute<'py>(
 }
 
 /// (SUM words, MAX words) of a summary for `buckets` buckets: the lengths `contribute` returns.
+/// The agreement path the runtime's cost model (`AgreementPath::cheaper`) picks for `world` ranks and
+/// `buckets` buckets with the guard's values: "table" or "summary". A function of numbers every rank
+/// has alike, so every rank picks the same path.
+#[pyfunction]
+fn cheaper_path(world: usize, buckets: usize) -> &'static str {
+    gradbus_collectives::AgreementPath::cheaper(world, buckets, VALUES.len()).name()
+}
+
 #[pyfunction]
 fn summary_words(buckets: usize) -> (usize, usize) {
     (Summary::sum_len(buckets, VALUES.len()), Summary::max_len(buckets, VALUES.len()))
@@ -488,6 +496,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checksum_f32, m)?)?;
     m.add_function(wrap_pyfunction!(contribute, m)?)?;
     m.add_function(wrap_pyfunction!(summary_words, m)?)?;
+    m.add_function(wrap_pyfunction!(cheaper_path, m)?)?;
     m.add_class::<Agreement>()?;
     m.add_class::<Decision>()?;
     Ok(())

@@ -22,7 +22,8 @@ def test_fp16_overflows_are_skipped_as_the_gradscaler_skips_them_bitwise(tmp_pat
     # overflow, the scaler halves the scale until they do not.
     case = {"steps": 6, "amp": "fp16", "scaler": {"init_scale": 2.0 ** 19}}
     plain = run(2, dict(case, guard=None), str(tmp_path / "plain"))
-    guarded = run(2, dict(case, guard={"policy": "abort", "run_dir": str(tmp_path / "run")}), str(tmp_path / "guarded"))
+    guard = {"policy": "abort", "run_dir": str(tmp_path / "run"), "agreement": "summary"}
+    guarded = run(2, dict(case, guard=guard), str(tmp_path / "guarded"))
     assert_same_run(plain, guarded)
     for g in guarded:
         v, o = g["verdicts"], g["overflows"]

@@ -315,3 +315,16 @@ def test_a_bad_simd_level_fails_the_import_with_the_variables_name():
     assert r.returncode != 0
     assert "ValueError" in r.stderr and "GRADBUS_SIMD" in r.stderr and "avx2" in r.stderr, r.stderr
     assert "panicked" not in r.stderr, r.stderr
+
+
+def test_the_auto_agreement_takes_the_runtimes_cost_model():
+    # Small jobs gather the table (one collective), large ones all-reduce the summary (its size does
+    # not grow with the world): the crossover of collectives/src/agreement.rs's model.
+    from gradbus import _core
+
+    assert _core.cheaper_path(2, 7) == "table"
+    assert _core.cheaper_path(1 << 16, 7) == "summary"
+    crossing = [w for w in range(2, 4096) if _core.cheaper_path(w, 100) == "summary"]
+    assert crossing and all(_core.cheaper_path(w, 100) == "summary" for w in range(crossing[0], 4096))
+    with pytest.raises(ValueError, match="agreement"):
+        Guard(agreement="fastest")

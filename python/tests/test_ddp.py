@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ddp_case import run, same_state
+from gradbus import _core
 
 # The runtime's report.json fields (collectives/src/verdict.rs, `Report`): the guard serialises the
 # same Rust type, so a drift in either shows here.
@@ -22,11 +23,17 @@ def test_clean_run_is_plain_ddp_bitwise(tmp_path):
     # divide the same way for the bits to match.
     plain = run(3, {"steps": 4, "guard": None}, str(tmp_path / "plain"))
     # The replica check on every update changes no bit either.
-    guard = {"policy": "abort", "run_dir": str(tmp_path / "run"), "replica_every": 1}
+    guard = {"policy": "abort", "run_dir": str(tmp_path / "run"), "replica_every": 1, "agreement": "summary"}
     guarded = run(3, {"steps": 4, "guard": guard}, str(tmp_path / "guarded"))
+    # The default, agreement="auto": the cost model's path for 3 ranks and these buckets, the same bits.
+    auto = run(3, {"steps": 4, "guard": dict(guard, agreement="auto")}, str(tmp_path / "auto"))
     for r in range(3):
         assert guarded[r]["error"] is None
         assert guarded[r]["tabled"] == 0, "healthy updates are decided from the summary alone"
+        assert guarded[r]["paths"] == ["summary"] * 4
+        model = [_core.cheaper_path(3, n) for n in auto[r]["buckets"]]
+        assert auto[r]["paths"] == model and auto[r]["tabled"] == model.count("table"), (auto[r], model)
+        assert auto[r]["losses"] == plain[r]["losses"] and same_state(auto[r]["snapshots"][-1], plain[r]["snapshots"][-1])
         assert guarded[r]["verdicts"] == ["proceed"] * 4
         assert guarded[r]["losses"] == plain[r]["losses"], f"rank {r}: losses differ from plain DDP"
         for s, (a, b) in enumerate(zip(plain[r]["snapshots"], guarded[r]["snapshots"])):
