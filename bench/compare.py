@@ -10,7 +10,10 @@ driver stamps each line with time.perf_counter() as it arrives.
              rollout weights), rewards, old/ref log-probs and all updates of steps 1..S-1 are in;
   tokens   = (S - 1) x epochs x minibatches x (per-rank minibatch sequences x T) x ranks,
              T = response_len + 1;
-  tokens/s = tokens / wall.
+  tokens/s = tokens / wall;
+  tokens per CPU-second = tokens / (CPU time of every rank's process between the same two stamps,
+             from /proc): on a loaded machine, where each side gets a varying share of the cores,
+             the ratio that changes least (spin-waits in barriers count as work).
 Repetitions alternate the sides (gradbus first in even reps, PyTorch first in odd ones) so that
 drifting background load hits both alike. Reported: the median over reps and min..max, and the
 ratio of the medians with the min..max of the per-rep paired ratios.
@@ -38,22 +41,48 @@ def loadavg():
         return " ".join(f.read().split()[:3])
 
 
+def tree_cpu_s(root, seen):
+    """CPU seconds (user + system) used so far by `root` and its descendants, from /proc; `seen`
+    keeps each process's last reading, so one that has exited still counts."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    tree, grew = {root}, True
+    while grew:
+        new = {pid for pid, (ppid, _) in stats.items() if ppid in tree and pid not in tree}
+        tree |= new
+        grew = bool(new)
+    for pid in tree:
+        if pid in stats:
+            seen[pid] = stats[pid][1]
+    return sum(seen.values())
+
+
 def timed_run(cmd, steps, env=None):
-    """Run cmd, stamping rank 0's `step K done` lines. Returns ({K: time}, output tail, total wall)."""
+    """Run cmd, stamping rank 0's `step K done` lines with the time and with the CPU time of the
+    process tree (every rank) so far. Returns ({K: time}, {K: cpu s}, output tail, total wall)."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
-    stamps, tail = {}, []
+    stamps, cpu, tail, seen = {}, {}, [], {}
     for line in p.stdout:
         now = time.perf_counter()
         m = STEP_LINE.match(line)
         if m:
             stamps[int(m.group(1))] = now
+            cpu[int(m.group(1))] = tree_cpu_s(p.pid, seen)
         tail = (tail + [line])[-20:]
     rc = p.wait()
     total = time.perf_counter() - t0
     if rc != 0 or 0 not in stamps or steps - 1 not in stamps:
         sys.exit(f"benchmark run failed (rc {rc}): {' '.join(cmd)}\n" + "".join(tail))
-    return stamps, "".join(tail), total
+    return stamps, cpu, "".join(tail), total
 
 
 def run_gradbus(args, cfg, ranks, sets):
@@ -62,7 +91,7 @@ def run_gradbus(args, cfg, ranks, sets):
         cmd = [args.gradbus, "run", "--np", str(ranks), "--run-dir", run_dir, args.config]
         for s in sets:
             cmd += ["--set", s]
-        stamps, _, total = timed_run(cmd, args.steps)
+        stamps, cpu, _, total = timed_run(cmd, args.steps)
         upd_ms = 0.0
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in f:
@@ -71,7 +100,7 @@ def run_gradbus(args, cfg, ranks, sets):
                     upd_ms += m["time_update_ms"]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return stamps, total, upd_ms / 1e3
+    return stamps, cpu, total, upd_ms / 1e3
 
 
 def run_pytorch(args, cfg, ranks, sets):
@@ -80,8 +109,8 @@ def run_pytorch(args, cfg, ranks, sets):
     for s in sets:
         cmd += ["--set", s]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    stamps, _, total = timed_run(cmd, args.steps, env)
-    return stamps, total, None
+    stamps, cpu, _, total = timed_run(cmd, args.steps, env)
+    return stamps, cpu, total, None
 
 
 def main():
@@ -113,16 +142,19 @@ def main():
                 sides.reverse()
             for side, fn in sides:
                 la = loadavg()
-                stamps, total, upd_s = fn(args, cfg, ranks, sets)
+                stamps, cpu, total, upd_s = fn(args, cfg, ranks, sets)
                 wall = stamps[args.steps - 1] - stamps[0]
+                cpu_s = cpu[args.steps - 1] - cpu[0]
                 r = {"side": side, "ranks": ranks, "rep": rep, "steps": args.steps, "tokens": tokens,
-                     "wall_s": wall, "tokens_per_s": tokens / wall, "process_wall_s": total, "loadavg": la}
+                     "wall_s": wall, "tokens_per_s": tokens / wall, "process_wall_s": total, "loadavg": la,
+                     "cpu_s": cpu_s, "tokens_per_cpu_s": tokens / cpu_s}
                 if upd_s is not None:
                     r["update_s"] = upd_s  # gradbus metrics: sum of time_update_ms over steps 1..S-1 (rank 0)
                 runs.append(r)
                 extra = f", updates {100 * upd_s / wall:.0f}% of it" if upd_s is not None else ""
                 print(f"rep {rep} {side:8s} ranks {ranks}: {r['tokens_per_s']:9.0f} tokens/s "
-                      f"(timed {wall:.2f} s{extra}; process {total:.1f} s; load {la})", flush=True)
+                      f"(timed {wall:.2f} s{extra}; {r['tokens_per_cpu_s']:.0f} tokens per CPU-second; "
+                      f"process {total:.1f} s; load {la})", flush=True)
 
     print(f"load average at end: {loadavg()}")
     summary = []
@@ -138,6 +170,18 @@ def main():
             rtxt = f"{ratio:.1f}x ({min(paired):.1f}..{max(paired):.1f})" if s == "gradbus" else ""
             print(f"{s:8s} {ranks:5d} {args.steps:5d} {med[s]:16.0f} {min(v):8.0f}..{max(v):<8.0f} {rtxt:>22s}")
         summary.append({"ranks": ranks, "median": med, "ratio": ratio, "paired_ratios": paired})
+    # The same per CPU-second of every rank between the two stamps: what a loaded machine (where
+    # each side gets a varying share of the cores) changes least. Spinning waits count as work.
+    print()
+    print(f"{'side':8s} {'ranks':>5s} {'steps':>5s} {'tokens/CPU-s median':>20s} {'min..max':>17s} {'gradbus/PyTorch':>22s}")
+    for ranks in ranks_list:
+        per = {s: [r for r in runs if r["side"] == s and r["ranks"] == ranks] for s in ("gradbus", "pytorch")}
+        med = {s: statistics.median(r["tokens_per_cpu_s"] for r in per[s]) for s in per}
+        paired = [g["tokens_per_cpu_s"] / p["tokens_per_cpu_s"] for g, p in zip(per["gradbus"], per["pytorch"])]
+        for s in ("gradbus", "pytorch"):
+            v = [r["tokens_per_cpu_s"] for r in per[s]]
+            rtxt = f"{med['gradbus'] / med['pytorch']:.1f}x ({min(paired):.1f}..{max(paired):.1f})" if s == "gradbus" else ""
+            print(f"{s:8s} {ranks:5d} {args.steps:5d} {med[s]:20.0f} {min(v):8.0f}..{max(v):<8.0f} {rtxt:>22s}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "sets": sets, "runs": runs, "summary": summary}, f, indent=1)

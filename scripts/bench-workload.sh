@@ -4,10 +4,15 @@
 # bench/compare.py, which alternates the two sides for a few repetitions and prints tokens/s and the
 # ratio. PyTorch is a benchmark-only dependency: this script is the only thing that installs it.
 #
-# Usage: scripts/bench-workload.sh [--size tiny,3.2M] [--steps S] [--reps N] [--ranks 2,1] [--set key=value ...]
+# Usage: scripts/bench-workload.sh [--size tiny,3.2M] [--simd LEVEL] [--steps S] [--reps N] [--ranks 2,1] [--set key=value ...]
 #   --size  the model sizes, one comparison each (default tiny): tiny = examples/tiny.toml as it is
 #           (103,168 parameters); 3.2M = --set model.channels=256 --set model.layers=4 (3,171,840
 #           parameters), with --steps 8 unless --steps is given (an update is ~50x the tiny one's).
+#   --simd  the instruction set BOTH sides may use, as if the CPU had no more: avx2, avx or
+#           baseline (default: all this CPU has). gradbus: GRADBUS_SIMD=LEVEL; PyTorch: ATen's
+#           ATEN_CPU_CAPABILITY, MKL's MKL_ENABLE_INSTRUCTIONS and oneDNN's ONEDNN_MAX_CPU_ISA. So an
+#           AVX-512 machine measures what an AVX2-only CPU of its clock would give. The paths that
+#           ran are printed first.
 # Env:   BENCH_PYTHON  a python that already has torch (default: /tmp/torchvenv if present, else
 #                      .venv-bench/, created here and git-ignored)
 #        BENCH_CONFIG  the config (default examples/tiny.toml)
@@ -39,6 +44,7 @@ if ! "$py" -c 'import torch, tomllib' 2>/dev/null; then
 fi
 
 sizes=tiny
+simd=
 steps_given=0
 args=()
 while [ $# -gt 0 ]; do
@@ -46,11 +52,26 @@ while [ $# -gt 0 ]; do
     --size) sizes="$2"; shift 2 ;;
     --size=*) sizes="${1#--size=}"; shift ;;
     --steps|--steps=*) steps_given=1; args+=("$1"); shift ;;
+    --simd) simd="$2"; shift 2 ;;
+    --simd=*) simd="${1#--simd=}"; shift ;;
     *) args+=("$1"); shift ;;
   esac
 done
 
+case "$simd" in
+  "") ;;
+  avx2) export GRADBUS_SIMD=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ;;
+  avx) export GRADBUS_SIMD=avx ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX ONEDNN_MAX_CPU_ISA=AVX ;;
+  baseline) export GRADBUS_SIMD=baseline ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41 ;;
+  *) echo "--simd: unknown level '$simd' (hint: avx2, avx or baseline; leave it out for all this CPU has)" >&2; exit 2 ;;
+esac
+
 cargo build --release --quiet
+cargo build --release --quiet -p gradbus-kernels --example workbench
+echo "== CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
+echo "== gradbus path: $("${CARGO_TARGET_DIR:-target}/release/examples/workbench" simd | head -1)"
+echo "== PyTorch path: ATen $("$py" -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')," \
+  "MKL_ENABLE_INSTRUCTIONS=${MKL_ENABLE_INSTRUCTIONS:-unset} ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-unset}"
 
 for size in ${sizes//,/ }; do
   case "$size" in

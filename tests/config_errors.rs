@@ -293,3 +293,45 @@ fn ranks_with_different_configs_refuse_to_share_a_bus() {
     assert!(e0.contains("rank(s) [1] did not arrive"), "rank 0 names rank 1 as the one missing:\n{e0}");
     assert!(common::segments_left(&job).is_empty(), "segment left behind");
 }
+
+/// A bad `GRADBUS_SIMD` (the kernels' instruction-set level) is exit 2 with one message naming the
+/// variable and the valid levels, never a panic: from `gradbus run`, `bench` and `replay` before
+/// anything starts (no run directory, no rank), and from a bare worker and a bare benchmark rank (as
+/// under mpirun).
+#[test]
+fn a_bad_simd_level_is_refused_naming_the_variable_and_the_levels_before_any_rank_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("never");
+    let dir = d.to_str().unwrap();
+    let bad = [("GRADBUS_SIMD", "sse9")];
+    let check = |r: &common::Run, who: &str| {
+        let (out, err) = (r.stdout(), r.stderr());
+        assert_eq!(r.code(), Some(2), "{who}: {}\n{err}", r.cmd);
+        no_panic(r);
+        assert_eq!(err.lines().filter(|l| l.contains("error:")).count(), 1, "{who}: one error line\n{err}");
+        assert!(err.contains("GRADBUS_SIMD=\"sse9\""), "{who}: names the variable and its value\n{err}");
+        for level in ["baseline", "avx", "avx2", "avx512"] {
+            assert!(err.contains(level), "{who}: names the level {level}\n{err}");
+        }
+        assert!(err.contains("hint:"), "{who}: {err}");
+        assert!(!out.contains("[rank ") && !err.contains("[rank "), "{who}: a rank was started\n{out}{err}");
+        assert!(!d.exists(), "{who}: the run dir was created");
+    };
+    check(&gradbus(&["run", "--np", "2", "--run-dir", dir, "examples/tiny.toml"], &bad), "gradbus run");
+    check(&gradbus(&["bench", "allreduce", "--np", "2", "--run-dir", dir], &bad), "gradbus bench");
+    check(&gradbus(&["replay", dir], &bad), "gradbus replay");
+    let rank = [
+        ("GRADBUS_RANK", "0"),
+        ("GRADBUS_LOCAL_RANK", "0"),
+        ("GRADBUS_WORLD_SIZE", "1"),
+        ("GRADBUS_LOCAL_SIZE", "1"),
+        ("GRADBUS_NODE_ID", "0"),
+        ("GRADBUS_JOB_ID", "badsimd"),
+        bad[0],
+    ];
+    check(&gradbus(&["worker", "--run-dir", dir, "examples/tiny.toml"], &rank), "a bare worker");
+    check(&gradbus(&["worker", "--bench-allreduce", "--run-dir", dir], &rank), "a bare benchmark rank");
+    // Unset or empty: the best level this CPU has, as before.
+    let r = gradbus(&["run", "--run-dir", dir, "examples/tiny.toml", "--set", "steps=1"], &[("GRADBUS_SIMD", "")]);
+    r.expect_code(0);
+}

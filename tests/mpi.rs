@@ -284,8 +284,8 @@ fn two_nodes_in_network_namespaces_train_over_tcp_like_two_fake_nodes_and_tear_d
     assert!(nodes.processes_left().is_empty(), "left: {:?}", nodes.processes_left());
 }
 
-/// The agreement's summary path (the default) and its table path (`GRADBUS_AGREEMENT=table`) give
-/// bitwise the same metrics over flat MPI and the hierarchical transport (2 fake nodes).
+/// The agreement's summary path and its table path, each forced (`GRADBUS_AGREEMENT`), give bitwise
+/// the same metrics over flat MPI and the hierarchical transport (2 fake nodes).
 #[test]
 fn summary_and_table_agreement_give_bitwise_identical_metrics_over_mpi_and_hier() {
     let d = tempfile::tempdir().unwrap();
@@ -295,7 +295,7 @@ fn summary_and_table_agreement_give_bitwise_identical_metrics_over_mpi_and_hier(
         metrics(&dir)
     };
     for (name, env) in [("flat", ("GRADBUS_TRANSPORT", "mpi")), ("hier", ("GRADBUS_FAKE_NODES", "2"))] {
-        let summary = run(&format!("{name}-summary"), &[env]);
+        let summary = run(&format!("{name}-summary"), &[env, ("GRADBUS_AGREEMENT", "summary")]);
         let table = run(&format!("{name}-table"), &[env, ("GRADBUS_AGREEMENT", "table")]);
         assert_eq!(summary.len(), 2 * 16);
         assert_eq!(summary, table, "{name}: the paths' metrics differ");

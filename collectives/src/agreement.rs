@@ -642,24 +642,33 @@ pub(crate) fn health_of(w: &[u64]) -> Health {
     Health { nan: w[0], inf: w[1], sumsq: f64::from_bits(w[2]), first_bad: (w[3] != NONE).then_some(w[3]) }
 }
 
-/// Which way the agreement goes: the O(buckets) summary with the table only on an anomaly (the
-/// default), or always the full table (`GRADBUS_AGREEMENT=table`, to compare the two).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Which way the agreement goes: the O(buckets) summary with the table only on an anomaly, or
+/// always the full table. Over MPI the cost model (`Cost`) chooses, for the world size, bucket
+/// count and number of workload values, at open; `GRADBUS_AGREEMENT=table|summary` overrides it.
+/// Both give the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AgreementPath {
     /// One all-reduce of the summary; the table only when the summary shows an anomaly.
-    #[default]
     Summary,
     /// Always gather the full per-rank table (today's path).
     Table,
 }
 
 impl AgreementPath {
-    /// The environment variable that chooses the path.
+    /// The environment variable that forces the path.
     pub const ENV: &'static str = "GRADBUS_AGREEMENT";
 
-    /// `config_hash` with the path folded in (unchanged for the default), for the identity check at
-    /// open: ranks on different paths would run different collectives (an all-reduce against an
-    /// all-gather), so they must fail at open instead, as ranks with different configs do.
+    /// The path's name, as `GRADBUS_AGREEMENT` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            AgreementPath::Summary => "summary",
+            AgreementPath::Table => "table",
+        }
+    }
+
+    /// `config_hash` with the path folded in, for the identity check at open: ranks on different
+    /// paths would run different collectives (an all-reduce against an all-gather), so they must fail
+    /// at open instead, as ranks with different configs do.
     pub fn fold(self, config_hash: u64) -> u64 {
         match self {
             AgreementPath::Summary => config_hash,
@@ -667,19 +676,135 @@ impl AgreementPath {
         }
     }
 
-    /// The path from `GRADBUS_AGREEMENT` (`summary` or `table`; unset: `summary`).
-    pub fn from_env() -> Result<AgreementPath, crate::Error> {
+    /// The path forced by `GRADBUS_AGREEMENT` (`summary` or `table`; unset or empty: none).
+    pub fn from_env() -> Result<Option<AgreementPath>, crate::Error> {
         match std::env::var(AgreementPath::ENV) {
-            Err(_) => Ok(AgreementPath::Summary),
+            Err(_) => Ok(None),
             Ok(v) => match v.as_str() {
-                "" | "summary" => Ok(AgreementPath::Summary),
-                "table" => Ok(AgreementPath::Table),
+                "" => Ok(None),
+                v if v == AgreementPath::Summary.name() => Ok(Some(AgreementPath::Summary)),
+                v if v == AgreementPath::Table.name() => Ok(Some(AgreementPath::Table)),
                 other => Err(crate::Error::Config {
                     what: format!("{}={other:?} is not an agreement path", AgreementPath::ENV),
-                    hint: "use `summary` (the default) or `table`".into(),
+                    hint: "use `summary` or `table`, or unset it to let the cost model choose".into(),
                 }),
             },
         }
+    }
+
+    /// The path the cost model says is cheaper for `world` ranks, `buckets` buckets and `values`
+    /// workload values (a tie goes to the table, which needs no second collective on an anomaly).
+    pub fn cheaper(world: usize, buckets: usize, values: usize) -> AgreementPath {
+        let c = cost(world, buckets, values);
+        if c.summary_us() < c.table_us() {
+            AgreementPath::Summary
+        } else {
+            AgreementPath::Table
+        }
+    }
+
+    /// The path of an MPI agreement among `world` ranks over `buckets` buckets with the workload
+    /// values `values`: `GRADBUS_AGREEMENT` if set, else the cost model's choice. A pure function of
+    /// the three, which every rank shares (the world size, layout and value names are checked at
+    /// open: ranks that differ in any of them are refused there whatever path they chose), so every
+    /// rank chooses alike.
+    pub fn choose(world: usize, buckets: usize, values: &ValueNames) -> Result<AgreementPath, crate::Error> {
+        Ok(AgreementPath::from_env()?.unwrap_or_else(|| AgreementPath::cheaper(world, buckets, values.len())))
+    }
+}
+
+/// The time model's constants, calibrated on the development machine (2 cores, Open MPI 4.1 over
+/// shared memory; `scripts/agreement-cost.py` on `gradbus worker --bench-allreduce --agreement`, the
+/// run in docs/agreement.md): one exchange's latency and the cost of a byte moved into a rank (from
+/// the 2-rank all-gathers), and the CPU cost per byte of reading the gathered rows into the table
+/// and of writing and reading the summary's words (from every row's CPU-only timings). A real
+/// network has a larger latency (which favours the table: one collective instead of two) and a
+/// larger cost per byte (which favours the summary); `GRADBUS_AGREEMENT` overrides the choice.
+pub mod model {
+    /// Latency of one exchange (microseconds).
+    pub const ALPHA_US: f64 = 0.63;
+    /// Transfer cost of a byte into a rank (microseconds).
+    pub const BETA_US_PER_BYTE: f64 = 0.0818e-3;
+    /// Table path: reading the gathered rows into the table, per byte of all rows (microseconds).
+    pub const TABLE_CPU_US_PER_BYTE: f64 = 0.1165e-3;
+    /// Summary path: writing and reading the summary's words, per byte of one summary (microseconds).
+    pub const SUMMARY_CPU_US_PER_BYTE: f64 = 0.5336e-3;
+}
+
+/// Bytes, exchanges and modelled time of one agreement, per rank, on both paths (docs/agreement.md).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Cost {
+    /// Ranks.
+    pub world: usize,
+    /// Buckets.
+    pub buckets: usize,
+    /// Workload values each rank reports (`ValueNames::len`).
+    pub values: usize,
+    /// Table path: one rank's row (op hash, reducer flag, 4 words of local and of reduced health
+    /// per bucket, the report).
+    pub row_bytes: usize,
+    /// Table path: bytes every rank ends up holding (world x row), all of which crossed to it but
+    /// its own row.
+    pub table_bytes: usize,
+    /// Summary path: bytes of one contribution (integer-sum and maximum words together), the
+    /// same whatever the world size.
+    pub summary_bytes: usize,
+    /// Summary path: bytes into each rank over a recursive-doubling all-reduce
+    /// (ceil(log2 world) exchanges of the whole summary); a reduce-scatter + all-gather needs
+    /// 2 (world - 1) / world of it.
+    pub summary_bytes_in: usize,
+    /// Latency terms of one collective: ceil(log2 world) exchanges. The table path is one
+    /// collective, the summary path two (sums, maxima); the failure path pays both paths.
+    pub rounds: usize,
+}
+
+impl Cost {
+    /// The table path's modelled time (microseconds): one all-gather, then the rows read.
+    pub fn table_us(&self) -> f64 {
+        self.rounds as f64 * model::ALPHA_US
+            + (self.table_bytes - self.row_bytes) as f64 * model::BETA_US_PER_BYTE
+            + self.table_bytes as f64 * model::TABLE_CPU_US_PER_BYTE
+    }
+
+    /// The summary path's modelled time on a healthy update (microseconds): two all-reduces, and
+    /// the words written and read.
+    pub fn summary_us(&self) -> f64 {
+        2.0 * self.rounds as f64 * model::ALPHA_US
+            + self.summary_bytes_in as f64 * model::BETA_US_PER_BYTE
+            + self.summary_bytes as f64 * model::SUMMARY_CPU_US_PER_BYTE
+    }
+}
+
+/// One agreement's measured times on both paths, beside the model's `Cost` (microseconds per call;
+/// measured by the agreement benchmark, `mpi::bench_agreement`, printed by `bench_agreement`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Times {
+    /// The bare `MPI_Allgather` of one row per rank: calibrates the model's latency and bandwidth.
+    pub allgather_us: f64,
+    /// The table path as the transports run it: the all-gather and the table read from the rows.
+    pub table_us: f64,
+    /// The summary path on a healthy update: the words, two `MPI_Allreduce`s, the decoded table.
+    pub summary_us: f64,
+    /// The table path's CPU part alone: the gathered rows read into the table.
+    pub table_cpu_us: f64,
+    /// The summary path's CPU part alone: the words written and read back.
+    pub summary_cpu_us: f64,
+}
+
+/// The cost model of one agreement of `values` workload values.
+pub fn cost(world: usize, buckets: usize, values: usize) -> Cost {
+    let row_bytes = 8 * (2 + 8 * buckets + LocalReport::words(values));
+    let summary_bytes = 8 * (Summary::sum_len(buckets, values) + Summary::max_len(buckets, values));
+    let rounds = world.next_power_of_two().trailing_zeros() as usize;
+    Cost {
+        world,
+        buckets,
+        values,
+        row_bytes,
+        table_bytes: world * row_bytes,
+        summary_bytes,
+        summary_bytes_in: rounds * summary_bytes,
+        rounds,
     }
 }
 
@@ -1006,5 +1131,61 @@ pub(crate) mod tests {
         a.ops.add(2);
         assert_eq!(a.anomaly(), Some(Anomaly::Collectives));
         assert_eq!(Summary::of_rank(&none, &h, None, &r).anomaly(), Some(Anomaly::Reducers), "no reducer at all");
+    }
+
+    #[test]
+    fn the_summary_does_not_grow_with_the_world_and_the_table_does() {
+        let (a, b) = (cost(8, 100, 5), cost(16384, 100, 5));
+        assert_eq!(a.summary_bytes, b.summary_bytes);
+        assert_eq!(b.table_bytes, 2048 * a.table_bytes);
+        assert_eq!((a.rounds, b.rounds), (3, 14));
+        assert_eq!(cost(1, 7, 5).rounds, 0);
+        let c = cost(8, 100, 7);
+        assert_eq!(c.row_bytes - a.row_bytes, 16, "2 more values, 2 more words");
+        assert_eq!(c.summary_bytes - a.summary_bytes, 2 * 8 * 73, "2 more values, 2 more stats of 73 words");
+    }
+
+    /// The cost model's choice: the table where the summary is not cheaper (one rank, and small
+    /// worlds: the summary's two collectives and fixed 3.5 KB), the summary at scale (16k ranks move
+    /// 1.8 GB of table into every rank at 1750 buckets), and once the summary wins at some world
+    /// size it wins at twice that size (the table's bytes double, the summary adds one exchange);
+    /// with no workload value, the reference workload's 5 and many.
+    #[test]
+    fn the_model_chooses_the_table_for_small_worlds_and_the_summary_at_scale() {
+        for values in [0, 5, 100] {
+            for buckets in [1, 7, 100, 1750] {
+                let at = |world| AgreementPath::cheaper(world, buckets, values);
+                let case = format!("{buckets} buckets, {values} values");
+                assert_eq!(at(1), AgreementPath::Table, "1 rank, {case}");
+                assert_eq!(at(2), AgreementPath::Table, "2 ranks, {case}");
+                assert_eq!(at(16384), AgreementPath::Summary, "16k ranks, {case}");
+                for world in 1..=8192 {
+                    let c = cost(world, buckets, values);
+                    assert_eq!(at(world) == AgreementPath::Summary, c.summary_us() < c.table_us());
+                    if at(world) == AgreementPath::Summary {
+                        assert_eq!(at(2 * world), AgreementPath::Summary, "{world} ranks, {case}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The value count is part of the choice: each value adds 73 words to the summary and one word
+    /// to every rank's row, so more values move the crossover to larger worlds (at 7 buckets, 64
+    /// ranks take the summary with no value and the table with 100).
+    #[test]
+    fn the_models_choice_depends_on_the_value_count() {
+        assert_eq!(AgreementPath::cheaper(64, 7, 0), AgreementPath::Summary);
+        assert_eq!(AgreementPath::cheaper(64, 7, 100), AgreementPath::Table);
+        for buckets in [1, 7, 30, 100, 300, 1750] {
+            let crossover =
+                |values| (1..=1 << 16).find(|&w| AgreementPath::cheaper(w, buckets, values) == AgreementPath::Summary);
+            let xs: Vec<usize> =
+                [0, 1, 5, 20, 100].map(|v| crossover(v).expect("the summary wins by 64k ranks")).to_vec();
+            assert!(
+                xs.windows(2).all(|p| p[0] <= p[1]),
+                "{buckets} buckets: crossovers {xs:?} for 0, 1, 5, 20, 100 values"
+            );
+        }
     }
 }

@@ -481,7 +481,10 @@ pub fn format_table(rows: &[BenchRow]) -> String {
     // The hierarchical all-reduce column (shm inside fake nodes, MPI between their leaders), when measured.
     let with_hier = rows.iter().any(|r| r.hier_time_us.is_some());
     let hier_head = |a: &str| if with_hier { format!(" {a:>11}") } else { String::new() };
-    let mut s = format!("# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average)\n#\n");
+    let mut s = format!(
+        "# gradbus shm all-reduce, {np} ranks, times of rank 0 (best round average); kernels' path {}\n#\n",
+        gradbus_kernels::simd::active()
+    );
     s += &format!(
         "#{}{}{}\n",
         line(HEAD.iter().map(|h| h.0.to_string()).collect()),

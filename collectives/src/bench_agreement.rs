@@ -1,7 +1,9 @@
-//! The agreement benchmark: what one update's agreement costs on each path, as bytes (the cost
-//! model, `cost`) and as time (`rank_main`, under `mpirun`, feature `mpi`): the table path's
-//! `MPI_Allgather` of one row per rank against the summary path's all-reduce (two
-//! `MPI_Allreduce`s: integer sums, maxima) of `Summary` words, for each bucket count asked for.
+//! The agreement benchmark: what one update's agreement costs on each path, measured (`rank_main`,
+//! under `mpirun`, feature `mpi`) beside the cost model that chooses the path (`agreement::cost`,
+//! `AgreementPath::cheaper`): the table path (an `MPI_Allgather` of one row per rank, the rows read
+//! into the table) against the summary path (two `MPI_Allreduce`s of `Summary` words: integer sums,
+//! maxima; decoded), each also without MPI (its CPU part), for each bucket count asked for and the
+//! workload's values (the worker's: their count sizes the row and the summary).
 //!
 //! `mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 target/release/gradbus worker
 //! --bench-allreduce --agreement --buckets 7,100,1750` (rank 0 prints one line per bucket count;
@@ -10,7 +12,7 @@
 
 use serde::Serialize;
 
-use crate::agreement::{LocalReport, Summary, ValueNames};
+use crate::agreement::{AgreementPath, Cost, Times, ValueNames};
 use crate::Error;
 
 /// Timed rounds per bucket count; the best is reported (a shared machine's interference only
@@ -18,57 +20,30 @@ use crate::Error;
 #[cfg(feature = "mpi")]
 const ROUNDS: usize = 10;
 
-/// Bytes and rounds of one agreement, per rank, on both paths (see `docs/agreement.md`).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct Cost {
-    /// Ranks.
-    pub world: usize,
-    /// Buckets.
-    pub buckets: usize,
-    /// Table path: one rank's row (op hash, reducer flag, 4 words of local and of reduced health
-    /// per bucket, the report).
-    pub row_bytes: usize,
-    /// Table path: bytes every rank ends up holding (world x row), all of which crossed to it but
-    /// its own row.
-    pub table_bytes: usize,
-    /// Summary path: bytes of one contribution (integer-sum and maximum words together), the
-    /// same whatever the world size.
-    pub summary_bytes: usize,
-    /// Summary path: bytes into each rank over a recursive-doubling all-reduce
-    /// (ceil(log2 world) exchanges of the whole summary); a reduce-scatter + all-gather needs
-    /// 2 (world - 1) / world of it.
-    pub summary_bytes_in: usize,
-    /// Latency terms of one collective: ceil(log2 world) exchanges. The table path is one
-    /// collective, the summary path two (sums, maxima); the failure path pays both paths.
-    pub rounds: usize,
-}
-
-/// The cost model of one agreement of `values` workload values.
-pub fn cost(world: usize, buckets: usize, values: usize) -> Cost {
-    let row_bytes = 8 * (2 + 8 * buckets + LocalReport::words(values));
-    let summary_bytes = 8 * (Summary::sum_len(buckets, values) + Summary::max_len(buckets, values));
-    let rounds = world.next_power_of_two().trailing_zeros() as usize;
-    Cost {
-        world,
-        buckets,
-        row_bytes,
-        table_bytes: world * row_bytes,
-        summary_bytes,
-        summary_bytes_in: rounds * summary_bytes,
-        rounds,
-    }
-}
-
-/// One measured line (rank 0).
+/// One measured line (rank 0): the model's bytes and times beside the measured times.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct AgreementRow {
     /// The model's bytes.
     #[serde(flatten)]
     pub cost: Cost,
-    /// `MPI_Allgather` of one row per rank (microseconds).
-    pub allgather_us: f64,
-    /// The summary all-reduce, decode included (microseconds).
-    pub summary_us: f64,
+    /// The measured times.
+    #[serde(flatten)]
+    pub times: Times,
+    /// The model's time of the table path (`Cost::table_us`).
+    pub model_table_us: f64,
+    /// The model's time of the summary path (`Cost::summary_us`).
+    pub model_summary_us: f64,
+    /// The path the model chooses (`AgreementPath::cheaper`), as `GRADBUS_AGREEMENT` names it.
+    pub model_choice: &'static str,
+}
+
+impl AgreementRow {
+    /// The row of `times` measured at `cost`'s world size, bucket count and value count, with the
+    /// model's times and choice.
+    pub fn new(cost: Cost, times: Times) -> AgreementRow {
+        let model_choice = AgreementPath::cheaper(cost.world, cost.buckets, cost.values).name();
+        AgreementRow { cost, times, model_table_us: cost.table_us(), model_summary_us: cost.summary_us(), model_choice }
+    }
 }
 
 /// Run one benchmark process (started by `mpirun`, every rank with the same arguments) with the
@@ -85,8 +60,8 @@ pub fn rank_main(
     crate::mpi::check_bench_world(&universe, rank, np)?;
     let mut rows = Vec::new();
     for &b in buckets {
-        let (allgather_us, summary_us) = crate::mpi::bench_agreement(&universe, b, values, 3, iters, ROUNDS);
-        rows.push(AgreementRow { cost: cost(np, b, values.len()), allgather_us, summary_us });
+        let times = crate::mpi::bench_agreement(&universe, b, values, 3, iters, ROUNDS);
+        rows.push(AgreementRow::new(crate::agreement::cost(np, b, values.len()), times));
     }
     Ok((rank == 0).then_some(rows))
 }
@@ -106,33 +81,28 @@ pub fn rank_main(
     })
 }
 
-/// The rows as a table.
+/// The rows as a table: per path the measured time, its CPU part and the model's time (all
+/// microseconds), and the model's choice.
 pub fn format_table(rows: &[AgreementRow]) -> String {
     let mut s = format!(
-        "{:>6} {:>8} {:>10} {:>13} {:>13} {:>13} {:>13}\n",
-        "world", "buckets", "row B", "table B", "allgather us", "summary B", "summary us"
+        "{:>6} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8}\n",
+        "world", "buckets", "allgather", "table", "table cpu", "model", "summary", "summ. cpu", "model", "choice"
     );
     for r in rows {
-        let c = &r.cost;
+        let (c, t) = (&r.cost, &r.times);
         s += &format!(
-            "{:>6} {:>8} {:>10} {:>13} {:>13.1} {:>13} {:>13.1}\n",
-            c.world, c.buckets, c.row_bytes, c.table_bytes, r.allgather_us, c.summary_bytes, r.summary_us
+            "{:>6} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8}\n",
+            c.world,
+            c.buckets,
+            t.allgather_us,
+            t.table_us,
+            t.table_cpu_us,
+            r.model_table_us,
+            t.summary_us,
+            t.summary_cpu_us,
+            r.model_summary_us,
+            r.model_choice
         );
     }
     s
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_summary_does_not_grow_with_the_world_and_the_table_does() {
-        let (a, b) = (cost(8, 100, 5), cost(16384, 100, 5));
-        assert_eq!(a.summary_bytes, b.summary_bytes);
-        assert_eq!(b.table_bytes, 2048 * a.table_bytes);
-        assert_eq!((a.rounds, b.rounds), (3, 14));
-        assert_eq!(cost(1, 7, 5).rounds, 0);
-        assert_eq!(cost(8, 100, 7).row_bytes - a.row_bytes, 16, "2 more values, 2 more words");
-    }
 }

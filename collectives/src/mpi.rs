@@ -9,11 +9,12 @@
 //!  copy the sum back, scan its health    leaders: MPI_Allreduce(SUM) of the node sums
 //!                                        shm broadcast: leader's slot -> every local slot
 //!
-//!  agree (per update, both):
+//!  agree (per update, both), on the path chosen at open (`AgreementPath::choose`: the cost
+//!  model for this world size, bucket count and value count, or GRADBUS_AGREEMENT; checked at open):
 //!    summary path: MPI_Allreduce(SUM) + MPI_Allreduce(MAX) of every rank's `Summary` words
-//!      (O(buckets), whatever the world; hier: the leaders contribute their node's summary)
-//!    only if it shows an anomaly (non-finite, replicas/reducers/collectives differ), or with
-//!    GRADBUS_AGREEMENT=table: ONE MPI_Allgather of a fixed-size row per rank:
+//!      (O(buckets), whatever the world; hier: the leaders contribute their node's summary),
+//!      then, only if it shows an anomaly (non-finite, replicas/reducers/collectives differ):
+//!    table path: ONE MPI_Allgather of a fixed-size row per rank:
 //!      [op hash | local health per bucket | reduced health per bucket | LocalReport]
 //!  every rank builds the HealthTable from the same reduced or gathered bytes: identical tables.
 //! ```
@@ -61,7 +62,7 @@ use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
 use gradbus_kernels::{health_scan, Health};
 
-use crate::agreement::{AgreementPath, LocalReport, Summary, ValueNames};
+use crate::agreement::{AgreementPath, LocalReport, Summary, Times, ValueNames};
 use crate::layout::{Fnv, Layout};
 use crate::shm::{BusConfig, ShmBus};
 use crate::transport::{Progress, Transport};
@@ -228,9 +229,16 @@ fn agree_rows(
     reduced: Option<&[Health]>,
     report: &LocalReport,
 ) -> Result<HealthTable, Error> {
+    let mine = row_words(ops, local, reduced, report);
+    let mut all = vec![0u64; comm.size() as usize * mine.len()];
+    comm.all_gather_into(&mine[..], &mut all[..]);
+    table_of_rows(&all, local.len(), names, ops, comm.rank() as usize)
+}
+
+/// One rank's row of the table path (see `agree_rows`).
+fn row_words(ops: u64, local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Vec<u64> {
     let nb = local.len();
-    let row = 2 + 8 * nb + LocalReport::words(report.values.len());
-    let mut mine = Vec::with_capacity(row);
+    let mut mine = Vec::with_capacity(2 + 8 * nb + LocalReport::words(report.values.len()));
     mine.push(ops);
     mine.push(reduced.is_some() as u64);
     mine.extend(local.iter().flat_map(health_words));
@@ -239,12 +247,17 @@ fn agree_rows(
         None => mine.resize(mine.len() + 4 * nb, 0),
     }
     mine.extend(report.to_words());
-    debug_assert_eq!(mine.len(), row);
-    let n = comm.size() as usize;
-    let me = comm.rank() as usize;
-    let mut all = vec![0u64; n * row];
-    comm.all_gather_into(&mine[..], &mut all[..]);
+    mine
+}
+
+/// The table every rank builds from the same gathered rows (`row_words` of every rank, in rank
+/// order, over `nb` buckets and reports of the values `names`), after checking that all ran the
+/// collectives `ops` hashes and that every reducer's sums are the same bits. `me`: this rank, for
+/// the error message.
+fn table_of_rows(all: &[u64], nb: usize, names: &ValueNames, ops: u64, me: usize) -> Result<HealthTable, Error> {
+    let row = 2 + 8 * nb + LocalReport::words(names.len());
     let rows: Vec<&[u64]> = all.chunks_exact(row).collect();
+    let n = rows.len();
     for (j, r) in rows.iter().enumerate() {
         if r[0] != ops {
             return Err(Error::Mismatch {
@@ -435,10 +448,10 @@ pub struct MpiTransport {
 
 impl MpiTransport {
     /// Initialise MPI, check that the environment's rank and world size agree with it, and check
-    /// every rank's `config_hash`, layout and workload `values` (one allgather). Collective over
-    /// `MPI_COMM_WORLD`.
+    /// every rank's `config_hash`, layout and workload `values` (one allgather), the agreement path
+    /// (`AgreementPath::choose`) folded into the hash. Collective over `MPI_COMM_WORLD`.
     pub fn open(expect: Expect, layout: Layout, values: ValueNames, config_hash: u64) -> Result<MpiTransport, Error> {
-        let agreement = AgreementPath::from_env()?;
+        let agreement = AgreementPath::choose(expect.world, layout.buckets.len(), &values)?;
         let hash = agreement.fold(config_hash) ^ values.hash();
         let ident = [expect.rank as u64, expect.rank as u64, 0, 1, hash, layout.hash()];
         let (core, _) = MpiCore::open(&expect, |_| Ok(ident))?;
@@ -532,7 +545,7 @@ impl HierTransport {
     pub fn open(expect: Expect, mut bus: BusConfig) -> Result<HierTransport, Error> {
         // A node id past a C int gets a colour anyway, so that this rank joins every split; it
         // fails after them (and its peers at their bus's deadline).
-        let agreement = AgreementPath::from_env()?;
+        let agreement = AgreementPath::choose(expect.world, bus.layout.buckets.len(), &bus.values)?;
         let env_node = bus.node_id;
         let fake = i32::try_from(env_node).unwrap_or(i32::MAX);
         // Find the node before opening the bus: the splits are collective over the world, and a
@@ -687,9 +700,11 @@ pub(crate) fn bench_allreduce(
 }
 
 /// The agreement benchmark's MPI side (`bench_agreement`): the average time of `iters`
-/// back-to-back calls of the table path's `MPI_Allgather` of one row per rank and of the summary
-/// path's all-reduce (`allreduce_summary`, decode included) over `buckets` buckets, best of
-/// `rounds`, rank 0's times shared with every rank, in microseconds.
+/// back-to-back calls of each, over `buckets` buckets, best of `rounds`, rank 0's times shared with
+/// every rank, in microseconds: the table path's bare `MPI_Allgather` of one row per rank (which
+/// calibrates the model's latency and bandwidth) and whole path (`agree_rows`: the gather and the
+/// table read from the rows), the summary path on a healthy update (`agree_world`: words, two
+/// all-reduces, the table decoded), and the CPU part of each path alone, without MPI.
 pub(crate) fn bench_agreement(
     universe: &Universe,
     buckets: usize,
@@ -697,18 +712,15 @@ pub(crate) fn bench_agreement(
     warmup: usize,
     iters: usize,
     rounds: usize,
-) -> (f64, f64) {
+) -> Times {
     let world = universe.world();
-    let n = world.size() as usize;
-    let mine = vec![1u64; 2 + 8 * buckets + LocalReport::words(values.len())];
-    let mut all = vec![0u64; n * mine.len()];
-    let mut contribution = Summary::of_rank(
-        values,
-        &vec![Health::default(); buckets],
-        Some(&vec![Health { sumsq: 1.5, ..Health::default() }; buckets]),
-        &LocalReport { loss: 0.5, values: vec![0.25; values.len()], ..LocalReport::default() },
-    );
-    contribution.ops.add(1);
+    let (local, reduced) =
+        (vec![Health::default(); buckets], vec![Health { sumsq: 1.5, ..Health::default() }; buckets]);
+    let report = LocalReport { loss: 0.5, values: vec![0.25; values.len()], ..LocalReport::default() };
+    let ops = 1;
+    let contribution = Summary::of_rank(values, &local, Some(&reduced), &report);
+    let mine = row_words(ops, &local, Some(&reduced), &report);
+    let mut all = vec![0u64; world.size() as usize * mine.len()];
     let time = |f: &mut dyn FnMut()| {
         for _ in 0..warmup {
             f();
@@ -725,9 +737,24 @@ pub(crate) fn bench_agreement(
         world.process_at_rank(0).broadcast_into(&mut best);
         best
     };
-    let gather = time(&mut || world.all_gather_into(&mine[..], &mut all[..]));
-    let summary = time(&mut || assert!(allreduce_summary(&world, &contribution).anomaly().is_none()));
-    (gather, summary)
+    let allgather_us = time(&mut || world.all_gather_into(&mine[..], &mut all[..]));
+    let table_us = time(&mut || {
+        let t = agree_rows(&world, values, ops, &local, Some(&reduced), &report).expect("healthy rows");
+        assert!(t.is_detailed());
+    });
+    let summary_us = time(&mut || {
+        let (s, row) = (contribution.clone(), || local.clone());
+        let t = agree_world(&world, AgreementPath::Summary, ops, s, row, Some(&reduced), &report).expect("healthy");
+        assert!(!t.is_detailed(), "a healthy update decides from the summary");
+    });
+    let table_cpu_us = time(&mut || assert!(table_of_rows(&all, buckets, values, ops, 0).is_ok()));
+    let summary_cpu_us = time(&mut || {
+        let mut s = contribution.clone();
+        s.ops.add(ops);
+        let back = Summary::from_words(buckets, values, &s.sum_words(), &s.max_words());
+        assert!(back.anomaly().is_none() && HealthTable::summarized(1, back).is_some());
+    });
+    Times { allgather_us, table_us, summary_us, table_cpu_us, summary_cpu_us }
 }
 
 /// `MPI_COMM_WORLD`'s size must be the benchmark's process count.

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
 use gradbus_collectives::shm::BusConfig;
-use gradbus_collectives::{decide, Error, History, Layout, LocalReport, ParamSpec, Policy, StepId, Transport};
+use gradbus_collectives::{
+    decide, AgreementPath, Error, History, Layout, LocalReport, ParamSpec, Policy, StepId, Transport,
+};
 use gradbus_kernels::rng::Rng;
 
 mod common;
@@ -141,11 +143,24 @@ fn run_child(dir: &Path, rank: usize) -> Result<(), Error> {
             let report = LocalReport { values: vec![0.0; value_names().len()], ..LocalReport::default() };
             t.agree(StepId::default(), report).map(drop)
         }
-        // Odd ranks force the table path, even ones keep the summary: refused at open.
+        // Odd ranks force the table path, even ones the summary: refused at open.
         "mixed-path" => {
+            let path = if rank % 2 == 1 { AgreementPath::Table } else { AgreementPath::Summary };
+            // Before any other thread exists in this child (`set_var` is not thread-safe).
+            std::env::set_var(AgreementPath::ENV, path.name());
+            open(np).map(drop)
+        }
+        // Odd ranks force the path the cost model chooses for this world, layout and value count
+        // (`GB_FORCE=model`) or the other one (`other`); even ones let the model choose.
+        "model-path" => {
+            let model = AgreementPath::cheaper(np, layout().buckets.len(), value_names().len());
             if rank % 2 == 1 {
-                // Before any other thread exists in this child (`set_var` is not thread-safe).
-                std::env::set_var(gradbus_collectives::AgreementPath::ENV, "table");
+                let forced = match var("GB_FORCE").as_str() {
+                    "model" => model,
+                    _ if model == AgreementPath::Table => AgreementPath::Summary,
+                    _ => AgreementPath::Table,
+                };
+                std::env::set_var(AgreementPath::ENV, forced.name());
             }
             open(np).map(drop)
         }
@@ -425,13 +440,14 @@ fn rank_leaving_while_the_others_wait_in_mpi_ends_the_job_instead_of_hanging() {
     assert_ne!(r.code, Some(0), "{}", r.explain());
 }
 
-/// The summary path (the default) and the forced table path (`GRADBUS_AGREEMENT=table`) give the
-/// same sums and the same digest (everything decided and reported from), bit for bit; on the
-/// update with a planted NaN (if any) both gather the same full table.
+/// The summary path and the table path, each forced (`GRADBUS_AGREEMENT`), give the same sums and
+/// the same digest (everything decided and reported from), bit for bit; on the update with a
+/// planted NaN (if any) both gather the same full table.
 fn paths_agree(np: usize, env: &[(&str, &str)]) {
-    let mut forced = env.to_vec();
-    forced.push(("GRADBUS_AGREEMENT", "table"));
-    let (a, b) = (run_reduce(np, env), run_reduce(np, &forced));
+    let (mut summary, mut table) = (env.to_vec(), env.to_vec());
+    summary.push((AgreementPath::ENV, "summary"));
+    table.push((AgreementPath::ENV, "table"));
+    let (a, b) = (run_reduce(np, &summary), run_reduce(np, &table));
     for (u, (x, y)) in a.iter().zip(&b).enumerate() {
         assert!(x.0 == y.0, "{np} ranks, update {u}: the sums differ between the paths");
         assert_eq!(String::from_utf8_lossy(&x.2), String::from_utf8_lossy(&y.2), "{np} ranks, update {u}");
@@ -459,18 +475,37 @@ fn summary_and_table_paths_agree_bitwise_on_a_planted_nan_flat() {
     paths_agree(3, &[("GB_TRANSPORT", "mpi"), ("GB_NAN_RANK", "1")]);
 }
 
+/// Without `GRADBUS_AGREEMENT` every rank takes the cost model's choice for the world size, the
+/// layout's bucket count and the number of workload values, and the choice is part of the identity
+/// checked at open: ranks that force the model's path open with the others, ranks that force the
+/// other path are refused on every rank (a forced path still overrides the model, so those ranks
+/// would run other collectives).
+#[test]
+fn without_an_override_every_rank_takes_the_cost_models_path_checked_at_open() {
+    for np in [2, 3] {
+        let env = [("GB_TRANSPORT", "mpi"), ("GB_FORCE", "model")];
+        let r = mpirun(np, "model-path", &env);
+        assert_eq!(r.code, Some(0), "{np} ranks, model's path forced on odd ranks: {}", r.explain());
+        assert_refused_at_open(np, "model-path", &[("GB_TRANSPORT", "mpi"), ("GB_FORCE", "other")]);
+    }
+}
+
+/// `scenario` on `np` ranks fails, and every rank reports a config-hash mismatch at open.
+fn assert_refused_at_open(np: usize, scenario: &str, env: &[(&str, &str)]) {
+    let mut env = env.to_vec();
+    env.push((EVERY_RANK_FAILS, "1"));
+    let r = mpirun(np, scenario, &env);
+    assert_ne!(r.code, Some(0), "{}", r.explain());
+    for (k, o) in every_outcome(&r, np).iter().enumerate() {
+        assert!(o.contains("Mismatch") && o.contains("config hash"), "rank {k}: {o}\n{}", r.explain());
+    }
+}
+
 /// Ranks on different agreement paths would run different collectives (all-reduce against
 /// all-gather): the identity check at open refuses them on every rank instead.
 #[test]
 fn ranks_on_different_agreement_paths_fail_at_open_with_a_mismatch() {
-    for (np, mut env) in
-        [(2, vec![("GB_TRANSPORT", "mpi")]), (4, vec![("GB_TRANSPORT", "hier"), ("GB_FAKE_NODES", "2")])]
-    {
-        env.push((EVERY_RANK_FAILS, "1"));
-        let r = mpirun(np, "mixed-path", &env);
-        assert_ne!(r.code, Some(0), "{}", r.explain());
-        for (k, o) in every_outcome(&r, np).iter().enumerate() {
-            assert!(o.contains("Mismatch") && o.contains("config hash"), "rank {k}: {o}\n{}", r.explain());
-        }
+    for (np, env) in [(2, vec![("GB_TRANSPORT", "mpi")]), (4, vec![("GB_TRANSPORT", "hier"), ("GB_FAKE_NODES", "2")])] {
+        assert_refused_at_open(np, "mixed-path", &env);
     }
 }

@@ -5,23 +5,37 @@
 //! cargo run --release -p gradbus-kernels --example workbench -- checksum [N ...]
 //!
 //! cargo run --release -p gradbus-kernels --example workbench -- gemm [C L]
+//!
+//! GRADBUS_SIMD=avx2 cargo run --release -p gradbus-kernels --example workbench -- gemm [C L]
+//!
+//! cargo run --release -p gradbus-kernels --example workbench -- simd
 //! ```
+//!
+//! Every table says which instruction-set path ran (`simd::active`): the best this CPU has, or the
+//! one `GRADBUS_SIMD` (`avx512`, `avx2`, `avx`, `baseline`) forces, e.g. to measure the AVX2 path on
+//! an AVX-512 machine.
 //!
 //! `gemm`: GFLOP/s of `matmul_forward` / `matmul_backward` at every shape the model runs (BT = 36
 //! rows: 4 sequences x 9 positions; default C = 256, and C = 64, the tiny model), the kernel gradbus
-//! uses beside `matrixmultiply` (what it used before), against the single-core FMA peak measured by a
-//! loop of independent fused multiply-adds.
+//! uses beside `matrixmultiply` (what it used before; it picks its own instruction set), against the
+//! single-core FMA peak of the active path's vector width, measured by a loop of independent fused
+//! multiply-adds.
 //!
 //! `checksum`: the replica checksum per update at N parameters (default 103,168 and 3,171,840: the
 //! tiny model and `model.channels=256 model.layers=4`): the one-chain FNV-1a it replaced, the lane
 //! hash alone, the AdamW update that computes it in its own pass, and a memcpy of the same bytes.
+//!
+//! `simd`: the path the kernels take here and every level this CPU runs (one line each), for scripts
+//! to print beside their numbers.
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use gradbus_kernels::checksum::{checksum, Checksum};
+use gradbus_kernels::ops::matmul::gemm_tiles;
 use gradbus_kernels::ops::{adamw_update, matmul_backward, matmul_forward};
 use gradbus_kernels::rng::Rng;
+use gradbus_kernels::simd::{self, Level};
 
 /// Best time of `rounds` rounds of `iters` calls, in seconds per call.
 fn best(rounds: usize, iters: usize, mut f: impl FnMut()) -> f64 {
@@ -51,7 +65,7 @@ fn fnv1a_one_chain(x: &[f32]) -> u64 {
 }
 
 fn bench_checksum(sizes: &[usize]) {
-    println!("# replica checksum per update: ms per call (GB/s of the weights read)");
+    println!("# replica checksum per update: ms per call (GB/s of the weights read); path {}", simd::active());
     println!(
         "{:>10} {:>16} {:>16} {:>16} {:>16} {:>16}",
         "params", "fnv1a-1chain", "lanes", "lanes-hot", "adamw+lanes", "memcpy"
@@ -171,8 +185,11 @@ fn mm_backward(dinp: &mut [f32], dw: &mut [f32], dout: &[f32], inp: &[f32], w: &
     }
 }
 
-/// Single-core FMA peak, GFLOP/s (2 flops per lane per fma): 12 independent chains of vector fmas
-/// (enough to cover the latency of two FMA units), at the widest vectors the CPU has.
+/// Single-core FMA peak of the active level, GFLOP/s (2 flops per lane per fma): 12 independent
+/// chains of vector fmas (enough to cover the latency of two FMA units) at the level's vector width,
+/// 16 lanes on AVX-512, 8 on AVX2 and AVX (their fma is the same 256-bit instruction). Every chain
+/// starts from its own value and reaches the result: a compiler may compute equal or unused chains
+/// once, and then the loop times one chain's latency instead of the units' throughput.
 fn fma_peak() -> (f64, &'static str) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -180,7 +197,7 @@ fn fma_peak() -> (f64, &'static str) {
         const CHAINS: usize = 12;
         #[target_feature(enable = "avx512f,fma")]
         unsafe fn avx512(iters: usize) -> f32 {
-            let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+            let mut acc: [__m512; CHAINS] = std::array::from_fn(|i| _mm512_set1_ps(black_box(1.0 + i as f32)));
             let (m, a) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
             for _ in 0..iters {
                 for x in acc.iter_mut() {
@@ -189,46 +206,57 @@ fn fma_peak() -> (f64, &'static str) {
             }
             acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
         }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2(iters: usize) -> f32 {
-            let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+        #[target_feature(enable = "avx,fma")]
+        unsafe fn avx(iters: usize) -> f32 {
+            let mut acc: [__m256; CHAINS] = std::array::from_fn(|i| _mm256_set1_ps(black_box(1.0 + i as f32)));
             let (m, a) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
             for _ in 0..iters {
                 for x in acc.iter_mut() {
                     *x = _mm256_fmadd_ps(*x, m, a);
                 }
             }
+            // Every chain reaches the result (storing each over the last one let the compiler drop 11).
+            let total = acc.iter().fold(_mm256_setzero_ps(), |t, &x| _mm256_add_ps(t, x));
             let mut out = [0.0f32; 8];
-            for x in acc {
-                _mm256_storeu_ps(out.as_mut_ptr(), x);
-                out[0] += out[1..].iter().sum::<f32>();
-            }
-            out[0]
+            _mm256_storeu_ps(out.as_mut_ptr(), total);
+            out.iter().sum()
         }
         // Short rounds, best of many: on a shared machine a long one is always preempted somewhere.
         let iters = 100_000;
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX-512F and FMA (checked just above).
-            let t = best(200, 1, || {
-                black_box(unsafe { avx512(black_box(iters)) });
-            });
-            return ((iters * CHAINS * 16 * 2) as f64 / t / 1e9, "AVX-512 FMA");
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            let t = best(200, 1, || {
-                black_box(unsafe { avx2(black_box(iters)) });
-            });
-            return ((iters * CHAINS * 8 * 2) as f64 / t / 1e9, "AVX2 FMA");
+        match simd::active() {
+            Level::Avx512 => {
+                // SAFETY: the active level is one the CPU runs: it has AVX-512F and FMA.
+                let t = best(200, 1, || {
+                    black_box(unsafe { avx512(black_box(iters)) });
+                });
+                return ((iters * CHAINS * 16 * 2) as f64 / t / 1e9, "16-lane AVX-512 FMA");
+            }
+            Level::Avx2 | Level::Avx => {
+                // SAFETY: the active level is one the CPU runs: it has AVX and FMA.
+                let t = best(200, 1, || {
+                    black_box(unsafe { avx(black_box(iters)) });
+                });
+                return ((iters * CHAINS * 8 * 2) as f64 / t / 1e9, "8-lane AVX FMA");
+            }
+            Level::Baseline => {}
         }
     }
-    (f64::NAN, "no FMA unit measured")
+    (f64::NAN, "no vector FMA at the baseline level")
 }
 
 fn bench_gemm(c: usize, layers: usize) {
     let bt = 36;
     let (peak, isa) = fma_peak();
+    let level = simd::active();
+
     println!("# GEMM at BT = {bt} rows, C = {c} ({layers} layers): GFLOP/s, single thread; FMA peak {peak:.1} GFLOP/s ({isa})");
+    println!(
+        "# path: {level} ({}; tiles {}; this CPU's best: {}; {}=... forces one)",
+        level.features(),
+        gemm_tiles(level),
+        simd::detected(),
+        Level::ENV
+    );
     println!(
         "{:<10} {:>16} {:>10} {:>10} {:>8} {:>10} {:>10} {:>8}",
         "layer", "BT x C -> OC", "fwd mm", "fwd own", "%peak", "bwd mm", "bwd own", "%peak"
@@ -273,6 +301,10 @@ fn bench_gemm(c: usize, layers: usize) {
 }
 
 fn main() {
+    if let Err(e) = simd::from_env() {
+        eprintln!("workbench: {e}");
+        std::process::exit(2);
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let sizes = |rest: &[String], default: &[usize]| -> Vec<usize> {
         if rest.is_empty() {
@@ -283,12 +315,18 @@ fn main() {
     };
     match args.first().map(String::as_str) {
         Some("checksum") => bench_checksum(&sizes(&args[1..], &[103_168, 3_171_840])),
+        Some("simd") => {
+            println!("path {} (this CPU's best: {})", simd::active(), simd::detected());
+            for level in simd::available() {
+                println!("runs {level}: {}; GEMM tiles {}", level.features(), gemm_tiles(level));
+            }
+        }
         Some("gemm") => {
             let v = sizes(&args[1..], &[256, 4]);
             bench_gemm(v[0], v.get(1).copied().unwrap_or(4));
         }
         _ => {
-            eprintln!("usage: workbench checksum [N ...] | workbench gemm [C LAYERS]");
+            eprintln!("usage: workbench checksum [N ...] | workbench gemm [C LAYERS] | workbench simd");
             std::process::exit(2);
         }
     }

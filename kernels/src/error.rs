@@ -1,9 +1,10 @@
 //! The one error type of gradbus-kernels. The CPU kernels cannot fail (a length mismatch is a
-//! caller bug and panics); every variant here comes from the CUDA backend, or from its stub when the
-//! crate was built without the `cuda` feature. The enum is the same in both builds, so callers can
-//! match on `NoCudaDriver` / `NotCompiledWithCuda` without a `cfg`.
+//! caller bug and panics); the variants come from the CUDA backend, or from its stub when the crate
+//! was built without the `cuda` feature, and from choosing an instruction-set level (`simd`). The
+//! enum is the same in both builds, so callers can match on `NoCudaDriver` / `NotCompiledWithCuda`
+//! without a `cfg`.
 
-/// Errors of the CUDA backend.
+/// Errors of the CUDA backend and of the choice of instruction set.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// This build has no CUDA backend.
@@ -46,5 +47,14 @@ pub enum Error {
         what: &'static str,
         /// The lengths.
         detail: String,
+    },
+    /// An instruction-set level that does not exist or that this CPU cannot run (`GRADBUS_SIMD`,
+    /// `simd::with_level`).
+    #[error("{what} (hint: {hint})")]
+    Simd {
+        /// What was asked for.
+        what: String,
+        /// What to do instead.
+        hint: String,
     },
 }

@@ -56,7 +56,7 @@ impl Health {
 /// Health of one block (at most `BLOCK` elements), lanes folded in a fixed order.
 ///
 /// A block with no NaN/Inf (the common case) takes an explicit-SIMD path on x86_64 (AVX2 when the
-/// CPU has it, else SSE2): LLVM spills the 16 f64 lanes of the portable loop below and runs it
+/// active level has it, `simd::active`, else SSE2): LLVM spills the 16 f64 lanes of the portable loop below and runs it
 /// at ~4 GB/s, the SIMD path runs at ~12 (SSE2) / ~25 (AVX2) GB/s from L1. It keeps the same lanes
 /// and the same order of additions (and never fuses the multiply-add), so it returns the same bits;
 /// a block with a non-finite element falls back to the portable loop.
@@ -136,8 +136,8 @@ mod simd {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     pub fn sumsq_if_finite(x: &[f32]) -> Option<f64> {
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2 (checked just above).
+        if crate::simd::active() >= crate::simd::Level::Avx2 {
+            // SAFETY: the active level has AVX2 (`simd::active` returns only levels the CPU runs).
             unsafe { avx2(x) }
         } else {
             sse2(x)

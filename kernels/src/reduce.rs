@@ -7,7 +7,8 @@
 //! BEFORE they are overwritten, and every `Health` (each tally and the sum's) is bitwise what
 //! `scan_block` gives for each block of its input, merged in block order.
 //!
-//! Validation is fused into the add (x86_64 with AVX2), which makes it nearly free: one pass per
+//! Validation is fused into the add (x86_64 at the AVX level or above, `simd::active`: the passes use
+//! 256-bit float operations only), which makes it nearly free: one pass per
 //! source and block loads the source, adds it into the block's sum and accumulates the f64 squares
 //! of the source in `scan_block`'s 16 lanes (lane `l` takes elements `l, l + 16, ...` in order; the
 //! last `< 16` elements go to lanes `0..`; folded by `fold_lanes`). The square of an f32 is exact in
@@ -25,8 +26,8 @@
 //! block's `Health` is `{ nan: 0, inf: 0, sumsq: fold_lanes(lanes), first_bad: None }`: what
 //! `scan_block` returns for a finite block. Otherwise (a NaN/Inf in some source, or finite sources
 //! whose sum overflowed: rare) `scan_block` scans the block again, per source (still intact: the sum
-//! is written back after) and for the sum, and gives the counts and the first bad index. Without
-//! AVX2 the reduce adds, then scans every block. The fused passes prefetch each slot's next block
+//! is written back after) and for the sum, and gives the counts and the first bad index. Below the
+//! AVX level the reduce adds, then scans every block. The fused passes prefetch each slot's next block
 //! (a block is a 4 KiB page, where the hardware prefetcher stops), and `reduce_plain`, the bus's
 //! unvalidated reduce, is the same loop less the squares: what validation costs is the squares.
 
@@ -80,7 +81,7 @@ fn reduce<const VALIDATE: bool>(
         let hi = (lo + BLOCK).min(len);
         let acc = &mut acc[..hi - lo];
         let finite = if fused {
-            // SAFETY: `fused` is only set where `fused::available()` (the CPU has AVX2).
+            // SAFETY: `fused` is only set where `fused::available()` (the CPU has AVX).
             unsafe { fused::sum_block::<VALIDATE>(slots, lo, acc, &mut sumsq) }
         } else {
             for (k, slot) in slots.iter().enumerate() {
@@ -131,10 +132,11 @@ mod fused {
 
     use crate::health::{fold_lanes, LANES};
 
-    /// Whether the CPU has AVX2 (detected once, then a cached load).
+    /// Whether the fused passes run: the active level has AVX (`simd::active`; they use 256-bit float
+    /// operations only, so AVX without AVX2 runs them too).
     #[inline]
     pub fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx2")
+        crate::simd::active() >= crate::simd::Level::Avx
     }
 
     /// One block of the reduce: `acc` (`acc.len()` elements) = the rank-ordered sum of
@@ -143,8 +145,8 @@ mod fused {
     /// finite. Without `SQ`, only the sum (and `None`).
     ///
     /// # Safety
-    /// The CPU must support AVX2.
-    #[target_feature(enable = "avx2")]
+    /// The CPU must support AVX.
+    #[target_feature(enable = "avx")]
     pub unsafe fn sum_block<const SQ: bool>(
         slots: &[&mut [f32]],
         lo: usize,
@@ -154,7 +156,7 @@ mod fused {
         let (n, hi) = (slots.len(), lo + acc.len());
         // Each pass prefetches the slot's next block (the current one at the end).
         let next = |k: usize| slots[k][if hi < slots[k].len() { hi } else { lo }..].as_ptr();
-        // SAFETY (every `pass` call below): AVX2 is enabled (caller).
+        // SAFETY (every `pass` call below): AVX is enabled (caller).
         if !SQ {
             for (k, slot) in slots.iter().enumerate() {
                 let (src, next) = (&slot[lo..hi], next(k));
@@ -192,8 +194,8 @@ mod fused {
     /// first operand's), and `asm!` pins it, which LLVM would not (it commutes `fadd` at will).
     ///
     /// # Safety
-    /// The CPU must support AVX2.
-    #[target_feature(enable = "avx2")]
+    /// The CPU must support AVX.
+    #[target_feature(enable = "avx")]
     #[inline]
     unsafe fn pass<const FIRST: bool, const LAST: bool, const SQ: bool>(
         acc: &mut [f32],
@@ -211,7 +213,7 @@ mod fused {
         while i < full {
             // A hint only: never faults, whatever the address.
             _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(i) as *const i8);
-            // SAFETY: elements i..i + 16 <= full <= m of both slices; AVX2 is enabled (caller).
+            // SAFETY: elements i..i + 16 <= full <= m of both slices; AVX is enabled (caller).
             unsafe {
                 step::<FIRST, LAST, SQ>(a.add(i), s.add(i), &mut ls[..2], &mut lu[..2]);
                 step::<FIRST, LAST, SQ>(a.add(i + 8), s.add(i + 8), &mut ls[2..], &mut lu[2..]);
@@ -262,7 +264,7 @@ mod fused {
     }
 
     /// The 16 lanes held in four accumulators, in order.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx")]
     #[inline]
     fn lanes(v: &[__m256d; 4]) -> [f64; LANES] {
         let mut ss = [0f64; LANES];
@@ -275,7 +277,7 @@ mod fused {
 
     /// `fold_lanes(lanes(v))` in registers: the same pairwise additions (lane l += lane l + w for
     /// w = 8, 4, 2, 1), hence the same bits.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx")]
     #[inline]
     fn fold(v: &[__m256d; 4]) -> f64 {
         let w4 = _mm256_add_pd(_mm256_add_pd(v[0], v[2]), _mm256_add_pd(v[1], v[3]));
@@ -287,8 +289,8 @@ mod fused {
     /// `s` into `ls[0]` (elements 0-3) and `ls[1]` (4-7), of the new `a` into `lu` when `LAST && !FIRST`.
     ///
     /// # Safety
-    /// The CPU must support AVX2; `a` and `s` must be valid for 8 floats.
-    #[target_feature(enable = "avx2")]
+    /// The CPU must support AVX; `a` and `s` must be valid for 8 floats.
+    #[target_feature(enable = "avx")]
     #[inline]
     unsafe fn step<const FIRST: bool, const LAST: bool, const SQ: bool>(
         a: *mut f32,
@@ -473,7 +475,7 @@ mod tests {
     #[test]
     fn fused_reduce_is_bitwise_the_unfused_reduce_and_the_twins() {
         if !fused::available() {
-            eprintln!("no AVX2 here: only the unfused reduce is checked");
+            eprintln!("no AVX here: only the unfused reduce is checked");
         }
         let mut rng = Rng::new(&[77]);
         for case in 0..3000 {

@@ -114,6 +114,11 @@ fn rest(parser: &mut lexopt::Parser) -> Vec<OsString> {
 
 /// Executes a parsed command and returns the launcher's exit code.
 pub fn execute(cmd: Command) -> Result<Code, Error> {
+    // These run kernels here or start ranks that would: a bad `GRADBUS_SIMD` is one message and
+    // exit 2 before anything starts (a bare worker checks it too).
+    if matches!(cmd, Command::Run(_) | Command::Replay(_) | Command::Bench(_)) {
+        gradbus_worker::check_simd()?;
+    }
     match cmd {
         Command::Help(text) => {
             print!("{text}");

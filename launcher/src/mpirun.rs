@@ -17,7 +17,16 @@ use gradbus_worker::env;
 
 /// Variables exported to the ranks with `-x` when they are set in the launcher's environment
 /// (besides the job id and run directory, which are always exported).
-pub const PASS_THROUGH: [&str; 5] = ["RUST_LOG", "RUST_BACKTRACE", env::FAULTS, env::FAKE_NODES, env::WORKER_BIN];
+pub const PASS_THROUGH: [&str; 8] = [
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    env::FAULTS,
+    env::FAKE_NODES,
+    env::WORKER_BIN,
+    env::TRANSPORT,
+    env::AGREEMENT,
+    env::SIMD,
+];
 
 /// Everything the `mpirun` command line depends on.
 #[derive(Clone, Debug)]
@@ -131,6 +140,18 @@ mod tests {
             "/usr/bin/mpirun -np 4 --bind-to none --oversubscribe --allow-run-as-root \
              -x GRADBUS_JOB_ID -x GRADBUS_RUN_DIR \
              /opt/gradbus/bin/gradbus worker --run-dir /runs/j1 /cfg/tiny.toml --set lr=0.001"
+        );
+    }
+
+    #[test]
+    fn the_variables_that_force_a_transport_path_or_level_reach_every_node() {
+        // A rank on another node sees only what `-x` exports: an override set for the job must
+        // reach every rank, or ranks would open different transports or agreement paths.
+        let set = ["GRADBUS_TRANSPORT", "GRADBUS_AGREEMENT", "GRADBUS_SIMD"];
+        let names = exports(|n| set.contains(&n));
+        assert_eq!(
+            names,
+            ["GRADBUS_JOB_ID", "GRADBUS_RUN_DIR", "GRADBUS_TRANSPORT", "GRADBUS_AGREEMENT", "GRADBUS_SIMD"]
         );
     }
 

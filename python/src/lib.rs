@@ -479,6 +479,9 @@ impl Agreement {
 /// gradbus's native core.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // A bad GRADBUS_SIMD fails the import with the kernels' message (naming the variable and the
+    // levels), not a panic inside the first scan.
+    gradbus_kernels::simd::from_env().map_err(|e| PyValueError::new_err(e.to_string()))?;
     m.add("CELL", CELL)?;
     m.add("EXTRA", EXTRA)?;
     m.add_function(wrap_pyfunction!(scan_f32, m)?)?;

@@ -304,3 +304,14 @@ def test_guarded_optimizer_runs_the_gradscaler_as_a_plain_script_would():
     backward(float("inf"))
     with pytest.raises(RuntimeError, match="disagree"):
         step("proceed", None, None, 3, 0, 8.0, 0.0)
+
+
+def test_a_bad_simd_level_fails_the_import_with_the_variables_name():
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "GRADBUS_SIMD": "sse9"}
+    r = subprocess.run([sys.executable, "-c", "import gradbus._core"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "ValueError" in r.stderr and "GRADBUS_SIMD" in r.stderr and "avx2" in r.stderr, r.stderr
+    assert "panicked" not in r.stderr, r.stderr

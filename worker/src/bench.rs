@@ -170,6 +170,7 @@ impl BenchFlags {
 
 /// Run one benchmark process with the arguments after `--bench-allreduce`.
 pub fn main(args: Vec<OsString>) -> Result<(), WorkerError> {
+    crate::check_simd()?;
     let flags = BenchFlags::parse(args)?;
     let info = RankInfo::discover()?;
     if info.nodes > 1 {

@@ -28,6 +28,12 @@ pub const FAKE_NODES: &str = "GRADBUS_FAKE_NODES";
 /// inside each node, MPI between nodes). Unset: solo for one rank, shm for one node, and with the
 /// `mpi` feature `mpi` when every node has one rank, else `hier`.
 pub const TRANSPORT: &str = "GRADBUS_TRANSPORT";
+/// Force the agreement's path, `table` or `summary` (collectives' `AgreementPath`); unset, the cost
+/// model chooses for the world size and layout.
+pub const AGREEMENT: &str = gradbus_collectives::AgreementPath::ENV;
+/// Force the kernels' instruction-set level (`baseline`, `avx`, `avx2`, `avx512`); unset, the best
+/// this CPU has.
+pub const SIMD: &str = gradbus_kernels::simd::Level::ENV;
 /// A fault plan (TOML array of tables, the same syntax as `[[faults]]` in the config).
 pub const FAULTS: &str = "GRADBUS_FAULTS";
 

@@ -155,9 +155,17 @@ fn mpi_transport(
     )))
 }
 
+/// `GRADBUS_SIMD` (the kernels' instruction-set level, `gradbus_kernels::simd`), checked before any
+/// kernel runs: a name that is no level, or a level this CPU lacks, is a usage error (exit 2) naming
+/// the variable and the levels, where the first kernel to read it could only panic.
+pub fn check_simd() -> Result<(), WorkerError> {
+    gradbus_kernels::simd::from_env().map(drop).map_err(|e| WorkerError::Usage(e.to_string()))
+}
+
 /// Run one rank to its end. `Ok(Code)` is the exit code of a run that ended as planned (done, or
 /// the agreed abort on non-finite gradients).
 pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
+    check_simd()?;
     let info = RankInfo::discover()?;
     let (cfg, config_hash, canonical) = Config::load(&args.config, &args.overrides)?;
     // `gradbus run` has checked the whole node already; under a bare mpirun this is the only check,

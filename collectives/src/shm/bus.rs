@@ -37,7 +37,7 @@ pub struct ShmBus {
     pub(super) barriers: u64,
     /// `agree` calls so far: the update number, whose parity picks the table buffer.
     pub(super) update: u64,
-    /// Summary first, or always the table (`GRADBUS_AGREEMENT`).
+    /// Summary first (always, unless `GRADBUS_AGREEMENT=table`: see `open`), or always the table.
     pub(super) agreement: AgreementPath,
     /// Thread CPU time of this rank's last reduce phase (between the two barriers; no waiting in
     /// it), for the benchmark: unlike wall time it does not count preemption by other processes.
@@ -58,7 +58,9 @@ impl ShmBus {
     /// `cfg.timeout` if a rank does not come.
     pub fn open(cfg: BusConfig) -> Result<ShmBus, Error> {
         check_job_id(&cfg.shm_dir, &cfg.job_id)?;
-        let agreement = AgreementPath::from_env()?;
+        // Inside a node the model's choice is always the summary: both paths read the same
+        // shared memory, no collective runs, and the table reads every rank's cells besides.
+        let agreement = AgreementPath::from_env()?.unwrap_or(AgreementPath::Summary);
         if cfg.local_size == 0 || cfg.local_rank >= cfg.local_size {
             return Err(Error::BadSegment {
                 path: ShmBus::segment_path(&cfg.shm_dir, &cfg.job_id, cfg.node_id).display().to_string(),

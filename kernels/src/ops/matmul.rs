@@ -8,17 +8,32 @@
 //! it: no blocking of the inner dimension, no partial sums. So the bits of a row of the result depend
 //! only on that row of the input and the weights - not on how many rows are computed together (a
 //! KV-cached forward of one new position gives the bits of the full forward), not on the tile an
-//! element falls in, not on the instruction set (the scalar path's `mul_add` is the same IEEE fma as
-//! AVX-512's), and not on threads (there are none). The test `gemm_rows_are_one_fma_chain_each` checks
-//! this against a scalar fma loop. The kernel: 6 x 48 tiles of C in 18 AVX-512 registers, a row of B
-//! loaded and A broadcast per step of the inner dimension, every operand read in place; the forward
-//! runs transposed (weight as A, the few input rows transposed as B) so the weight is read once.
+//! element falls in, not on the instruction set (the baseline's `mul_add` is the same IEEE fma as
+//! AVX-512's, AVX2's and AVX's), and not on threads (there are none). The tests
+//! `gemm_rows_are_one_fma_chain_each` (against a scalar fma loop) and `kernels/tests/simd.rs` (every
+//! level this CPU runs, forced one by one) check this.
+//!
+//! The kernel, per level (`simd::active`): register tiles of C held through the inner loop, a row of
+//! B loaded and A broadcast per step of the inner dimension, operands read in place (a panel of B
+//! copied where its rows would collide in L1). AVX-512's 32 registers hold 6 x 48 tiles (18
+//! accumulators); AVX2's and AVX's 16 hold 6 x 16 (12 accumulators, two rows of B, a broadcast), and a
+//! product at most 48 wide is one panel of up to 2 x 48. The forward runs transposed (weight as A,
+//! the few input rows transposed as B) so the weight is read once.
 
-/// Rows and columns of the register tile (6 x 3 AVX-512 registers of accumulators).
-const MR: usize = 6;
-const NR: usize = 48;
+use crate::simd::{self, Level};
+
 /// Block of the inner dimension (module doc: blocking does not change the chain).
 const KC: usize = 128;
+
+/// The register tiles `gemm_acc` uses at `level` (rows x columns of C), in words, for benchmarks to
+/// print beside the path that ran.
+pub fn gemm_tiles(level: Level) -> &'static str {
+    match level {
+        Level::Avx512 => "6 x 48 (18 of 32 zmm registers)",
+        Level::Avx2 | Level::Avx => "6 x 16 (12 of 16 ymm registers); n <= 48: one panel, 2 x 48 .. 6 x 16",
+        Level::Baseline => "4 x 16 (scalar fma calls)",
+    }
+}
 
 /// out = inp @ weight^T + bias.
 /// out: (BT, OC), inp: (BT, C), weight: (OC, C), bias: (OC) or none.
@@ -37,9 +52,11 @@ pub fn matmul_forward(
     }
     // Computed transposed, out^T (OC, BT) += weight (OC, C) @ inp^T (C, BT), so that the weight is
     // read in place, once, as the broadcast operand; only inp (BT rows) is transposed, its rows padded
-    // with zeros to a multiple of 16 (the padding's results are dropped). fma(w, x, acc) is
-    // fma(x, w, acc): the same chain, the same bits, as out = inp @ weight^T.
-    let ld = bt.div_ceil(16) * 16;
+    // with zeros to a whole number of vectors (`lanes`: 16 f32 on AVX-512, else 8; the padding's
+    // results are dropped). fma(w, x, acc) is fma(x, w, acc): the same chain, the same bits, as
+    // out = inp @ weight^T.
+    let lanes = if simd::active() == Level::Avx512 { 16 } else { 8 };
+    let ld = bt.div_ceil(lanes) * lanes;
     SCRATCH.with(|scratch| {
         let (inp_t, out_t) = &mut *scratch.borrow_mut();
         grow(inp_t, c * ld);
@@ -136,21 +153,20 @@ pub fn gemm_acc(
     assert!((m - 1) * rsa + (k - 1) * csa < a.len(), "gemm: A is shorter than ({m}, {k})");
     assert!((k - 1) * rsb + n <= b.len(), "gemm: B is shorter than ({k}, {n}) with row stride {rsb}");
     let ops = Operands { a: a.as_ptr(), rsa, csa, b: b.as_ptr(), rsb, c: c.as_mut_ptr(), rsc };
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX-512F and FMA (checked just above); the asserts above prove every
-            // element `kernel` reads or writes is inside its slice, and `c` is a unique borrow whose
-            // rows do not overlap, aliasing neither input.
-            return unsafe { kernel_avx512(m, n, k, ops) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: as above, with AVX2 and FMA.
-            return unsafe { kernel_avx2(m, n, k, ops) };
-        }
+    match simd::active() {
+        // SAFETY (every arm): `simd::active` returns only levels the CPU runs, and each kernel
+        // enables no more than its level's features; the asserts above prove every element the
+        // kernel reads or writes is inside its slice, and `c` is a unique borrow whose rows do not
+        // overlap, aliasing neither input.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { kernel_avx512(m, n, k, ops) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { kernel_avx2(m, n, k, ops) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx => unsafe { kernel_avx(m, n, k, ops) },
+        // `mul_add` is correct (if slow: a libm call without FMA) on any CPU.
+        _ => unsafe { kernel::<1>(m, n, k, ops) },
     }
-    // SAFETY: bounds and aliasing as above; `mul_add` is correct (if slow) on any CPU.
-    unsafe { kernel(m, n, k, ops) }
 }
 
 /// The operands of one product: A's element (i, p) at `a + i * rsa + p * csa`, B's (p, j) at
@@ -189,7 +205,7 @@ impl Operands {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn kernel_avx512(m: usize, n: usize, k: usize, ops: Operands) {
-    kernel(m, n, k, ops)
+    kernel::<16>(m, n, k, ops)
 }
 
 /// # Safety
@@ -197,41 +213,106 @@ unsafe fn kernel_avx512(m: usize, n: usize, k: usize, ops: Operands) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn kernel_avx2(m: usize, n: usize, k: usize, ops: Operands) {
-    kernel(m, n, k, ops)
+    kernel::<8>(m, n, k, ops)
 }
 
-/// The whole product, in blocks of the inner dimension.
+/// # Safety
+/// The CPU must support AVX and FMA; operands as `kernel`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,fma")]
+unsafe fn kernel_avx(m: usize, n: usize, k: usize, ops: Operands) {
+    kernel::<8>(m, n, k, ops)
+}
+
+/// The whole product, in blocks of the inner dimension, each cut into the column panels that suit
+/// registers of `LANES` f32 (`panels_16`, `panels_8`; 1: the baseline's 4 x 16 tiles of scalar fma
+/// calls).
 ///
 /// # Safety
 /// Every element of the shapes `gemm_acc` describes must be inside its allocation; C must not alias.
 #[inline(always)]
-unsafe fn kernel(m: usize, n: usize, k: usize, ops: Operands) {
+unsafe fn kernel<const LANES: usize>(m: usize, n: usize, k: usize, ops: Operands) {
     // Blocks of the inner dimension, so the B rows a block reads stay in L1 across the row tiles. Each
     // tile stores its accumulators to C and the next block reloads them: the chain goes on unchanged.
     for p0 in (0..k).step_by(KC) {
-        panels(m, n, KC.min(k - p0), ops.at(0, 0, p0));
+        let (k, ops) = (KC.min(k - p0), ops.at(0, 0, p0));
+        match LANES {
+            16 => panels_16(m, n, k, ops),
+            8 => panels_8(m, n, k, ops),
+            _ => {
+                let mut j0 = 0;
+                panel::<4, 16>(m, n, k, ops, &mut j0, true);
+                columns(m, n, k, ops, j0);
+            }
+        }
     }
 }
 
-/// Column panels of `NR` (then 32, 16, then single columns) for one block of the inner dimension.
+/// Panels for 16-lane registers (AVX-512, 32 of them): 6 x 48 tiles, 18 accumulators, then one panel
+/// each of 32, 16 and 8 columns, then single columns.
 ///
 /// # Safety
 /// As `kernel`.
 #[inline(always)]
-unsafe fn panels(m: usize, n: usize, k: usize, ops: Operands) {
+unsafe fn panels_16(m: usize, n: usize, k: usize, ops: Operands) {
     let mut j0 = 0;
-    while j0 + NR <= n {
-        rows::<NR>(m, k, ops.at(0, j0, 0));
-        j0 += NR;
+    panel::<6, 48>(m, n, k, ops, &mut j0, true);
+    panel::<6, 32>(m, n, k, ops, &mut j0, false);
+    panel::<6, 16>(m, n, k, ops, &mut j0, false);
+    panel::<6, 8>(m, n, k, ops, &mut j0, false);
+    columns(m, n, k, ops, j0);
+}
+
+/// Panels for 8-lane registers (AVX2, AVX: 16 of them): 6 x 16 tiles, 12 accumulators beside two rows
+/// of B and a broadcast. A product at most 48 columns wide (the forward's few transposed input rows)
+/// is one panel instead, its tile as tall as 12 accumulators allow, so that A (the weight) is read
+/// once rather than once per 16 columns.
+///
+/// # Safety
+/// As `kernel`.
+#[inline(always)]
+unsafe fn panels_8(m: usize, n: usize, k: usize, ops: Operands) {
+    let mut j0 = 0;
+    match n / 8 {
+        6 => panel::<2, 48>(m, n, k, ops, &mut j0, false),
+        5 => panel::<2, 40>(m, n, k, ops, &mut j0, false),
+        4 => panel::<3, 32>(m, n, k, ops, &mut j0, false),
+        3 => panel::<4, 24>(m, n, k, ops, &mut j0, false),
+        _ => panel::<6, 16>(m, n, k, ops, &mut j0, true),
     }
-    if j0 + 32 <= n {
-        rows::<32>(m, k, ops.at(0, j0, 0));
-        j0 += 32;
+    panel::<6, 8>(m, n, k, ops, &mut j0, false);
+    columns(m, n, k, ops, j0);
+}
+
+/// Panels of `W` columns from column `*j0`, as many as fit (`all`) or at most one, in tiles of `MR`
+/// rows; `*j0` moves past them.
+///
+/// # Safety
+/// As `kernel`.
+#[inline(always)]
+unsafe fn panel<const MR: usize, const W: usize>(
+    m: usize,
+    n: usize,
+    k: usize,
+    ops: Operands,
+    j0: &mut usize,
+    all: bool,
+) {
+    while *j0 + W <= n {
+        rows::<MR, W>(m, k, ops.at(0, *j0, 0));
+        *j0 += W;
+        if !all {
+            break;
+        }
     }
-    if j0 + 16 <= n {
-        rows::<16>(m, k, ops.at(0, j0, 0));
-        j0 += 16;
-    }
+}
+
+/// Columns `j0..n` one by one, each element its fma chain.
+///
+/// # Safety
+/// As `kernel`.
+#[inline(always)]
+unsafe fn columns(m: usize, n: usize, k: usize, ops: Operands, j0: usize) {
     let Operands { a, rsa, csa, b, rsb, c, rsc } = ops;
     for j in j0..n {
         for i in 0..m {
@@ -245,12 +326,29 @@ unsafe fn panels(m: usize, n: usize, k: usize, ops: Operands) {
     }
 }
 
-/// One column panel of width `W`: the row tiles.
+/// One column panel of width `W`: the row tiles of `MR` rows, then one of the rows left.
 ///
 /// # Safety
 /// As `kernel`.
 #[inline(always)]
-unsafe fn rows<const W: usize>(m: usize, k: usize, ops: Operands) {
+unsafe fn rows<const MR: usize, const W: usize>(m: usize, k: usize, ops: Operands) {
+    const { assert!(MR >= 1 && MR <= 8, "the match below covers tiles of up to 8 rows") };
+    // Several row tiles read this panel of B: copy it into a contiguous block first where that pays
+    // (measured): rows of B 4 KiB apart (a 1024-wide weight or input) all fall into one L1 set, and
+    // panels wider than 16 (AVX-512's) lose to set conflicts at 1 KiB strides too. An AVX2 panel of
+    // 16 at shorter strides runs faster in place than the copy costs.
+    let mut packed = std::mem::MaybeUninit::<[[f32; W]; KC]>::uninit();
+    let ops = if m > MR && ops.rsb != W && (W > 16 || (ops.rsb * 4).is_multiple_of(4096)) {
+        let dst = packed.as_mut_ptr() as *mut [f32; W];
+        for p in 0..k {
+            // SAFETY: row p < k <= KC of the block, written before `tile` reads it; B's row p of the
+            // panel is inside B (caller).
+            dst.add(p).write(*(ops.b.add(p * ops.rsb) as *const [f32; W]));
+        }
+        Operands { b: dst as *const f32, rsb: W, ..ops }
+    } else {
+        ops
+    };
     let mut i0 = 0;
     while i0 + MR <= m {
         tile::<MR, W>(k, ops.at(i0, 0, 0));
@@ -263,6 +361,8 @@ unsafe fn rows<const W: usize>(m: usize, k: usize, ops: Operands) {
         3 => tile::<3, W>(k, rest),
         4 => tile::<4, W>(k, rest),
         5 => tile::<5, W>(k, rest),
+        6 => tile::<6, W>(k, rest),
+        7 => tile::<7, W>(k, rest),
         _ => {}
     }
 }
@@ -278,17 +378,21 @@ unsafe fn tile<const R: usize, const W: usize>(k: usize, ops: Operands) {
     for (i, row) in acc.iter_mut().enumerate() {
         *row = *(c.add(i * rsc) as *const [f32; W]);
     }
-    let (mut ap, mut bp) = (a, b);
+    // Each row of A has its own pointer, stepped on its own: one pointer stepped from row to row
+    // would chain R + 1 dependent adds through every step of the loop (7 cycles for 6 rows, more
+    // than the 6 that the 12 fmas of an AVX2 tile take).
+    let mut ap: [*const f32; R] = std::array::from_fn(|i| a.wrapping_add(i * rsa));
+    let mut bp = b;
     for _ in 0..k {
         let brow = *(bp as *const [f32; W]);
-        for (i, row) in acc.iter_mut().enumerate() {
-            let ai = *ap.add(i * rsa);
+        for (row, p) in acc.iter_mut().zip(ap.iter_mut()) {
+            let ai = **p;
             for (x, &bj) in row.iter_mut().zip(&brow) {
                 *x = ai.mul_add(bj, *x);
             }
+            // wrapping: after the last step these point one stride past the operands, never read.
+            *p = p.wrapping_add(csa);
         }
-        // wrapping: after the last step these point one stride past the operands, never read.
-        ap = ap.wrapping_add(csa);
         bp = bp.wrapping_add(rsb);
     }
     for (i, row) in acc.iter().enumerate() {
