@@ -67,12 +67,23 @@ declare -A SKIP=(
   # docs/pytorch.md
   ["python/build-wheels.sh dist"]="python/test.sh builds the x86_64 wheel this way and tests it; the aarch64 cross build adds minutes and cannot run here"
   # docs/agreement.md (benchmarks)
-  ["for np in 2 4 8 16; do
-mpirun --allow-run-as-root --oversubscribe --bind-to none -np \$np target/release/gradbus worker --bench-allreduce --agreement --buckets 7,100,1750 --iters 20 --json
-done > agreement.jsonl"]="a benchmark of minutes (up to 16 ranks oversubscribed, 1750 buckets); docs/mpi.md runs its smallest form (2 ranks, 7 and 100 buckets) through scripts/agreement-cost.py, and the agreement's bits are tested by tests/agreement.rs and the mpi tests"
+  ["for run in 1 2 3; do
+for np in 2 4 8 16; do
+mpirun --allow-run-as-root --oversubscribe --bind-to none -np \$np target/release/gradbus worker --bench-allreduce --agreement --buckets 1,7,30,100,300,1750 --iters 5 --json
+done
+done > agreement.jsonl"]="a benchmark of minutes (3 runs at 2 to 16 ranks oversubscribed, up to 1750 buckets); docs/mpi.md runs its smallest form (2 ranks, 7 and 100 buckets) through scripts/agreement-cost.py, and the agreement's bits and the path's choice are tested by tests/agreement.rs and the mpi tests"
   ["scripts/agreement-cost.py < agreement.jsonl"]="reads the benchmark above, not run here; docs/mpi.md runs it on the benchmark's smallest form"
+  ["for run in 1 2 3; do
+for np in 2 4 8 16; do
+mpirun --bind-to core -np \$np ./gradbus worker --bench-allreduce --agreement --buckets 1,7,30,100,300,1750 --iters 20 --json
+done
+done > agreement.jsonl"]="the same benchmark on the 16-core GPU machine, from a folder copied there (./gradbus); docs/mpi.md runs its smallest form here"
+  ["python3 agreement-cost.py < agreement.jsonl"]="there, on the output of the loop above"
+  ["export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"]="sets the variables of the loop above on the GPU machine; alone, in its own shell, it does nothing to test"
   # docs/benchmarks.md (benchmarks)
   ["scripts/bench-workload.sh --steps 30 --reps 4 --ranks 2,1"]="a benchmark of minutes (gradbus and the PyTorch twin alternated, 30 steps, 4 repetitions, 2 ranks and 1), and it pip-installs torch without BENCH_PYTHON; it times and prints only: the README runs gradbus on this config, python/tests/test_grpo_twin.py the PyTorch twin"
+  ["scripts/bench-workload.sh --size tiny,3.2M --ranks 2 --reps 3"]="a benchmark of minutes (both sides at both sizes, 3 repetitions), and it pip-installs torch without BENCH_PYTHON; it times and prints only: the README runs gradbus on this config, python/tests/test_grpo_twin.py the PyTorch twin, kernels/tests/simd.rs the bits at every instruction-set level"
+  ["scripts/bench-workload.sh --simd avx2 --size tiny,3.2M --ranks 2 --reps 3"]="the same benchmark with both sides restricted to AVX2 (minutes); kernels/tests/simd.rs runs every kernel at every level this CPU has and requires the same bits"
   ["scripts/bench-workload.sh --size tiny,3.2M --ranks 2 --reps 5"]="a benchmark of minutes (both sides at both sizes, 5 repetitions), and it pip-installs torch without BENCH_PYTHON; it times and prints only: the README runs gradbus on this config, python/tests/test_grpo_twin.py the PyTorch twin"
   ["perf record -F 1999 -o /tmp/perf.data -- ./target/release/gradbus run --np 1 --run-dir /tmp/pf examples/tiny.toml --set steps=4 --set model.channels=256 --set model.layers=4"]="a profile: needs perf (Debian's linux-perf, not installed by CI) and access to perf events, which containers usually deny; it has no outcome to check (the run it profiles is a plain gradbus run)"
   ["perf report -i /tmp/perf.data --no-children --sort symbol"]="reads the profile of perf record above, not run here"
