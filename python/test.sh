@@ -8,7 +8,7 @@
 # rebuilds the extension). torch's PyPI wheel for Linux x86_64 is its CUDA build; it runs on a CPU
 # but imports only with the CUDA runtime libraries present, so python/requirements-ci.txt installs
 # those and leaves out triton and cuda-bindings (torch itself goes in with --no-deps).
-# Cost on a fresh machine (2 cores): ~4.5 GB of venv, see the README's PyTorch section for minutes.
+# Cost on a fresh machine (2 cores): ~4.5 GB of venv, see docs/pytorch.md ("Tests, and what CI pays") for minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# readme-test: run every command of README.md's ```sh blocks, in order, on a fresh clone of this
-# repository (its committed HEAD: what a new user gets), the way a new user would type them; then
-# those of the docs pages listed in DOC_PAGES below, the same way.
+# readme-test: run every command of the ```sh blocks of README.md and then of every docs/*.md page
+# (in name order), in order, on a fresh clone of this repository (its committed HEAD: what a new user
+# gets), the way a new user would type them; and check that every relative link of those pages
+# resolves.
 #
 #   scripts/readme-test.sh           # scripts/test.sh (and so .ci/run) runs it after the tests
 #   scripts/readme-test.sh --cold    # without the build cache below: every crate built from scratch
 #   scripts/readme-test.sh --dry-run # print each command as it would run (or why not), run nothing
 #
 # The rules, so that a command as written works or this fails:
-# - A command is a line of a ```sh block with its `\` continuation lines; `#` lines are comments.
+# - A command is a line of a ```sh block (also one indented in a list) with its `\` continuation
+#   lines, and the lines after it until the shell can parse it whole (a `for ... done` loop); `#`
+#   lines are comments.
 # - Expected exit code: 0, or N where the command's trailing comment says `exit N`.
 # - Expected outcome: the `# expect` lines right below a command. `# expect: TEXT`: its output
 #   (stdout and stderr) contains TEXT; `# expect in PATH: TEXT`: the file PATH (in the clone) exists
@@ -16,14 +19,17 @@
 #   (run in the clone), e.g. `$(git rev-parse HEAD)`.
 # - A command that trains (`gradbus run`, `cargo run ... -- run`, `gradbus worker` without
 #   --bench-allreduce) and neither sets `steps=` nor has `# expect` lines gets `--set steps=2`
-#   appended; otherwise it runs as written (the README chose its length, or states its outcome).
+#   appended; otherwise it runs as written (the page chose its length, or states its outcome).
 #   Anything else runs as written.
 # - `gradbus` on PATH comes only from the README's own `cargo install`: its root is a temporary
 #   CARGO_INSTALL_ROOT whose bin/ is on PATH (as ~/.cargo/bin is after rustup), and PATH entries
 #   that already hold a `gradbus` are dropped. GRADBUS_* variables are unset, as in a new shell.
-# - Commands this machine cannot run are listed in SKIP with the reason and print
-#   `SKIPPED: <command>: <why>` (also appended to $GRADBUS_SKIP_LOG when set). A SKIP entry that
-#   matches no README command is an error, so the list cannot go stale.
+# - Commands that CI cannot run (a Slurm cluster, a GPU, a benchmark of minutes) are listed in SKIP
+#   with the reason and the test that covers them, and print `SKIPPED: <command>: <why>` (also
+#   appended to $GRADBUS_SKIP_LOG when set). A SKIP entry that matches no command is an error, so
+#   the list cannot go stale.
+# - Links: every relative markdown link `[text](path#anchor)` outside code blocks of those pages
+#   must name a file of the clone, and its anchor a heading of that file (GitHub's anchors).
 # - Build cache: unless --cold, the clone's target/release starts as a copy of this checkout's, so
 #   dependencies are reused; the workspace's own crates are rebuilt from the clone's sources.
 # Each command's output goes to a log; its last lines are shown, all of it when it fails. Exit 0
@@ -36,25 +42,59 @@ case "${1:-}" in
   "") ;;
   --cold) cold=1 ;;
   --dry-run) dry=1 ;;
-  -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+  -h | --help) sed -n '2,36p' "$0"; exit 0 ;;
   *) echo "readme-test: unknown argument $1 (see --help)" >&2; exit 2 ;;
 esac
 
-# Docs pages whose ```sh blocks run after the README's, in this order, under the same rules.
-DOC_PAGES=(docs/pytorch.md docs/megatron.md docs/fsdp.md docs/hf-trainer.md)
+# The pages whose ```sh blocks run, in this order: the README, then every docs page by name (a new
+# page is tested without being listed here). The README goes first: it installs gradbus and the
+# Python package that the pages use.
+PAGES=(README.md)
+for f in "$src"/docs/*.md; do PAGES+=("docs/${f##*/}"); done
 
-# Command (exactly as in the README, without its trailing comment) -> why it is not run here.
+# Command (exactly as on its page, without its trailing comment) -> why it is not run here, and what
+# runs it or tests what it does instead. Benchmarks are listed when they take minutes; the cheap ones
+# run (docs/benchmarks.md's all-reduce table, the GEMM workbench, bench/guard-cost.sh).
 declare -A SKIP=(
   ["scripts/test.sh"]="runs every test and then this README test: it is the command that runs this (CI: .ci/run)"
+  # docs/slurm.md
   ["sbatch examples/slurm.sbatch --set steps=50"]="needs a Slurm cluster; tests/slurm.rs runs this script on a one-node Slurm it starts"
   ["srun --kill-on-bad-exit=1 -n 4 gradbus worker --run-dir runs/s examples/tiny.toml"]="needs a Slurm allocation; tests/slurm.rs runs a bare srun of the worker on a one-node Slurm it starts"
+  # docs/gpu.md
   ["scripts/gpu-check.sh"]="needs an NVIDIA GPU with its driver (CI has none)"
   ["scripts/gpu-check.sh --prepare target/gpu-check"]="builds test binaries for the GPU machine only; scripts/test.sh builds and runs the same cuda test targets here (their GPU parts print SKIPPED)"
-  ["scripts/gpu-check.sh --prebuilt target/gpu-check"]="needs an NVIDIA GPU and the binaries of --prepare"
+  ["bash target/gpu-check/gpu-check.sh --prebuilt target/gpu-check"]="needs an NVIDIA GPU and the bundle of --prepare"
+  # docs/pytorch.md
   ["python/build-wheels.sh dist"]="python/test.sh builds the x86_64 wheel this way and tests it; the aarch64 cross build adds minutes and cannot run here"
+  # docs/agreement.md (benchmarks)
+  ["for run in 1 2 3; do
+for np in 2 4 8 16; do
+mpirun --allow-run-as-root --oversubscribe --bind-to none -np \$np target/release/gradbus worker --bench-allreduce --agreement --buckets 1,7,30,100,300,1750 --iters 5 --json
+done
+done > agreement.jsonl"]="a benchmark of minutes (3 runs at 2 to 16 ranks oversubscribed, up to 1750 buckets); docs/mpi.md runs its smallest form (2 ranks, 7 and 100 buckets) through scripts/agreement-cost.py, and the agreement's bits and the path's choice are tested by tests/agreement.rs and the mpi tests"
+  ["scripts/agreement-cost.py < agreement.jsonl"]="reads the benchmark above, not run here; docs/mpi.md runs it on the benchmark's smallest form"
+  ["for run in 1 2 3; do
+for np in 2 4 8 16; do
+mpirun --bind-to core -np \$np ./gradbus worker --bench-allreduce --agreement --buckets 1,7,30,100,300,1750 --iters 20 --json
+done
+done > agreement.jsonl"]="the same benchmark on the 16-core GPU machine, from a folder copied there (./gradbus); docs/mpi.md runs its smallest form here"
+  ["python3 agreement-cost.py < agreement.jsonl"]="there, on the output of the loop above"
+  ["export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"]="sets the variables of the loop above on the GPU machine; alone, in its own shell, it does nothing to test"
+  # docs/benchmarks.md (benchmarks)
+  ["scripts/bench-workload.sh --steps 30 --reps 4 --ranks 2,1"]="a benchmark of minutes (gradbus and the PyTorch twin alternated, 30 steps, 4 repetitions, 2 ranks and 1), and it pip-installs torch without BENCH_PYTHON; it times and prints only: the README runs gradbus on this config, python/tests/test_grpo_twin.py the PyTorch twin"
+  ["scripts/bench-workload.sh --size tiny,3.2M --ranks 2 --reps 3"]="a benchmark of minutes (both sides at both sizes, 3 repetitions), and it pip-installs torch without BENCH_PYTHON; it times and prints only: the README runs gradbus on this config, python/tests/test_grpo_twin.py the PyTorch twin, kernels/tests/simd.rs the bits at every instruction-set level"
+  ["scripts/bench-workload.sh --simd avx2 --size tiny,3.2M --ranks 2 --reps 3"]="the same benchmark with both sides restricted to AVX2 (minutes); kernels/tests/simd.rs runs every kernel at every level this CPU has and requires the same bits"
+  ["scripts/bench-workload.sh --size tiny,3.2M --ranks 2 --reps 5"]="a benchmark of minutes (both sides at both sizes, 5 repetitions), and it pip-installs torch without BENCH_PYTHON; it times and prints only: the README runs gradbus on this config, python/tests/test_grpo_twin.py the PyTorch twin"
+  ["perf record -F 1999 -o /tmp/perf.data -- ./target/release/gradbus run --np 1 --run-dir /tmp/pf examples/tiny.toml --set steps=4 --set model.channels=256 --set model.layers=4"]="a profile: needs perf (Debian's linux-perf, not installed by CI) and access to perf events, which containers usually deny; it has no outcome to check (the run it profiles is a plain gradbus run)"
+  ["perf report -i /tmp/perf.data --no-children --sort symbol"]="reads the profile of perf record above, not run here"
+  # docs/reliability.md
+  ["scripts/fault-matrix.py"]="scripts/test.sh runs the fault matrix itself, just before this test (~1-2 min); a second run here would add only time"
+  ["scripts/fault-matrix.py --set 'overlap=\"on\"'"]="the fault matrix again with overlap on, ~1-2 min more; scripts/test.sh runs the matrix as is, and tests/workload.rs plants a NaN with overlap on and off (the same report) and checks that overlap changes no bit"
+  # docs/roll-193.md
+  ["scripts/roll-193.sh /tmp/roll193"]="~15 min on 2 cores (8 oversubscribed ranks, runs to step 340-400 and a loop over seeds); the README runs its first run, the 8-rank seed case to step 340 with the report checked, and tests/seed_case.rs the mechanism on the fast config"
 )
 
-# Commands of the PyTorch section: they run in "the environment that has torch", which is
+# Commands of the PyTorch pages: they run in "the environment that has torch", which is
 # python/test.sh's venv (target/pyvenv of this checkout; scripts/test.sh makes it before this runs).
 # Without that venv they are skipped, saying so.
 NEEDS_TORCH=(
@@ -82,36 +122,49 @@ if ! [ -e "$pyvenv/.complete" ]; then
   done
 fi
 
-# The commands of the README's ```sh blocks, one per array element, continuation lines joined;
-# expects[i]: the `# expect` lines of commands[i], one per line.
+# The commands of the pages' ```sh blocks, one per array element (continuation lines joined with a
+# blank, the lines of a loop with newlines); pages[i]: the page of commands[i]; expects[i]: the
+# `# expect` lines of commands[i], one per line.
 commands=()
+pages=()
 expects=()
-while IFS=$'\t' read -r kind text; do
+pending="" # the lines of a command that the shell cannot parse yet (a loop's first lines)
+while IFS=$'\t' read -r kind page text; do
   if [ "$kind" = C ]; then
-    commands+=("$text")
-    expects+=("")
-  elif [ ${#commands[@]} -gt 0 ]; then
+    pending="${pending:+$pending$'\n'}$text"
+    if bash -n <<<"$pending" 2>/dev/null; then
+      commands+=("$pending")
+      pages+=("$page")
+      expects+=("")
+      pending=""
+    fi
+  elif [ "$kind" = END ]; then
+    [ -z "$pending" ] || { echo "readme-test: $page: a command the shell cannot parse: $pending" >&2; exit 1; }
+  elif [ -n "$pending" ]; then
+    echo "readme-test: $page: an expectation inside a command: $text" >&2
+    exit 1
+  elif [ ${#commands[@]} -gt 0 ] && [ "${pages[${#commands[@]} - 1]}" = "$page" ]; then
     expects[${#commands[@]} - 1]+="$text"$'\n'
   else
-    echo "readme-test: an expectation before any command: $text" >&2
+    echo "readme-test: $page: an expectation before any command: $text" >&2
     exit 1
   fi
-done < <(awk '
-  /^```sh[[:space:]]*$/ { inblock = 1; next }
-  /^```/ { if (inblock && cmd != "") print "C\t" cmd; inblock = 0; cmd = ""; next }
+done < <(cd "$src" && awk '
+  /^[[:space:]]*```sh[[:space:]]*$/ { inblock = 1; next }
+  /^[[:space:]]*```/ { if (inblock) { if (cmd != "") print "C\t" FILENAME "\t" cmd; print "END\t" FILENAME "\t" } inblock = 0; cmd = ""; next }
   !inblock { next }
   {
     line = $0
     if (cmd == "") {
       sub(/^[[:space:]]+/, "", line)
-      if (line ~ /^#[[:space:]]*expect( in |:)/) { sub(/^#[[:space:]]*/, "", line); print "E\t" line; next }
+      if (line ~ /^#[[:space:]]*expect( in |:)/) { sub(/^#[[:space:]]*/, "", line); print "E\t" FILENAME "\t" line; next }
       if (line == "" || line ~ /^#/) next
     }
     else { sub(/^[[:space:]]+/, " ", line) }
     if (line ~ /\\[[:space:]]*$/) { sub(/[[:space:]]*\\[[:space:]]*$/, "", line); cmd = cmd line; next }
-    print "C\t" cmd line; cmd = ""
-  }' "$src/README.md" "${DOC_PAGES[@]/#/$src/}")
-[ ${#commands[@]} -gt 0 ] || { echo "readme-test: no \`\`\`sh commands in README.md" >&2; exit 1; }
+    print "C\t" FILENAME "\t" cmd line; cmd = ""
+  }' "${PAGES[@]}")
+[ ${#commands[@]} -gt 0 ] || { echo "readme-test: no \`\`\`sh commands in ${PAGES[*]}" >&2; exit 1; }
 
 strip() { # the command without its trailing comment and surrounding blanks
   local c="${1%%[[:space:]]#*}"
@@ -121,7 +174,7 @@ strip() { # the command without its trailing comment and surrounding blanks
 for key in "${!SKIP[@]}" "${NEEDS_TORCH[@]}"; do
   found=0
   for c in "${commands[@]}"; do [ "$(strip "$c")" = "$key" ] && found=1; done
-  [ $found = 1 ] || { echo "readme-test: SKIP entry matches no README command: $key" >&2; exit 1; }
+  [ $found = 1 ] || { echo "readme-test: SKIP entry matches no command of ${PAGES[*]}: $key" >&2; exit 1; }
 done
 
 trains='(^|[[:space:]])(gradbus[[:space:]]+run|cargo[[:space:]].*--[[:space:]]+run|gradbus[[:space:]]+worker)[[:space:]]'
@@ -168,16 +221,75 @@ GRADBUS_README_EXPECT")
   return $bad
 }
 
+# Checks that every relative link of the pages, outside code blocks, names a file under $1 and its
+# anchor a heading of that file (GitHub's anchors: lower case, punctuation dropped, blanks to `-`,
+# `-1`, `-2` ... for repeats); prints each broken one and the count of those checked.
+check_links() {
+  python3 - "$1" "${PAGES[@]}" <<'PY'
+import os, re, sys
+root, pages = sys.argv[1], sys.argv[2:]
+def prose(path):  # the lines of a markdown file outside fenced code blocks
+    fence = None
+    for line in open(path, encoding="utf-8"):
+        m = re.match(r"\s*(```+|~~~+)", line)
+        if m:
+            if fence is None:
+                fence = m.group(1)
+            elif m.group(1).startswith(fence):
+                fence = None
+            continue
+        if fence is None:
+            yield line
+def anchors(path):
+    seen, out = {}, set()
+    for line in prose(path):
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        a = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(a, 0)
+        seen[a] = n + 1
+        out.add(a if n == 0 else f"{a}-{n}")
+    return out
+bad = checked = 0
+for page in pages:
+    for line in prose(os.path.join(root, page)):
+        for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", re.sub(r"`[^`]*`", "", line)):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                continue  # https:, mailto: ...
+            checked += 1
+            path, _, anchor = target.partition("#")
+            file = os.path.normpath(os.path.join(root, os.path.dirname(page), path)) if path else os.path.join(root, page)
+            if not os.path.exists(file):
+                print(f"readme-test: {page}: link ({target}): no file {os.path.relpath(file, root)}", file=sys.stderr)
+                bad += 1
+            elif anchor and file.endswith(".md") and anchor not in anchors(file):
+                print(f"readme-test: {page}: link ({target}): no heading #{anchor} in {os.path.relpath(file, root)}", file=sys.stderr)
+                bad += 1
+print(checked)
+sys.exit(1 if bad else 0)
+PY
+}
+
 if [ $dry = 1 ]; then
+  to_run=0
+  to_skip=0
   for i in "${!commands[@]}"; do
     c=${commands[$i]}
     key=$(strip "$c")
-    if [ -n "${SKIP[$key]+x}" ]; then echo "SKIPPED: $key: ${SKIP[$key]}"; continue; fi
+    if [ -n "${SKIP[$key]+x}" ]; then
+      echo "${pages[$i]}: SKIPPED: ${key//$'\n'/$'\n    '}: ${SKIP[$key]}"
+      to_skip=$((to_skip + 1))
+      continue
+    fi
     cmd=$(bounded "$c" "${expects[$i]}")
     bounded "$c" "${expects[$i]}" >/dev/null
-    echo "README \$ $cmd    (expect exit $want)"
+    echo "${pages[$i]} \$ ${cmd//$'\n'/$'\n    '}    (expect exit $want)"
     printf '%s' "${expects[$i]}" | sed 's/^/    # /'
+    to_run=$((to_run + 1))
   done
+  links=$(check_links "$src") || { echo "readme-test: broken links (above)" >&2; exit 1; }
+  echo "readme-test: dry run: ${#commands[@]} command(s) on ${#PAGES[@]} page(s): $to_run would run, $to_skip skipped; $links relative link(s) resolve"
   exit 0
 fi
 
@@ -191,6 +303,8 @@ if [ $cold = 0 ] && [ -d "$src/target/release" ]; then
   mkdir -p "$clone/target"
   cp -a "$src/target/release" "$clone/target/release"
 fi
+links=$(check_links "$clone") || { echo "readme-test: FAILED: broken links in the pages (above)" >&2; exit 1; }
+echo "readme-test: $links relative link(s) of ${#PAGES[@]} page(s) resolve"
 
 # A new user's environment: no gradbus on PATH until the README installs it, no GRADBUS_* set.
 export CARGO_INSTALL_ROOT="$work/cargo-root"
@@ -212,12 +326,13 @@ while IFS= read -r name; do unset "$name"; done < <(compgen -e | grep '^GRADBUS_
 ran=0
 skipped=0
 n=0
+t_start=$(date +%s)
 for i in "${!commands[@]}"; do
   c=${commands[$i]}
   n=$((n + 1))
   key=$(strip "$c")
   if [ -n "${SKIP[$key]+x}" ]; then
-    line="SKIPPED: $key: ${SKIP[$key]}"
+    line="SKIPPED: ${key//$'\n'/ ⏎ }: ${SKIP[$key]}"
     echo "$line"
     if [ -n "$skip_log" ]; then echo "$line" >>"$skip_log"; fi
     skipped=$((skipped + 1))
@@ -226,7 +341,7 @@ for i in "${!commands[@]}"; do
   cmd=$(bounded "$c" "${expects[$i]}")
   bounded "$c" "${expects[$i]}" >/dev/null # sets want (the command substitution above ran in a subshell)
   log="$work/cmd-$n.log"
-  echo "README \$ $cmd    (expect exit $want)"
+  echo "${pages[$i]} \$ ${cmd//$'\n'/$'\n    '}    (expect exit $want)"
   t0=$(date +%s)
   set +e
   (cd "$clone" && timeout -k 10 1200 bash -c "$cmd") >"$log" 2>&1
@@ -239,7 +354,7 @@ for i in "${!commands[@]}"; do
   fi
   if ! check_expects "${expects[$i]}" "$log"; then
     tail -n 200 "$log"
-    echo "readme-test: FAILED: \`$cmd\`: not the outcome the README states (work directory kept: $work)" >&2
+    echo "readme-test: FAILED: \`$cmd\`: not the outcome ${pages[$i]} states (work directory kept: $work)" >&2
     exit 1
   fi
   tail -n 4 "$log" | sed 's/^/    /'
@@ -257,4 +372,4 @@ for i in "${!commands[@]}"; do
   ran=$((ran + 1))
 done
 rm -rf "$work"
-echo "readme-test: ok: $ran README command(s) ran as expected on a fresh clone, $skipped skipped (listed above)"
+echo "readme-test: ok: $ran command(s) of ${#PAGES[@]} page(s) ran as expected on a fresh clone in $(($(date +%s) - t_start)) s, $skipped skipped (listed above)"

@@ -2,7 +2,8 @@
 # The test command of the README, and all that .ci/run does. On a fresh Debian 12 machine with only
 # rustup: install what the tests need (only what is missing, so a second run installs nothing),
 # probe what this machine can run, run every test of the workspace, then every command of the README
-# on a fresh clone (scripts/readme-test.sh), and end with the list of what was skipped and why.
+# and of docs/*.md on a fresh clone (scripts/readme-test.sh), and end with the list of what was
+# skipped and why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t_start=$(date +%s)
@@ -164,7 +165,8 @@ ln -sf "$nvrtc_dir/libnvrtc.so.13" "$tmp/nvrtc/libnvrtc.so"
 GRADBUS_REQUIRE="$GRADBUS_REQUIRE,nvrtc" LD_LIBRARY_PATH="$tmp/nvrtc:$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   run cargo test --release --features cuda -p gradbus-kernels --test cuda kernel_sources_compile
 
-# Every README command on a fresh clone, in order: the first contact of a new user. Its own
-# install (`cargo install --path .`, into a temporary root) is the check that an install works.
+# Every command of the README, then of docs/*.md, on a fresh clone, in order: the first contact of a
+# new user. Its own install (`cargo install --path .`, into a temporary root) is the check that an
+# install works; every relative link of those pages must resolve.
 echo "test.sh: scripts/readme-test.sh"
 scripts/readme-test.sh
