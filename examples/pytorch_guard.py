@@ -67,9 +67,15 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    code = 0
     try:
         main()
     except gbt.NonFiniteGradients as e:  # the same on every rank; rank 0 wrote e.path
         print(f"[rank {dist.get_rank()}] {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
-        sys.exit(3)
+        code = 3
+    # Skip the interpreter's teardown: there torch 2.15's gloo sometimes aborts a finished run
+    # ("terminate called without an active exception", SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
