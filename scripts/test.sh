@@ -126,7 +126,7 @@ run cargo test --workspace --release
 run cargo test --workspace --release --features mpi --test mpi
 # Slurm with the MPI transport (tests/slurm.rs): `srun --mpi=pmix` on one node, and two nodes in
 # network namespaces (`two_nodes_`); the other Slurm tests ran above.
-run cargo test --workspace --release --features mpi --test slurm pmix_ two_nodes_
+run cargo test --workspace --release --features mpi --test slurm -- pmix_ two_nodes_
 
 # The fault matrix (docs/reliability.md): every fault ends with its documented exit code and leaves
 # no process or segment, nothing is lost where nothing should be, and every damaged artifact is
