@@ -4,10 +4,12 @@ same processes: a 2-rank job over gloo on the CPU builds the model twice (identi
 plain and once guarded, and alternates rounds of `--iters` updates between the two (plain, guarded,
 plain, ...), so a load change on the machine hits both alike. Prints, per round pair, wall ms per
 update and rank 0's CPU ms per update (process time: its own work, not time spent waiting for the
-peer), the guarded/plain ratio of the medians, and rank 0's CPU time inside the guard's own entry
-points (its scans; the table's exchange and the verdict, gloo's threads included) per update, as a fraction of a plain update's
-CPU time: on a loaded machine the A/B ratios wander by several percent both ways, that fraction
-does not. A benchmark: asserts nothing.
+peer), the guarded/plain ratio of the medians, and the CPU time of the thread that runs the guard's
+own entry points (its scans; building and exchanging the agreement's row, waiting for it, the
+verdict) per update, as a fraction of a plain update's CPU time. Thread time, not process time:
+the process's clock also counts gloo's threads and autograd's, which run meanwhile and while the
+hook waits for the GIL. On a loaded or shared machine the A/B ratios wander by several percent both
+ways from round to round; that fraction does not. A benchmark: asserts nothing.
 
   --framework megatron   megatron-core GPTModel (local spec) in Megatron's DDP, overlap_grad_reduce,
                          with the CPU stand-ins of python/examples/megatron_guard.py; optimizer: torch
@@ -65,7 +67,7 @@ def stack(a):
 
 
 GUARD_CPU = {"health": 0.0, "exchange": 0.0}
-"""Rank 0's CPU seconds inside the guard's own entry points: `health` (the scans), and `_exchange` /
+"""Rank 0's thread CPU seconds inside the guard's own entry points: `health` (the scans), and `_exchange` /
 `verdict` (building and exchanging the table, waiting for it, `decide`)."""
 _DEPTH = [0]
 
@@ -77,14 +79,14 @@ def timed(guard):
         f = getattr(guard, name)
 
         def wrapper(*args, _f=f, _kind=kind, **kw):
-            t = time.process_time()
+            t = time.thread_time()
             _DEPTH[0] += 1
             try:
                 return _f(*args, **kw)
             finally:
                 _DEPTH[0] -= 1
                 if _DEPTH[0] == 0:
-                    GUARD_CPU[_kind] += time.process_time() - t
+                    GUARD_CPU[_kind] += time.thread_time() - t
 
         setattr(guard, name, wrapper)
     return guard
@@ -198,7 +200,7 @@ def worker(rank, world, port, a):
         print(f"median wall ms/update: plain {med['plain'][0]:.2f}, guarded {med['guarded'][0]:.2f}, ratio {med['guarded'][0] / med['plain'][0]:.4f}")
         n = a.rounds * a.iters
         scans, verdicts = (GUARD_CPU[k] * 1e3 / n for k in ("health", "exchange"))
-        print(f"rank-0 CPU ms/update inside the guard: scans {scans:.3f} + exchange and verdict {verdicts:.3f} = {scans + verdicts:.3f}, "
+        print(f"rank-0 thread CPU ms/update inside the guard: scans {scans:.3f} + exchange and verdict {verdicts:.3f} = {scans + verdicts:.3f}, "
               f"{(scans + verdicts) / med['plain'][1]:.4f} of a plain update's CPU time")
         print(f"median rank-0 CPU ms/update: plain {med['plain'][1]:.2f}, guarded {med['guarded'][1]:.2f}, ratio {med['guarded'][1] / med['plain'][1]:.4f}")
     dist.destroy_process_group()
