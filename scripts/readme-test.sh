@@ -65,7 +65,7 @@ declare -A SKIP=(
   ["scripts/gpu-check.sh --prepare target/gpu-check"]="builds test binaries for the GPU machine only; scripts/test.sh builds and runs the same cuda test targets here (their GPU parts print SKIPPED)"
   ["bash target/gpu-check/gpu-check.sh --prebuilt target/gpu-check"]="needs an NVIDIA GPU and the bundle of --prepare"
   # docs/pytorch.md
-  ["python/build-wheels.sh dist"]="python/test.sh builds the x86_64 wheel this way and tests it; the aarch64 cross build adds minutes and cannot run here"
+  ["python/build-wheels.sh dist"]="scripts/test.sh builds both wheels this way and tests them (python/test.sh: x86_64 with torch; python/aarch64-check.sh: aarch64 under qemu)"
   # docs/agreement.md (benchmarks)
   ["for run in 1 2 3; do
 for np in 2 4 8 16; do

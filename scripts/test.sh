@@ -27,6 +27,9 @@ has ip || need+=(iproute2)
 { has ps && has kill; } || need+=(procps)
 has unshare || need+=(util-linux)
 has mount || need+=(mount)
+# qemu-user-static and readelf (binutils): python/aarch64-check.sh runs the aarch64 wheel here.
+has qemu-aarch64-static || need+=(qemu-user-static)
+has readelf || need+=(binutils)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ] && ! has sudo; then
     echo "missing system packages: ${need[*]} (install them, or run as root)" >&2
@@ -150,6 +153,11 @@ run cargo test --release --features cuda -p gradbus-collectives --lib nccl::
 # (~2 min).
 echo "test.sh: python/test.sh"
 python/test.sh
+# The aarch64 wheel, cross-built, run under qemu-aarch64 by Debian's arm64 CPython: the same bits as
+# the x86_64 wheel just tested, and no glibc symbol newer than 2.17 in either (~1 min; a first run
+# also downloads 7 MB of arm64 .debs).
+echo "test.sh: python/aarch64-check.sh"
+python/aarch64-check.sh target/pyvenv-clean/bin/python
 
 # Every kernels/cuda/*.cu compiles with NVRTC, to PTX and to machine code for sm_80 and sm_90 (no
 # GPU needed; ~15 s), against PyPI's NVRTC that the venv above holds (torch's nvidia-cuda-nvrtc, in

@@ -118,9 +118,11 @@ pub(crate) fn fold_lanes(mut ss: [f64; LANES]) -> f64 {
 /// The sum of squares of an all-finite block, lane `l` taking elements `l, l + 16, ...` in order
 /// exactly as `scan_block_portable` does; `None` as soon as the block holds a NaN or Inf.
 mod simd {
+    #[cfg(target_arch = "x86_64")]
     use super::{fold_lanes, LANES};
 
     /// The remainder (fewer than `LANES` elements) goes to lanes 0.. in order, like the portable loop.
+    #[cfg(target_arch = "x86_64")]
     #[inline]
     fn tail(ss: &mut [f64; LANES], rest: &[f32]) -> bool {
         for (l, &v) in rest.iter().enumerate() {
