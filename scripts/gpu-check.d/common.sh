@@ -46,5 +46,10 @@ gb_run() {
 # (an older gradbus: `device` is an unknown key, or the worker says so). Then the step is not checked.
 not_wired() { grep -aqE 'unknown field `device`|not yet wired|built without the cuda feature' "$1"; }
 
-# why LOG: the line of a run's output that says why it could not use the GPU (else its last line).
-why() { (grep -a -m1 -E 'error|CUDA|cuda' "$1" || tail -n 1 "$1") | sed 's/^gradbus: error: //' | cut -c1-100; }
+# why LOG: the line of a run's output that says why it could not use the GPU: gradbus's own error
+# line first (a benchmark's log echoes the command line, which names cuda, before it), else any line
+# naming an error or CUDA, else its last line.
+why() {
+  (grep -a -m1 '^gradbus: error: ' "$1" || grep -a -m1 -E 'error|CUDA|cuda' "$1" || tail -n 1 "$1") |
+    sed 's/^gradbus: error: //' | cut -c1-100
+}
