@@ -57,6 +57,8 @@ for f in "$src"/docs/*.md; do PAGES+=("docs/${f##*/}"); done
 # run (docs/benchmarks.md's all-reduce table, the GEMM workbench, bench/guard-cost.sh).
 declare -A SKIP=(
   ["scripts/test.sh"]="runs every test and then this README test: it is the command that runs this (CI: .ci/run)"
+  # docs/megatron.md
+  ["GRADBUS_PY312=~/.pyenv/versions/3.12.1/bin/python scripts/test.sh"]="scripts/test.sh with the megatron-core 0.19.2 suite added: the command that runs this"
   # docs/slurm.md
   ["sbatch examples/slurm.sbatch --set steps=50"]="needs a Slurm cluster; tests/slurm.rs runs this script on a one-node Slurm it starts"
   ["srun --kill-on-bad-exit=1 -n 4 gradbus worker --run-dir runs/s examples/tiny.toml"]="needs a Slurm allocation; tests/slurm.rs runs a bare srun of the worker on a one-node Slurm it starts"

@@ -153,6 +153,16 @@ run cargo test --release --features cuda -p gradbus-collectives --lib nccl::
 # (~2 min).
 echo "test.sh: python/test.sh"
 python/test.sh
+# gradbus.megatron against megatron-core 0.19.2, which needs Python >= 3.12: Debian 12 has 3.11 (the
+# suite above tests 0.16.1 there), and no registry CI reaches ships a CPython, so it runs only where
+# GRADBUS_PY312 names a Python 3.12 (python/megatron-py312.sh: a second venv, ~1.5 GB of downloads).
+if [ -n "${GRADBUS_PY312:-}" ]; then
+  echo "test.sh: python/megatron-py312.sh $GRADBUS_PY312"
+  python/megatron-py312.sh "$GRADBUS_PY312"
+else
+  echo "SKIPPED: python/megatron-py312.sh (gradbus.megatron against megatron-core 0.19.2): needs Python >= 3.12, which Debian 12 lacks; set GRADBUS_PY312=<python3.12> to run it" |
+    tee -a "$GRADBUS_SKIP_LOG"
+fi
 # The aarch64 wheel, cross-built, run under qemu-aarch64 by Debian's arm64 CPython: the same bits as
 # the x86_64 wheel just tested, and no glibc symbol newer than 2.17 in either (~1 min; a first run
 # also downloads 7 MB of arm64 .debs).
