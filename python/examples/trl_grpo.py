@@ -23,7 +23,6 @@ Exit: 0; 3 when the guard aborted; 1 when the GRPOTrainer raised (after NaN weig
 generation's sampling fails).
 """
 
-import json
 import os
 
 import torch
@@ -34,8 +33,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 import example_cli
 import gradbus.hf
-import gradbus.torch as gbt
-from hf_trainer import Plant, checksum
+from hf_trainer import Plant, train_and_record
 
 VOCAB = ["<pad>", "<eos>", "<bos>"] + [chr(ord("a") + i) for i in range(13)]
 A = VOCAB.index("a")
@@ -87,6 +85,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=0.3)
     ap.add_argument("--num-iterations", type=int, default=20, help="updates per generation batch (1: on-policy)")
     ap.add_argument("--beta", type=float, default=0.04, help="the k3 KL's coefficient (TRL's default 0 has no KL)")
+    ap.add_argument("--no-kl-bias-correction", action="store_true",
+                    help="the plain k3 KL (use_bias_correction_kl=False), whose gradient pulls the policy back")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="where each rank writes result-rankK.json (for the tests)")
     a = ap.parse_args()
@@ -95,9 +95,9 @@ def main() -> int:
     args = GRPOConfig(
         output_dir=a.run_dir, max_steps=a.steps, per_device_train_batch_size=8, num_generations=8,
         max_completion_length=8, learning_rate=a.lr, lr_scheduler_type="constant", num_iterations=a.num_iterations,
-        beta=a.beta, disable_dropout=True, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        ddp_backend="gloo", ddp_find_unused_parameters=False, ddp_timeout=300, seed=a.seed, disable_tqdm=True,
-        dataloader_num_workers=0,
+        beta=a.beta, use_bias_correction_kl=not a.no_kl_bias_correction, disable_dropout=True, seed=a.seed,
+        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, ddp_backend="gloo",
+        ddp_find_unused_parameters=False, ddp_timeout=300, dataloader_num_workers=0,
     )
     torch.manual_seed(a.seed)  # the same random weights on every rank
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=len(VOCAB), n_positions=32,
@@ -117,36 +117,8 @@ def main() -> int:
     guard = None
     if a.policy != "none":
         guard = gradbus.hf.guard(trainer, policy=a.policy, run_dir=a.run_dir)  # the line a user adds
-    out = {"error": None, "report": None}
-    rc = 0
-    try:
-        trainer.train()
-    except gbt.NonFiniteGradients as e:
-        print(f"[rank {args.process_index}] {e}", flush=True)
-        out.update(error=str(e), report=e.report)
-        rc = 3
-    except RuntimeError as e:  # the GRPOTrainer's own failure, recorded, then the exit code says so
-        print(f"[rank {args.process_index}] the GRPOTrainer raised {type(e).__name__}: {e}", flush=True)
-        out.update(error=f"{type(e).__name__}: {e}")
-        rc = 1
-    out.update(
-        global_step=trainer.state.global_step,
-        log_history=trainer.state.log_history,
-        weights=checksum(model),
-        nonfinite_params=[n for n, p in model.named_parameters() if not torch.isfinite(p).all()],
-        skipped=None if guard is None else guard.skipped,
-        gaps=gaps.rows,
-    )
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, f"result-rank{args.process_index}.json"), "w") as f:
-            json.dump(out, f, default=str)
-    if torch.distributed.is_initialized():
-        # Every rank records its outcome before any exits (torchrun stops the others as soon as one
-        # exits non-zero).
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return rc
+    # The GRPOTrainer's own error (sampling from NaN weights) is recorded too: exit 1.
+    return train_and_record(trainer, model, guard, a.out, lambda: {"gaps": gaps.rows}, failures=RuntimeError)
 
 
 if __name__ == "__main__":
