@@ -62,4 +62,5 @@ echo "python/test.sh: testing $wheel in $clean"
 # From python/tests, so that `import gradbus` is the installed wheel, not the source folder.
 cd python/tests
 ../../"$clean"/bin/python -c 'import gradbus, sys; assert "site-packages" in gradbus.__file__, gradbus.__file__'
-../../"$clean"/bin/python -m pytest -q -p no:cacheprovider .
+# -rs: each skipped test prints its reason ("SKIPPED [1] test_trl.py:12: trl not installed ...").
+../../"$clean"/bin/python -m pytest -q -rs -p no:cacheprovider .
