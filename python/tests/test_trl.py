@@ -28,7 +28,7 @@ def overflow_step(result):
     k = next(i for i, g in enumerate(rows) if not math.isfinite(g["loss"]))
     before, at = rows[:k], rows[k]
     assert k >= 2 and all(g["k3_exponent"] < LN_FLT_MAX for g in before), rows
-    assert at["loss"] == math.inf and at["k3_exponent"] > LN_FLT_MAX, at
+    assert not math.isfinite(at["loss"]) and at["k3_exponent"] > LN_FLT_MAX, at
     # The PPO ratio's exponent never came near: it is the KL to the reference that overflowed.
     assert all(g["log_ratio"] is None or g["log_ratio"] < 10 for g in rows[: k + 1]), rows
     return at["step"], at
@@ -40,10 +40,10 @@ def test_unguarded_grpo_turns_nonfinite_from_the_k3_kl_overflow(tmp_path):
     steps = [overflow_step(r)[0] for r in res]
     for k, r in enumerate(res):
         s = steps[k]
-        # Logged by the Trainer as step s + 1: grad_norm NaN from then on, the KL Inf.
+        # Logged by the Trainer as step s + 1: grad_norm NaN from then on, the KL Inf (or NaN).
         logged = [e for e in r["log_history"] if "grad_norm" in e]
         assert all(math.isfinite(e["grad_norm"]) for e in logged[:s]), f"rank {k}"
-        assert all(math.isnan(e["grad_norm"]) for e in logged[s:]) and logged[s]["kl"] == math.inf, f"rank {k}"
+        assert all(math.isnan(e["grad_norm"]) for e in logged[s:]) and not math.isfinite(logged[s]["kl"]), f"rank {k}"
         # The optimizer stepped on NaN gradients: every weight NaN on both replicas, and the next
         # generation's sampling fails (the run's only error message, at a later step).
         assert r["nonfinite_params"] and r["global_step"] > s + 1, r["global_step"]
