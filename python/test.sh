@@ -30,7 +30,7 @@ if [ ! -e "$venv/.complete" ]; then
   "$venv/bin/python" -m pip install -q -r python/requirements-ci.txt
   touch "$venv/.complete"
 fi
-# The framework adapters' test dependencies (megatron-core, transformers; ~210 MB), all pinned and
+# The framework adapters' test dependencies (megatron-core, transformers, trl; ~485 MB), all pinned and
 # installed without their dependencies (see the file); again whenever the file changes.
 fw=$(sha256sum python/requirements-frameworks.txt | cut -c1-16)
 if [ ! -e "$venv/.frameworks-$fw" ]; then
