@@ -30,7 +30,7 @@ if [ ! -e "$venv/.complete" ]; then
   "$venv/bin/python" -m pip install -q -r python/requirements-ci.txt
   touch "$venv/.complete"
 fi
-# The framework adapters' test dependencies (megatron-core, transformers; ~210 MB), all pinned and
+# The framework adapters' test dependencies (megatron-core, transformers, trl; ~485 MB), all pinned and
 # installed without their dependencies (see the file); again whenever the file changes.
 fw=$(sha256sum python/requirements-frameworks.txt | cut -c1-16)
 if [ ! -e "$venv/.frameworks-$fw" ]; then
@@ -62,4 +62,5 @@ echo "python/test.sh: testing $wheel in $clean"
 # From python/tests, so that `import gradbus` is the installed wheel, not the source folder.
 cd python/tests
 ../../"$clean"/bin/python -c 'import gradbus, sys; assert "site-packages" in gradbus.__file__, gradbus.__file__'
-../../"$clean"/bin/python -m pytest -q -p no:cacheprovider .
+# -rs: each skipped test prints its reason ("SKIPPED [1] test_trl.py:12: trl not installed ...").
+../../"$clean"/bin/python -m pytest -q -rs -p no:cacheprovider .

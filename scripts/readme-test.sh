@@ -117,10 +117,20 @@ NEEDS_TORCH=(
   "torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy abort --plant 1:3:transformer.h.1.mlp.c_fc.weight:42"
   "torchrun --standalone --nproc-per-node 2 python/examples/hf_trainer.py --policy skip --plant 1:3:transformer.h.1.mlp.c_fc.weight:42"
 )
+# Commands that also need trl in that venv (python/requirements-frameworks.txt); skipped without it,
+# as python/tests/test_trl.py is.
+NEEDS_TRL=(
+  "torchrun --standalone --nproc-per-node 2 python/examples/trl_grpo.py --policy none"
+  "torchrun --standalone --nproc-per-node 2 python/examples/trl_grpo.py --policy abort"
+)
 pyvenv="$src/target/pyvenv"
 if ! [ -e "$pyvenv/.complete" ]; then
-  for key in "${NEEDS_TORCH[@]}"; do
+  for key in "${NEEDS_TORCH[@]}" "${NEEDS_TRL[@]}"; do
     SKIP[$key]="needs PyTorch and maturin; no target/pyvenv here (python/test.sh makes it)"
+  done
+elif ! "$pyvenv/bin/python" -c "import trl" 2>/dev/null; then
+  for key in "${NEEDS_TRL[@]}"; do
+    SKIP[$key]="needs trl, not installed in target/pyvenv (python/requirements-frameworks.txt); python/tests/test_trl.py skips too"
   done
 fi
 
@@ -173,7 +183,7 @@ strip() { # the command without its trailing comment and surrounding blanks
   c="${c#"${c%%[![:space:]]*}"}"
   printf '%s' "${c%"${c##*[![:space:]]}"}"
 }
-for key in "${!SKIP[@]}" "${NEEDS_TORCH[@]}"; do
+for key in "${!SKIP[@]}" "${NEEDS_TORCH[@]}" "${NEEDS_TRL[@]}"; do
   found=0
   for c in "${commands[@]}"; do [ "$(strip "$c")" = "$key" ] && found=1; done
   [ $found = 1 ] || { echo "readme-test: SKIP entry matches no command of ${PAGES[*]}: $key" >&2; exit 1; }

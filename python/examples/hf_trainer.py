@@ -60,6 +60,45 @@ def checksum(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def train_and_record(trainer, model: torch.nn.Module, guard, out_dir, outcome=dict, failures=()) -> int:
+    """`trainer.train()` on this rank; 0, 3 after the guard's agreed abort, 1 after one of `failures`
+    (the trainer's own error), each printed. Then writes the rank's outcome to
+    out_dir/result-rankK.json when out_dir is set: the error and report, the Trainer's global_step and
+    log history, a checksum of the weights, the parameters holding a non-finite value, the guard's
+    skips, and what `outcome()` adds; and waits for every rank."""
+    rank = trainer.args.process_index
+    out = {"error": None, "report": None}
+    rc = 0
+    try:
+        trainer.train()
+    except gbt.NonFiniteGradients as e:
+        print(f"[rank {rank}] {e}", flush=True)
+        out.update(error=str(e), report=e.report)
+        rc = 3
+    except failures as e:
+        print(f"[rank {rank}] the {type(trainer).__name__} raised {type(e).__name__}: {e}", flush=True)
+        out.update(error=f"{type(e).__name__}: {e}")
+        rc = 1
+    out.update(
+        global_step=trainer.state.global_step,
+        log_history=trainer.state.log_history,
+        weights=checksum(model),
+        nonfinite_params=[n for n, p in model.named_parameters() if not torch.isfinite(p).all()],
+        skipped=None if guard is None else guard.skipped,
+        **outcome(),
+    )
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"result-rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+    if torch.distributed.is_initialized():
+        # After an agreed abort every rank is healthy: wait until all have recorded their outcome
+        # (torchrun stops the others as soon as one exits non-zero).
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return rc
+
+
 def main() -> int:
     ap = example_cli.parser(__doc__, "runs/hf")
     ap.set_defaults(steps=6)
@@ -80,34 +119,13 @@ def main() -> int:
     guard = None
     if a.policy != "none":
         guard = gradbus.hf.guard(trainer, policy=a.policy, run_dir=a.run_dir)  # the line a user adds
-    out = {"error": None, "report": None}
-    rc = 0
-    try:
-        trainer.train()
-    except gbt.NonFiniteGradients as e:
-        print(f"[rank {args.process_index}] {e}", flush=True)
-        out.update(error=str(e), report=e.report)
-        rc = 3
-    opt = trainer.optimizer.optimizer
-    out.update(
-        global_step=trainer.state.global_step,
-        log_history=trainer.state.log_history,
-        scheduler_steps=trainer.lr_scheduler.last_epoch,
-        optimizer_steps=sorted({int(s["step"]) for s in opt.state.values()}),
-        weights=checksum(model),
-        nonfinite_params=[n for n, p in model.named_parameters() if not torch.isfinite(p).all()],
-        skipped=None if guard is None else guard.skipped,
-    )
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, f"result-rank{args.process_index}.json"), "w") as f:
-            json.dump(out, f, default=str)
-    if torch.distributed.is_initialized():
-        # After an agreed abort every rank is healthy: wait until all have recorded their outcome
-        # (torchrun stops the others as soon as one exits non-zero).
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return rc
+
+    def counters() -> dict:
+        opt = trainer.optimizer.optimizer
+        return dict(scheduler_steps=trainer.lr_scheduler.last_epoch,
+                    optimizer_steps=sorted({int(s["step"]) for s in opt.state.values()}))
+
+    return train_and_record(trainer, model, guard, a.out, counters)
 
 
 if __name__ == "__main__":

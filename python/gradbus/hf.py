@@ -22,9 +22,10 @@
 global step the update would have completed (0-based: the Trainer logs it as step + 1).
 
 Supported: transformers 5.x with accelerate (tested: 5.24.0, accelerate 1.15.0), DDP (torchrun, >= 2
-processes), fp32 and bf16. fp16 (GradScaler) is refused: an overflow there is the scaler's business,
-and the guard does not cooperate with the scaler yet. FSDP and DeepSpeed in the Trainer are refused
-too (gradbus.fsdp guards FSDP2 outside the Trainer).
+processes), fp32 and bf16; TRL's GRPOTrainer (a Trainer subclass) as it is (tested: trl 1.16.0;
+python/examples/trl_grpo.py). fp16 (GradScaler) is refused: an overflow there is the scaler's
+business, and the guard does not cooperate with the scaler yet. FSDP and DeepSpeed in the Trainer are
+refused too (gradbus.fsdp guards FSDP2 outside the Trainer).
 """
 
 import functools

@@ -4,15 +4,13 @@ under torchrun, 2 processes, DDP over gloo on the CPU."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("transformers", reason="transformers not installed (python/requirements-frameworks.txt)")
 
+import example_run  # noqa: E402
 import gradbus.hf as ghf  # noqa: E402
-from ddp_case import free_port  # noqa: E402
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "hf_trainer.py")
 PARAM = "transformer.h.1.mlp.c_fc.weight"
@@ -21,16 +19,7 @@ STEPS = 6
 
 def torchrun(tmp_path, name, *args):
     """Run the example under torchrun; (exit code, output, [result of rank 0, rank 1])."""
-    out = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           EXAMPLE, "--steps", str(STEPS), "--run-dir", str(out / "run"), "--out", str(out), *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    results = []
-    for r in range(2):
-        path = out / f"result-rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no result; exit {p.returncode}\n{p.stdout}\n{p.stderr}"
-        results.append(json.loads(path.read_text()))
-    return p.returncode, p.stdout + p.stderr, results
+    return example_run.torchrun(EXAMPLE, tmp_path, name, "--steps", str(STEPS), *args)
 
 
 def steps_of(result):
