@@ -20,7 +20,10 @@ if [ ! -e "$venv/.complete" ]; then
     pytest iniconfig pluggy pygments
   from=$(echo "$base"/lib/python3.*/site-packages)
   to=$(echo "$venv"/lib/python3.*/site-packages)
-  for d in "$from"/nvidia "$from"/cuda "$from"/nvidia_*.dist-info "$from"/cuda_toolkit*.dist-info; do cp -al "$d" "$to"/; done
+  for d in "$from"/nvidia "$from"/cuda "$from"/nvidia_*.dist-info "$from"/cuda_toolkit*.dist-info; do
+    [ -e "$d" ] || continue # `cuda` (cuda-bindings) is in some venvs only
+    cp -al "$d" "$to"/
+  done
   touch "$venv/.complete"
 fi
 rm -rf target/pywheels312
