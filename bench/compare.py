@@ -157,34 +157,32 @@ def main():
                       f"process {total:.1f} s; load {la})", flush=True)
 
     print(f"load average at end: {loadavg()}")
-    summary = []
-    print()
-    print(f"{'side':8s} {'ranks':>5s} {'steps':>5s} {'tokens/s median':>16s} {'min..max':>17s} {'gradbus/PyTorch':>22s}")
-    for ranks in ranks_list:
-        per = {s: [r for r in runs if r["side"] == s and r["ranks"] == ranks] for s in ("gradbus", "pytorch")}
-        med = {s: statistics.median(r["tokens_per_s"] for r in per[s]) for s in per}
-        paired = [g["tokens_per_s"] / p["tokens_per_s"] for g, p in zip(per["gradbus"], per["pytorch"])]
-        ratio = med["gradbus"] / med["pytorch"]
-        for s in ("gradbus", "pytorch"):
-            v = [r["tokens_per_s"] for r in per[s]]
-            rtxt = f"{ratio:.1f}x ({min(paired):.1f}..{max(paired):.1f})" if s == "gradbus" else ""
-            print(f"{s:8s} {ranks:5d} {args.steps:5d} {med[s]:16.0f} {min(v):8.0f}..{max(v):<8.0f} {rtxt:>22s}")
-        summary.append({"ranks": ranks, "median": med, "ratio": ratio, "paired_ratios": paired})
+    summary = table(runs, ranks_list, args.steps, "tokens_per_s", "tokens/s median")
     # The same per CPU-second of every rank between the two stamps: what a loaded machine (where
     # each side gets a varying share of the cores) changes least. Spinning waits count as work.
-    print()
-    print(f"{'side':8s} {'ranks':>5s} {'steps':>5s} {'tokens/CPU-s median':>20s} {'min..max':>17s} {'gradbus/PyTorch':>22s}")
-    for ranks in ranks_list:
-        per = {s: [r for r in runs if r["side"] == s and r["ranks"] == ranks] for s in ("gradbus", "pytorch")}
-        med = {s: statistics.median(r["tokens_per_cpu_s"] for r in per[s]) for s in per}
-        paired = [g["tokens_per_cpu_s"] / p["tokens_per_cpu_s"] for g, p in zip(per["gradbus"], per["pytorch"])]
-        for s in ("gradbus", "pytorch"):
-            v = [r["tokens_per_cpu_s"] for r in per[s]]
-            rtxt = f"{med['gradbus'] / med['pytorch']:.1f}x ({min(paired):.1f}..{max(paired):.1f})" if s == "gradbus" else ""
-            print(f"{s:8s} {ranks:5d} {args.steps:5d} {med[s]:20.0f} {min(v):8.0f}..{max(v):<8.0f} {rtxt:>22s}")
+    table(runs, ranks_list, args.steps, "tokens_per_cpu_s", "tokens/CPU-s median")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "sets": sets, "runs": runs, "summary": summary}, f, indent=1)
+
+
+def table(runs, ranks_list, steps, key, title):
+    """Print, per world size, each side's median and range of `key` over the repetitions and the
+    gradbus/PyTorch ratio of the medians (with the range of the paired ratios); return the rows."""
+    rows, w = [], len(title) + 1
+    print()
+    print(f"{'side':8s} {'ranks':>5s} {'steps':>5s} {title:>{w}s} {'min..max':>17s} {'gradbus/PyTorch':>22s}")
+    for ranks in ranks_list:
+        per = {s: [r for r in runs if r["side"] == s and r["ranks"] == ranks] for s in ("gradbus", "pytorch")}
+        med = {s: statistics.median(r[key] for r in per[s]) for s in per}
+        paired = [g[key] / p[key] for g, p in zip(per["gradbus"], per["pytorch"])]
+        ratio = med["gradbus"] / med["pytorch"]
+        for s in ("gradbus", "pytorch"):
+            v = [r[key] for r in per[s]]
+            rtxt = f"{ratio:.1f}x ({min(paired):.1f}..{max(paired):.1f})" if s == "gradbus" else ""
+            print(f"{s:8s} {ranks:5d} {steps:5d} {med[s]:{w}.0f} {min(v):8.0f}..{max(v):<8.0f} {rtxt:>22s}")
+        rows.append({"ranks": ranks, "median": med, "ratio": ratio, "paired_ratios": paired})
+    return rows
 
 
 if __name__ == "__main__":
