@@ -105,7 +105,8 @@ def main() -> int:
     # With beta > 0 TRL builds the reference model with from_pretrained(config._name_or_path): a copy
     # of these initial weights (rank 0 writes them; the process group exists since GRPOConfig).
     ref = os.path.join(a.run_dir, "initial")
-    model.save_pretrained(ref)
+    if args.process_index == 0:
+        model.save_pretrained(ref)
     torch.distributed.barrier()
     model.config._name_or_path = ref
     prompts = Dataset.from_list([{"prompt": f"<bos> {VOCAB[3 + i % 13]}"} for i in range(64)])
