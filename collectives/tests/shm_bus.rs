@@ -325,7 +325,8 @@ fn logs(dir: &Path, np: usize) -> String {
     (0..np)
         .map(|r| {
             format!(
-                "--- rank {r}:\n{}",
+                "--- rank {r}: {}\n{}",
+                outcome(dir, r),
                 std::fs::read_to_string(dir.join(format!("child-{r}.log"))).unwrap_or_default()
             )
         })

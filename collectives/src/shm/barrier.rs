@@ -168,16 +168,24 @@ impl ShmBus {
                     if c.arrive.load(Ordering::SeqCst) >= k {
                         continue;
                     }
+                    // What ends the wait first, the arrival again last: a peer may arrive, pass
+                    // this barrier (we arrived already) and leave or fail at a later one between
+                    // two loads. It stores its arrival before its departure or failed flag, so an
+                    // arrival loaded after them is seen, and such a peer is not taken for gone.
+                    let failed = c.failed.load(Ordering::SeqCst) != 0;
                     let pid = c.pid.load(Ordering::Acquire);
-                    let state = c.state.load(Ordering::Acquire);
-                    if c.failed.load(Ordering::SeqCst) != 0 {
-                        return Err(self.peer_failed(self.culprit(j), phase, at, bucket));
-                    }
+                    let state = c.state.load(Ordering::SeqCst);
                     let gone = state == ST_DEPARTED
                         || (state == ST_ATTACHED && !process_alive(pid, c.start_time.load(Ordering::Relaxed)));
-                    if gone {
-                        return Err(self.peer_failed(j, phase, at, bucket));
+                    #[cfg(test)]
+                    if let Some(hook) = &self.in_liveness_check {
+                        hook(j);
                     }
+                    if !(failed || gone) || c.arrive.load(Ordering::SeqCst) >= k {
+                        continue;
+                    }
+                    let rank = if failed { self.culprit(j) } else { j };
+                    return Err(self.peer_failed(rank, phase, at, bucket));
                 }
                 if now >= deadline {
                     let missing =
@@ -257,6 +265,48 @@ impl ShmBus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer that arrives, passes the barrier and leaves while a waiting rank checks its
+    /// liveness is not taken for gone: the waiter sees its arrival (a race seen in CI, where a
+    /// rank of the reduce test failed the last barrier naming a peer that had passed it).
+    #[test]
+    fn a_peer_that_passes_and_leaves_during_a_liveness_check_is_not_taken_for_gone() {
+        use crate::shm::BusConfig;
+        use crate::{Layout, ParamSpec};
+        use std::sync::{mpsc, Mutex};
+        let dir = tempfile::tempdir().unwrap();
+        let job = format!("race{}", std::process::id());
+        let config = |rank| {
+            let mut c = BusConfig::new(job.clone(), rank, 2, Layout::new(&[ParamSpec::new("w", 64)], 0));
+            c.shm_dir = dir.path().to_path_buf();
+            c.timeout = Duration::from_secs(20);
+            c
+        };
+        let (go, go_rx) = mpsc::channel::<()>();
+        let (done, done_rx) = mpsc::channel::<()>();
+        let cfg0 = config(0);
+        let rank0 = std::thread::spawn(move || -> Result<(), Error> {
+            let mut bus = ShmBus::open(cfg0)?;
+            go_rx.recv().unwrap();
+            bus.barrier("end", StepId::default())?;
+            drop(bus);
+            done.send(()).unwrap();
+            Ok(())
+        });
+        let mut bus = ShmBus::open(config(1)).unwrap();
+        let window = Mutex::new(Some((go, done_rx)));
+        bus.in_liveness_check = Some(Box::new(move |j| {
+            // Once, for rank 0: let it run its whole barrier and leave inside the window.
+            let mut window = window.lock().unwrap();
+            if let Some((go, done)) = window.take_if(|_| j == 0) {
+                go.send(()).unwrap();
+                done.recv().unwrap();
+            }
+        }));
+        let r = bus.barrier("end", StepId::default());
+        rank0.join().unwrap().unwrap();
+        assert!(r.is_ok(), "{r:?}");
+    }
 
     #[test]
     fn tags_describe_themselves() {

@@ -45,6 +45,10 @@ pub struct ShmBus {
     /// Called inside every bucket reduce, after every rank entered it and before the sum is
     /// written (the fault plan's `reduce` phase: a rank that dies here dies mid-collective).
     pub(super) inside_reduce: Option<Box<dyn FnMut(StepId, usize) + Send + Sync>>,
+    /// Called by a waiting rank in its liveness check of peer `j`, between the loads that can end
+    /// the wait and the reload of `j`'s arrival (a test's way to run a peer inside that window).
+    #[cfg(test)]
+    pub(super) in_liveness_check: Option<Box<dyn Fn(usize) + Send + Sync>>,
 }
 
 impl ShmBus {
@@ -91,6 +95,8 @@ impl ShmBus {
             agreement,
             last_reduce_cpu: Duration::ZERO,
             inside_reduce: None,
+            #[cfg(test)]
+            in_liveness_check: None,
         };
         bus.claim_cell()?;
         bus.barrier("attach", StepId::default())?;
