@@ -6,7 +6,9 @@ download) trained with DDP over gloo on the CPU, optionally with a NaN planted i
 
 --plant RANK:STEP:PARAM:ELEMENT writes a NaN into PARAM's gradient element ELEMENT on rank RANK at
 global step STEP (0-based; example_cli.py: a stand-in for a loss gone non-finite).
---guard none runs the Trainer alone. --out DIR writes each rank's outcome (result-rankK.json: the
+--fp16 trains in fp16 with accelerate's GradScaler (on the CPU the example attaches autocast and the
+scaler, as accelerate does on a GPU); --min-scale is then the guard's loss-scale floor.
+--policy none runs the Trainer alone. --out DIR writes each rank's outcome (result-rankK.json: the
 Trainer's global_step, log history, the scheduler's step count, the optimizer's step count, a
 checksum of the weights, the parameters holding a non-finite value, the error and report) for the tests. Exit: 0, or 3 when the guard aborted.
 """
@@ -103,6 +105,8 @@ def main() -> int:
     ap = example_cli.parser(__doc__, "runs/hf")
     ap.set_defaults(steps=6)
     ap.add_argument("--out", default=None, help="where each rank writes result-rankK.json (for the tests)")
+    ap.add_argument("--fp16", action="store_true", help="fp16 mixed precision (accelerate's GradScaler)")
+    ap.add_argument("--min-scale", type=float, default=1.0, help="the guard's loss-scale floor (with --fp16)")
     a = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -112,18 +116,28 @@ def main() -> int:
         output_dir=a.run_dir, max_steps=a.steps, per_device_train_batch_size=4, learning_rate=1e-3,
         lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
         ddp_backend="gloo", ddp_find_unused_parameters=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        fp16=a.fp16,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16, 64))
+    if a.fp16 and trainer.accelerator.scaler is None:
+        # accelerate runs fp16 with autocast and a GradScaler on GPUs only (on the CPU: fp32, no
+        # scaler); give it both here, as it would on a GPU, so the CPU test runs fp16's path.
+        trainer.accelerator.native_amp = True
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
     if a.plant:
         trainer.add_callback(Plant(model, a.plant))
     guard = None
     if a.policy != "none":
-        guard = gradbus.hf.guard(trainer, policy=a.policy, run_dir=a.run_dir)  # the line a user adds
+        fp16 = {"min_scale": a.min_scale} if a.fp16 else {}
+        guard = gradbus.hf.guard(trainer, policy=a.policy, run_dir=a.run_dir, **fp16)  # the line a user adds
 
     def counters() -> dict:
         opt = trainer.optimizer.optimizer
+        scaler = trainer.accelerator.scaler
         return dict(scheduler_steps=trainer.lr_scheduler.last_epoch,
-                    optimizer_steps=sorted({int(s["step"]) for s in opt.state.values()}))
+                    optimizer_steps=sorted({int(s["step"]) for s in opt.state.values()}),
+                    loss_scale=None if scaler is None else scaler.get_scale(),
+                    skips=None if guard is None else [{"loss_scale": s.loss_scale, **s.report} for s in guard.skips])
 
     return train_and_record(trainer, model, guard, a.out, counters)
 

@@ -13,6 +13,12 @@
   Otherwise it marks the step skipped the way accelerate marks an fp16 overflow
   (`optimizer.step_was_skipped`), which the Trainer reads to leave the learning-rate schedule where
   it is; the Trainer's `global_step` still advances and the step is logged, as for an overflow.
+  With `fp16=True` the guard takes accelerate's GradScaler (`trainer.accelerator.scaler`, as
+  `gradbus.torch.Guard(scaler=...)`): a non-finite update is the scaler's overflow, skipped on every
+  rank by accelerate's own step (the scaler lowers its scale) and recorded with its report in
+  `guard.skips`; the LR schedule holds, as the Trainer intends for an overflow (without the guard,
+  accelerate misses overflows with the default fused AdamW and the schedule advances); an overflow at
+  a scale at or below `min_scale` (default 1.0), or past the skip budget, aborts.
   "abort" raises `gradbus.torch.NonFiniteGradients` on every rank from `trainer.train()` (rank 0
   writes run_dir/report.json), naming the rank, the parameter (`transformer.h.K...`) and the element.
 - `compute_loss`: hands each micro-batch's loss to the guard before its backward, so the report says
@@ -22,10 +28,10 @@
 global step the update would have completed (0-based: the Trainer logs it as step + 1).
 
 Supported: transformers 5.x with accelerate (tested: 5.24.0, accelerate 1.15.0), DDP (torchrun, >= 2
-processes), fp32 and bf16; TRL's GRPOTrainer (a Trainer subclass) as it is (tested: trl 1.16.0;
-python/examples/trl_grpo.py). fp16 (GradScaler) is refused: an overflow there is the scaler's
-business, and the guard does not cooperate with the scaler yet. FSDP and DeepSpeed in the Trainer are
-refused too (gradbus.fsdp guards FSDP2 outside the Trainer).
+processes), fp32, bf16 and fp16 (policies abort and skip: "rerun" would recompute an overflow at the
+same scale); TRL's GRPOTrainer (a Trainer subclass) as it is (tested: trl 1.16.0;
+python/examples/trl_grpo.py). FSDP and DeepSpeed in the Trainer are refused (gradbus.fsdp guards
+FSDP2 outside the Trainer).
 """
 
 import functools
@@ -59,7 +65,10 @@ def guard(trainer: Any, policy: str = "abort", run_dir: Any = None, **kwargs: An
     from transformers import TrainerCallback
 
     check_version(metadata.version("transformers"))
-    g = gbt.Guard(policy, names=trainer.model, run_dir=run_dir, **kwargs)
+    # fp16: accelerate's GradScaler (None for bf16, fp32, and fp16 on the CPU, which accelerate runs
+    # unscaled in fp32).
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    g = gbt.Guard(policy, names=trainer.model, run_dir=run_dir, scaler=scaler, **kwargs)
 
     class GradbusCallback(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -88,12 +97,6 @@ def guard(trainer: Any, policy: str = "abort", run_dir: Any = None, **kwargs: An
 
 
 def _install(trainer: Any, g: gbt.Guard) -> None:
-    args = trainer.args
-    if args.fp16:
-        raise NotImplementedError(
-            "gradbus.hf: fp16 (GradScaler) is not supported yet: an overflow there is the scaler's business, "
-            "and the guard does not cooperate with the scaler yet (hint: bf16=True, or fp32)"
-        )
     ddp = trainer.model_wrapped
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise RuntimeError(
@@ -114,10 +117,14 @@ def _install(trainer: Any, g: gbt.Guard) -> None:
     # marker keeps torch from warning that the step was overridden after the scheduler was built.
     @functools.wraps(step)
     def guarded_step(*a: Any, **kw: Any) -> None:
-        if g.verdict().proceeded:
-            step(*a, **kw)
-            opt._is_overflow = False
-        else:
-            opt._is_overflow = True  # accelerate's "step was skipped": the Trainer keeps the LR schedule
+        v = g.verdict()
+        # With a scaler, accelerate's step runs scaler.step and scaler.update (the scaler skips an
+        # overflow and lowers its scale).
+        gbt.apply_verdict(v, g.scaler, lambda: step(*a, **kw))
+        # accelerate's "step was skipped", which the Trainer reads to hold the LR schedule: set for
+        # every update not proceeded with. accelerate's own flag misses a GradScaler's overflow with
+        # a fused optimizer (the Trainer's default adamw_torch_fused): its step is called and skips
+        # inside, so the Trainer alone advances the schedule over an overflow.
+        opt._is_overflow = not v.proceeded
 
     opt.step = guarded_step

@@ -581,6 +581,31 @@ def bf16_compress_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.F
     return _compress_hook(torch.bfloat16, guard, bucket)
 
 
+def apply_verdict(v: Verdict, scaler: Any, run: Any) -> bool:
+    """The optimizer step as the agreed verdict `v` says; True when `run()` ran. `run` is the step:
+    with a GradScaler one that calls `scaler.step` and `scaler.update`, as a script without the guard
+    does. Without a scaler it runs on "proceed" only. With one it runs on "proceed" and on a
+    loss-scale overflow (the scaler skips the overflow and lowers its scale); on another skip (a
+    spike) there is no step, the scale stays, and any unscale_() of this iteration is forgotten, as
+    update() does."""
+    if scaler is None:
+        if v.proceeded:
+            run()
+        return v.proceeded
+    if not (v.proceeded or v.overflow):
+        scaler.update(new_scale=scaler.get_scale())
+        return False
+    before = scaler.get_scale()
+    run()
+    after = scaler.get_scale()
+    if v.proceeded and after < before or v.overflow and scaler.get_backoff_factor() < 1 and not after < before:
+        raise RuntimeError(
+            f"gradbus: the guard's verdict {v.action!r} and the GradScaler disagree (scale {before:g} -> {after:g}) "
+            "(hint: the guard's scaler must be the one whose scale() the loss went through: use guard.backward(loss))"
+        )
+    return True
+
+
 class GuardedOptimizer:
     """An optimizer whose `step()` first takes the guard's verdict and steps only on "proceed":
     on "skip" and "rerun" the weights and the optimizer's state (moments, step count) stay untouched
@@ -599,23 +624,15 @@ class GuardedOptimizer:
             raise RuntimeError("gradbus.torch.GuardedOptimizer.step: a closure with a GradScaler (torch.amp.GradScaler.step does not support closures either)")
         v = self.guard.verdict()
         args = () if closure is None else (closure,)
-        if scaler is None:
-            if v.proceeded:
+
+        def run() -> None:
+            if scaler is None:
                 self.optimizer.step(*args)
-        elif v.proceeded or v.overflow:
-            before = scaler.get_scale()
-            scaler.step(self.optimizer, *args)
-            scaler.update()
-            after = scaler.get_scale()
-            if v.proceeded and after < before or v.overflow and scaler.get_backoff_factor() < 1 and not after < before:
-                raise RuntimeError(
-                    f"gradbus: the guard's verdict {v.action!r} and the GradScaler disagree (scale {before:g} -> {after:g}) "
-                    "(hint: the guard's scaler must be the one whose scale() the loss went through: use guard.backward(loss))"
-                )
-        else:
-            # Skipped for another reason (a spike): no optimizer step; the scale stays, and any
-            # unscale_() of this iteration is forgotten, as update() does.
-            scaler.update(new_scale=scaler.get_scale())
+            else:
+                scaler.step(self.optimizer, *args)
+                scaler.update()
+
+        apply_verdict(v, scaler, run)
         return v
 
     def zero_grad(self, set_to_none: bool = True) -> None:
