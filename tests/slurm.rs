@@ -82,6 +82,7 @@ impl Cluster {
     }
 
     /// The shared-memory segments of job `job_id` in node `k`'s own `/dev/shm` (multi-node clusters).
+    #[cfg(feature = "mpi")]
     fn node_segments(&self, k: usize, job_id: &str) -> Vec<String> {
         let out = Command::new(root().join("scripts/slurm-local.sh"))
             .arg("exec")
