@@ -111,7 +111,7 @@ def main() -> int:
     torch.set_num_threads(1)
 
     torch.manual_seed(0)  # the same random weights on every rank and every run
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
     args = TrainingArguments(
         output_dir=a.run_dir, max_steps=a.steps, per_device_train_batch_size=4, learning_rate=1e-3,
         lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,

@@ -28,8 +28,8 @@
 global step the update would have completed (0-based: the Trainer logs it as step + 1).
 
 Supported: transformers 5.x with accelerate (tested: 5.24.0, accelerate 1.15.0), DDP (torchrun, >= 2
-processes), fp32, bf16 and fp16 (policies abort and skip: "rerun" would recompute an overflow at the
-same scale); TRL's GRPOTrainer (a Trainer subclass) as it is (tested: trl 1.16.0;
+processes), fp32, bf16 and fp16; policies "abort" and "skip" ("rerun" is refused: the Trainer has no
+loop that recomputes an update from the same batch); TRL's GRPOTrainer (a Trainer subclass) as it is (tested: trl 1.16.0;
 python/examples/trl_grpo.py). FSDP and DeepSpeed in the Trainer are refused (gradbus.fsdp guards
 FSDP2 outside the Trainer).
 """
@@ -65,6 +65,12 @@ def guard(trainer: Any, policy: str = "abort", run_dir: Any = None, **kwargs: An
     from transformers import TrainerCallback
 
     check_version(metadata.version("transformers"))
+    if policy == "rerun":
+        raise ValueError(
+            "gradbus.hf: policy 'rerun' needs a training loop that recomputes the update from the same batch, "
+            "and the Trainer has none: the update would be dropped and the next batch judged as its "
+            "recomputation (hint: policy 'skip' or 'abort')"
+        )
     # fp16: accelerate's GradScaler (None for bf16, fp32, and fp16 on the CPU, which accelerate runs
     # unscaled in fp32).
     scaler = getattr(trainer.accelerator, "scaler", None)

@@ -110,19 +110,24 @@ class Verdict:
         return self.action == "skip" and self.report is not None and self.report.get("classification") == "loss-scale"
 
 
+def _where(path: Optional[str]) -> str:
+    return f"report {path}" if path else "no run_dir: report not written"
+
+
 def describe(report: Dict[str, Any], path: Optional[str], loss_scale: Optional[float] = None) -> str:
-    """One line about a non-finite report, the same on every rank."""
+    """One line about a non-finite report, the same on every rank. `path`: where an abort's report
+    was written (a skip's report stays in `Guard.skips`; a rerun's in the verdict)."""
     r = report
     if r["verdict"] == "proceed":  # a rerun that came back finite
         return (f"gradbus: step {r['step']}: the recomputation (attempt {r['attempt']}) is finite: "
                 f"a {r['classification']} fault; proceeding with it")
-    where = f"report {path}" if path else "no run_dir: report not written"
+    where = {"abort": f"; {_where(path)}", "skip": "; report in guard.skips"}.get(r["verdict"], "")
     cls = f" ({r['classification']})" if r.get("classification") else ""
     scale = "" if loss_scale is None else f"; loss scale {loss_scale:g}"
     return (
         f"gradbus: non-finite gradients at step {r['step']} (attempt {r['attempt']}): rank(s) {r['ranks']}, "
         f"bucket #{r['bucket']}, param {r['param']} element {r['element']}, {r['nan']} NaN, {r['inf']} Inf, "
-        f"loss {'finite' if r['loss_finite'] else 'NON-FINITE'}{scale}; verdict {r['verdict']}{cls}; {where}"
+        f"loss {'finite' if r['loss_finite'] else 'NON-FINITE'}{scale}; verdict {r['verdict']}{cls}{where}"
     )
 
 
@@ -509,10 +514,9 @@ class Guard:
             "checksums": [f"{c:016x}" for c in d.replicas],
         }
         path = self._write("replicas.json", json.dumps(report))
-        where = f"report {path}" if path else "no run_dir: report not written"
         raise ReplicasDiverged(
             f"gradbus: replicas differ at step {self.step}: rank(s) {report['ranks']} hold parameters that differ "
-            f"from rank 0's (checksums {report['checksums']}); {where}",
+            f"from rank 0's (checksums {report['checksums']}); {_where(path)}",
             report,
             path,
         )

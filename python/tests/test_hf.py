@@ -33,6 +33,11 @@ def test_version_outside_the_supported_range_is_refused_with_a_hint():
             ghf.check_version(bad)
 
 
+def test_policy_rerun_is_refused_with_a_hint():
+    with pytest.raises(ValueError, match=r"policy 'rerun'.*the Trainer has none.*hint: policy 'skip' or 'abort'"):
+        ghf.guard(object(), policy="rerun")
+
+
 def test_planted_nan_stops_every_rank_with_the_report(tmp_path):
     rc, out, res = torchrun(tmp_path, "abort", "--policy", "abort", "--plant", f"1:3:{PARAM}:42")
     assert rc != 0, out
