@@ -7,11 +7,19 @@
 # newer than manylinux2014's 2.17. What python/test.sh and scripts/test.sh run after the x86_64 tests.
 #
 #   python/aarch64-check.sh X86_64_PYTHON     a python with the x86_64 wheel installed
+#   python/aarch64-check.sh X86_64_PYTHON --torch
+#       also runs the DDP guard's tests with torch (python/tests/test_ddp.py: a clean run is plain DDP
+#       bit for bit, a planted NaN is named on every rank, skip keeps weights and Adam state) under
+#       qemu, with torch 2.5.1's aarch64 CPU wheel from PyPI (its later aarch64 wheels are CUDA builds,
+#       which need CUDA's libraries to import). By hand (GRADBUS_AARCH64_TORCH=1 in scripts/test.sh): ~8 minutes on 2 cores.
 #
 # Needs: qemu-aarch64-static (Debian: qemu-user-static; scripts/test.sh installs it), readelf
 # (binutils), apt-get, and what python/build-wheels.sh needs ($PYTHON: maturin and ziglang).
 set -euo pipefail
-x86=${1:?"usage: python/aarch64-check.sh X86_64_PYTHON (a python with the x86_64 gradbus wheel installed)"}
+x86=${1:?"usage: python/aarch64-check.sh X86_64_PYTHON [--torch] (a python with the x86_64 gradbus wheel installed)"}
+with_torch=${2:-}
+[ -z "$with_torch" ] || [ "$with_torch" = --torch ] ||
+  { echo "aarch64-check: unknown option '$with_torch' (hint: --torch, or nothing)" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 for tool in qemu-aarch64-static readelf apt-get dpkg-deb; do
   command -v "$tool" >/dev/null ||
@@ -39,7 +47,9 @@ done
 
 # Debian 12's arm64 CPython, unpacked into a sysroot (kept between runs).
 root=$work/debian-arm64
-if [ ! -e "$root/.complete" ]; then
+# libstdc++6, libgomp1 and libffi8 (ctypes): for torch (--torch). The sysroot is rebuilt when the list changes.
+debs="libc6 libgcc-s1 zlib1g libexpat1 python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libstdc++6 libgomp1 libffi8"
+if [ "$(cat "$root/.complete" 2>/dev/null)" != "$debs" ]; then
   rm -rf "$root" "$work/apt"
   mkdir -p "$work/apt/state/lists/partial" "$work/apt/cache/archives/partial" "$work/apt/debs" "$root"
   printf '%s\n' "deb [arch=arm64] http://deb.debian.org/debian bookworm main" \
@@ -48,10 +58,10 @@ if [ ! -e "$root/.complete" ]; then
     -o "Dir::Cache=$PWD/$work/apt/cache" -o "Dir::Etc::SourceList=$PWD/$work/apt/sources.list"
     -o Dir::Etc::SourceParts=/nonexistent -o Dir::State::status=/dev/null -o APT::Sandbox::User=root)
   "${apt[@]}" update >/dev/null
-  (cd "$work/apt/debs" && "${apt[@]}" download libc6 libgcc-s1 zlib1g libexpat1 python3.11-minimal \
-    libpython3.11-minimal libpython3.11-stdlib >/dev/null)
+  # shellcheck disable=SC2086 # $debs: one word per package
+  (cd "$work/apt/debs" && "${apt[@]}" download $debs >/dev/null)
   for deb in "$work"/apt/debs/*.deb; do dpkg-deb -x "$deb" "$root"; done
-  touch "$root/.complete"
+  echo "$debs" >"$root/.complete"
 fi
 
 # The two transcripts.
@@ -67,3 +77,31 @@ if ! diff <(tail -n +2 "$work/x86_64.txt") <(tail -n +2 "$work/aarch64.txt") >"$
   exit 1
 fi
 echo "aarch64-check: ok: $(basename "$wheel") under qemu-aarch64 equals the x86_64 wheel on all $(($(wc -l <"$work/x86_64.txt") - 1)) lines of python/tests/arch_transcript.py"
+
+[ "$with_torch" = --torch ] || exit 0
+# torch 2.5.1 (aarch64, CPU) and pytest: torch's pure-Python imports and pytest come from the x86_64
+# python's site-packages (pure Python: the same files serve aarch64).
+t=$work/torch
+if [ ! -e "$t/.complete" ]; then
+  rm -rf "$t"
+  mkdir -p "$t/site"
+  "$x86" -m pip download -q torch==2.5.1 --platform manylinux2014_aarch64 --only-binary=:all: --no-deps \
+    --python-version 3.11 -d "$t"
+  "$x86" -m zipfile -e "$t"/torch-2.5.1-*.whl "$t/site"
+  sp=$("$x86" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  for p in typing_extensions.py sympy mpmath networkx jinja2 markupsafe filelock fsspec \
+    _pytest pytest py.py pluggy iniconfig packaging pygments; do
+    cp -a "$sp/$p" "$t/site/"
+  done
+  touch "$t/.complete"
+fi
+# The emulated python as a program: torch.multiprocessing's spawn re-executes it for every rank,
+# and a pytest plugin points multiprocessing at it.
+printf '%s\n' '#!/usr/bin/env bash' "export PYTHONPATH=$PWD/$work/site:$PWD/$t/site" \
+  "exec qemu-aarch64-static -L $PWD/$root $PWD/$root/usr/bin/python3.11 \"\$@\"" >"$t/python"
+chmod +x "$t/python"
+printf '%s\n' "import multiprocessing" "multiprocessing.set_executable('$PWD/$t/python')" >"$t/site/qemu_spawn.py"
+(cd python/tests && PYTHONDONTWRITEBYTECODE=1 "../../$t/python" -m pytest -q -p no:cacheprovider -p qemu_spawn \
+  test_ddp.py -k "clean_run or nan-mid-rank1 and not table or skip_leaves")
+echo "aarch64-check: ok: the DDP guard's tests pass on aarch64 (qemu) with torch 2.5.1"
+
