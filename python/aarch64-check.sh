@@ -8,10 +8,11 @@
 #
 #   python/aarch64-check.sh X86_64_PYTHON     a python with the x86_64 wheel installed
 #   python/aarch64-check.sh X86_64_PYTHON --torch
-#       also runs the DDP guard's tests with torch (python/tests/test_ddp.py: a clean run is plain DDP
-#       bit for bit, a planted NaN is named on every rank, skip keeps weights and Adam state) under
-#       qemu, with torch 2.5.1's aarch64 CPU wheel from PyPI (its later aarch64 wheels are CUDA builds,
-#       which need CUDA's libraries to import). By hand (GRADBUS_AARCH64_TORCH=1 in scripts/test.sh): ~8 minutes on 2 cores.
+#       also runs four of the DDP guard's tests with torch (python/tests/test_ddp.py: a clean run is
+#       plain DDP bit for bit, rerun, a planted NaN is named on every rank, skip keeps weights and
+#       Adam state) under qemu, with torch 2.5.1's aarch64 CPU wheel from PyPI (torch 2.15's aarch64
+#       wheel is a CUDA build, which needs CUDA's libraries to import). By hand, or
+#       GRADBUS_AARCH64_TORCH=1 in scripts/test.sh: ~8 minutes on 2 cores.
 #
 # Needs: qemu-aarch64-static (Debian: qemu-user-static; scripts/test.sh installs it), readelf
 # (binutils), apt-get, and what python/build-wheels.sh needs ($PYTHON: maturin and ziglang).
@@ -47,7 +48,7 @@ done
 
 # Debian 12's arm64 CPython, unpacked into a sysroot (kept between runs).
 root=$work/debian-arm64
-# libstdc++6, libgomp1 and libffi8 (ctypes): for torch (--torch). The sysroot is rebuilt when the list changes.
+# libstdc++6, libgomp1 and libffi8 (ctypes): for torch (--torch). Rebuilt when the list changes.
 debs="libc6 libgcc-s1 zlib1g libexpat1 python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libstdc++6 libgomp1 libffi8"
 if [ "$(cat "$root/.complete" 2>/dev/null)" != "$debs" ]; then
   rm -rf "$root" "$work/apt"
@@ -102,6 +103,6 @@ printf '%s\n' '#!/usr/bin/env bash' "export PYTHONPATH=$PWD/$work/site:$PWD/$t/s
 chmod +x "$t/python"
 printf '%s\n' "import multiprocessing" "multiprocessing.set_executable('$PWD/$t/python')" >"$t/site/qemu_spawn.py"
 (cd python/tests && PYTHONDONTWRITEBYTECODE=1 "../../$t/python" -m pytest -q -p no:cacheprovider -p qemu_spawn \
-  test_ddp.py -k "clean_run or nan-mid-rank1 and not table or skip_leaves")
+  test_ddp.py -k "clean_run_is_plain or rerun_transient or nan-mid-rank1 and not table or skip_leaves")
 echo "aarch64-check: ok: the DDP guard's tests pass on aarch64 (qemu) with torch 2.5.1"
 

@@ -168,12 +168,10 @@ fi
 # also downloads 7 MB of arm64 .debs).
 # With GRADBUS_AARCH64_TORCH=1 also the DDP guard's tests with torch 2.5.1 (aarch64) under qemu
 # (--torch: ~8 minutes more on 2 cores, a 92 MB download), else a SKIPPED line.
-if [ -n "${GRADBUS_AARCH64_TORCH:-}" ]; then
-  echo "test.sh: python/aarch64-check.sh --torch"
-  python/aarch64-check.sh target/pyvenv-clean/bin/python --torch
-else
-  echo "test.sh: python/aarch64-check.sh"
-  python/aarch64-check.sh target/pyvenv-clean/bin/python
+torch=${GRADBUS_AARCH64_TORCH:+--torch}
+echo "test.sh: python/aarch64-check.sh $torch"
+python/aarch64-check.sh target/pyvenv-clean/bin/python $torch
+if [ -z "$torch" ]; then
   echo "SKIPPED: python/aarch64-check.sh --torch (the DDP guard's tests with torch on aarch64, under qemu): ~8 minutes more on 2 cores; set GRADBUS_AARCH64_TORCH=1 to run it" |
     tee -a "$GRADBUS_SKIP_LOG"
 fi

@@ -111,7 +111,8 @@ def main() -> int:
     torch.set_num_threads(1)
 
     torch.manual_seed(0)  # the same random weights on every rank and every run
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
     args = TrainingArguments(
         output_dir=a.run_dir, max_steps=a.steps, per_device_train_batch_size=4, learning_rate=1e-3,
         lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
@@ -128,8 +129,7 @@ def main() -> int:
         trainer.add_callback(Plant(model, a.plant))
     guard = None
     if a.policy != "none":
-        fp16 = {"min_scale": a.min_scale} if a.fp16 else {}
-        guard = gradbus.hf.guard(trainer, policy=a.policy, run_dir=a.run_dir, **fp16)  # the line a user adds
+        guard = gradbus.hf.guard(trainer, policy=a.policy, run_dir=a.run_dir, min_scale=a.min_scale)  # the line a user adds
 
     def counters() -> dict:
         opt = trainer.optimizer.optimizer

@@ -29,8 +29,8 @@ global step the update would have completed (0-based: the Trainer logs it as ste
 
 Supported: transformers 5.x with accelerate (tested: 5.24.0, accelerate 1.15.0), DDP (torchrun, >= 2
 processes), fp32, bf16 and fp16; policies "abort" and "skip" ("rerun" is refused: the Trainer has no
-loop that recomputes an update from the same batch); TRL's GRPOTrainer (a Trainer subclass) as it is (tested: trl 1.16.0;
-python/examples/trl_grpo.py). FSDP and DeepSpeed in the Trainer are refused (gradbus.fsdp guards
+loop that recomputes an update from the same batch); TRL's GRPOTrainer (a Trainer subclass) as it is
+(tested: trl 1.16.0; python/examples/trl_grpo.py). FSDP and DeepSpeed in the Trainer are refused (gradbus.fsdp guards
 FSDP2 outside the Trainer).
 """
 

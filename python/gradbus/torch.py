@@ -43,7 +43,7 @@ import logging
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -585,7 +585,7 @@ def bf16_compress_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.F
     return _compress_hook(torch.bfloat16, guard, bucket)
 
 
-def apply_verdict(v: Verdict, scaler: Any, run: Any) -> bool:
+def apply_verdict(v: Verdict, scaler: Any, run: Callable[[], None]) -> bool:
     """The optimizer step as the agreed verdict `v` says; True when `run()` ran. `run` is the step:
     with a GradScaler one that calls `scaler.step` and `scaler.update`, as a script without the guard
     does. Without a scaler it runs on "proceed" only. With one it runs on "proceed" and on a
