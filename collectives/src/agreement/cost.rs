@@ -1,0 +1,99 @@
+//! The agreement's cost model: bytes, exchanges and modelled time of one agreement on both paths,
+//! and the measured times the agreement benchmark prints beside them (docs/agreement.md).
+
+use super::{LocalReport, Summary};
+
+/// The time model's constants, calibrated on the development machine (2 cores, Open MPI 4.1 over
+/// shared memory; `scripts/agreement-cost.py` on `gradbus worker --bench-allreduce --agreement`, the
+/// run in docs/agreement.md): one exchange's latency and the cost of a byte moved into a rank (from
+/// the 2-rank all-gathers), and the CPU cost per byte of reading the gathered rows into the table
+/// and of writing and reading the summary's words (from every row's CPU-only timings). A real
+/// network has a larger latency (which favours the table: one collective instead of two) and a
+/// larger cost per byte (which favours the summary); `GRADBUS_AGREEMENT` overrides the choice.
+pub mod model {
+    /// Latency of one exchange (microseconds).
+    pub const ALPHA_US: f64 = 0.63;
+    /// Transfer cost of a byte into a rank (microseconds).
+    pub const BETA_US_PER_BYTE: f64 = 0.0818e-3;
+    /// Table path: reading the gathered rows into the table, per byte of all rows (microseconds).
+    pub const TABLE_CPU_US_PER_BYTE: f64 = 0.1165e-3;
+    /// Summary path: writing and reading the summary's words, per byte of one summary (microseconds).
+    pub const SUMMARY_CPU_US_PER_BYTE: f64 = 0.5336e-3;
+}
+
+/// Bytes, exchanges and modelled time of one agreement, per rank, on both paths (docs/agreement.md).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Cost {
+    /// Ranks.
+    pub world: usize,
+    /// Buckets.
+    pub buckets: usize,
+    /// Workload values each rank reports (`ValueNames::len`).
+    pub values: usize,
+    /// Table path: one rank's row (op hash, reducer flag, 4 words of local and of reduced health
+    /// per bucket, the report).
+    pub row_bytes: usize,
+    /// Table path: bytes every rank ends up holding (world x row), all of which crossed to it but
+    /// its own row.
+    pub table_bytes: usize,
+    /// Summary path: bytes of one contribution (integer-sum and maximum words together), the
+    /// same whatever the world size.
+    pub summary_bytes: usize,
+    /// Summary path: bytes into each rank over a recursive-doubling all-reduce
+    /// (ceil(log2 world) exchanges of the whole summary); a reduce-scatter + all-gather needs
+    /// 2 (world - 1) / world of it.
+    pub summary_bytes_in: usize,
+    /// Latency terms of one collective: ceil(log2 world) exchanges. The table path is one
+    /// collective, the summary path two (sums, maxima); the failure path pays both paths.
+    pub rounds: usize,
+}
+
+impl Cost {
+    /// The table path's modelled time (microseconds): one all-gather, then the rows read.
+    pub fn table_us(&self) -> f64 {
+        self.rounds as f64 * model::ALPHA_US
+            + (self.table_bytes - self.row_bytes) as f64 * model::BETA_US_PER_BYTE
+            + self.table_bytes as f64 * model::TABLE_CPU_US_PER_BYTE
+    }
+
+    /// The summary path's modelled time on a healthy update (microseconds): two all-reduces, and
+    /// the words written and read.
+    pub fn summary_us(&self) -> f64 {
+        2.0 * self.rounds as f64 * model::ALPHA_US
+            + self.summary_bytes_in as f64 * model::BETA_US_PER_BYTE
+            + self.summary_bytes as f64 * model::SUMMARY_CPU_US_PER_BYTE
+    }
+}
+
+/// One agreement's measured times on both paths, beside the model's `Cost` (microseconds per call;
+/// measured by the agreement benchmark, `mpi::bench_agreement`, printed by `bench_agreement`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Times {
+    /// The bare `MPI_Allgather` of one row per rank: calibrates the model's latency and bandwidth.
+    pub allgather_us: f64,
+    /// The table path as the transports run it: the all-gather and the table read from the rows.
+    pub table_us: f64,
+    /// The summary path on a healthy update: the words, two `MPI_Allreduce`s, the decoded table.
+    pub summary_us: f64,
+    /// The table path's CPU part alone: the gathered rows read into the table.
+    pub table_cpu_us: f64,
+    /// The summary path's CPU part alone: the words written and read back.
+    pub summary_cpu_us: f64,
+}
+
+/// The cost model of one agreement of `values` workload values.
+pub fn cost(world: usize, buckets: usize, values: usize) -> Cost {
+    let row_bytes = 8 * (2 + 8 * buckets + LocalReport::words(values));
+    let summary_bytes = 8 * (Summary::sum_len(buckets, values) + Summary::max_len(buckets, values));
+    let rounds = world.next_power_of_two().trailing_zeros() as usize;
+    Cost {
+        world,
+        buckets,
+        values,
+        row_bytes,
+        table_bytes: world * row_bytes,
+        summary_bytes,
+        summary_bytes_in: rounds * summary_bytes,
+        rounds,
+    }
+}
