@@ -9,18 +9,25 @@
 //! `check_memory`: `gradbus run` calls both once before it starts any rank, each worker again for a
 //! bare mpirun. The config hash is taken over the merged, canonical TOML, so two ranks with
 //! different configs refuse to share a bus.
+//!
+//! The parts: this module holds the schema (`Config` and its sections, with their defaults) and its
+//! range rules; `load` reads the TOML and applies the overrides, `placement` checks what needs the
+//! world size or the device, `memory` estimates the memory and checks it against the machine.
 
-use std::path::Path;
+mod load;
+mod memory;
+mod placement;
 
 use serde::Deserialize;
 
-use gradbus_collectives::layout::{Fnv, ALIGN_FLOATS};
 use gradbus_collectives::Policy;
 
 use crate::error::WorkerError;
 use crate::faults::FaultPhase;
 use crate::loss::LossConfig;
 use crate::model::GptConfig;
+
+pub use memory::{bytes, Machine, MemoryEstimate};
 
 /// The whole job configuration.
 #[derive(Clone, Debug, Deserialize)]
@@ -246,115 +253,6 @@ impl Default for SpikeConfig {
     }
 }
 
-/// Elements of the model's flat parameter buffer (every slot padded to `ALIGN_FLOATS`, as
-/// `Layout::new` lays them out), as f64 so that an absurd shape cannot overflow.
-fn param_floats(m: &GptConfig) -> f64 {
-    let a = |n: f64| (n / ALIGN_FLOATS as f64).ceil() * ALIGN_FLOATS as f64;
-    let (v, t, c) = (m.vocab as f64, m.max_seq as f64, m.channels as f64);
-    let block = 6.0 * a(c) + a(3.0 * c * c) + a(3.0 * c) + a(c * c) + 2.0 * a(4.0 * c * c) + a(4.0 * c);
-    2.0 * a(v * c) + a(t * c) + m.layers as f64 * block + 2.0 * a(c)
-}
-
-/// A job's memory on one node, in bytes (f64: an absurd model gives a large number, not an
-/// overflow). Counted from the buffers the worker allocates (`train::Trainer::new`,
-/// `model::Activations::new`, the shm segment's gradient slots); small tables are left out.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MemoryEstimate {
-    /// Ranks on the node.
-    pub local_ranks: usize,
-    /// Parameter elements P.
-    pub params: f64,
-    /// One rank's weights x3 (trainer, rollout engine, frozen reference) and Adam moments x2.
-    pub state: f64,
-    /// One rank's activations, dlogits and loss caches.
-    pub activations: f64,
-    /// One rank's gradients when they are not in /dev/shm (a world of one).
-    pub private_grads: f64,
-    /// The node's /dev/shm segment: every local rank's gradients.
-    pub segment: f64,
-    /// Rank 0's buffer while it encodes a checkpoint (weights and moments), when checkpointing.
-    pub checkpoint: f64,
-}
-
-impl MemoryEstimate {
-    /// Bytes the node needs in all.
-    pub fn total(&self) -> f64 {
-        self.local_ranks as f64 * (self.state + self.activations + self.private_grads) + self.segment + self.checkpoint
-    }
-
-    fn describe(&self) -> String {
-        let mut s = format!(
-            "{} rank(s) x (weights x3 and Adam moments x2 {}, activations {}",
-            self.local_ranks,
-            bytes(self.state),
-            bytes(self.activations)
-        );
-        if self.private_grads > 0.0 {
-            s += &format!(", gradients {}", bytes(self.private_grads));
-        }
-        s += ")";
-        if self.segment > 0.0 {
-            s += &format!(" + gradients in /dev/shm {}", bytes(self.segment));
-        }
-        if self.checkpoint > 0.0 {
-            s += &format!(" + checkpoint buffer {}", bytes(self.checkpoint));
-        }
-        s + &format!(", for {} parameters", count(self.params))
-    }
-}
-
-/// What this machine has, where it can be read (None elsewhere: that check is then skipped).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Machine {
-    /// Bytes of `MemAvailable` in /proc/meminfo.
-    pub mem_available: Option<f64>,
-    /// Free bytes of /dev/shm.
-    pub shm_free: Option<f64>,
-}
-
-impl Machine {
-    /// Read /proc/meminfo and statvfs(/dev/shm).
-    pub fn probe() -> Machine {
-        let mem_available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
-            let line = t.lines().find(|l| l.starts_with("MemAvailable:"))?;
-            let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(kib * 1024.0)
-        });
-        // SAFETY: statvfs writes only into `st`, a plain C struct that may start zeroed; the path
-        // is a NUL-terminated literal.
-        let shm_free = unsafe {
-            let mut st: libc::statvfs = std::mem::zeroed();
-            (libc::statvfs(c"/dev/shm".as_ptr(), &mut st) == 0).then(|| st.f_bavail as f64 * st.f_frsize as f64)
-        };
-        Machine { mem_available, shm_free }
-    }
-}
-
-/// Bytes in binary units, e.g. `894.1 GiB`; beyond EiB in scientific notation.
-pub fn bytes(x: f64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    let mut v = x;
-    for u in units {
-        if v < 1024.0 {
-            return if u == "B" { format!("{v:.0} B") } else { format!("{v:.1} {u}") };
-        }
-        v /= 1024.0;
-    }
-    format!("{x:.1e} B")
-}
-
-/// A count, exact below a million, else like `2.4e11`.
-fn count(x: f64) -> String {
-    if x < 1e6 {
-        format!("{x:.0}")
-    } else {
-        format!("{x:.1e}")
-    }
-}
-
-/// The keys that hold a table.
-const SECTIONS: [&str; 8] = ["model", "rl", "loss", "optim", "skip", "checkpoint", "warn", "spike"];
-
 /// The longest wait in seconds a config may ask for (`collective_timeout_s`, a planned stall).
 pub const MAX_SECONDS: f64 = 86_400.0;
 /// The largest spike window: the detectors keep that many values.
@@ -366,42 +264,6 @@ type Rule = (String, String, bool, String, &'static str);
 /// A [`Rule`].
 fn rule(key: &str, value: impl std::fmt::Display, holds: bool, why: &str, example: &'static str) -> Rule {
     (key.to_string(), value.to_string(), holds, why.to_string(), example)
-}
-
-/// The dotted key (`optim.lr`, `faults[1].rank`) of the line holding byte `offset` of a TOML text as
-/// `toml::Table::to_string` writes it: `[table]` and `[[array]]` headers, one `key = value` a line.
-fn key_at(text: &str, offset: usize) -> Option<String> {
-    let mut table = String::new();
-    let mut arrays: Vec<(String, usize)> = Vec::new();
-    let mut pos = 0;
-    for line in text.split_inclusive('\n') {
-        let t = line.trim();
-        let here = offset >= pos && offset < pos + line.len();
-        if let Some(name) = t.strip_prefix("[[").and_then(|x| x.strip_suffix("]]")) {
-            let name = name.trim().to_string();
-            let n = match arrays.iter_mut().find(|(a, _)| *a == name) {
-                Some(e) => {
-                    e.1 += 1;
-                    e.1
-                }
-                None => {
-                    arrays.push((name.clone(), 0));
-                    0
-                }
-            };
-            table = format!("{name}[{n}]");
-        } else if let Some(name) = t.strip_prefix('[').and_then(|x| x.strip_suffix(']')) {
-            table = name.trim().to_string();
-        } else if here {
-            let k = t.split('=').next()?.trim().trim_matches('"');
-            return Some(if table.is_empty() { k.to_string() } else { format!("{table}.{k}") });
-        }
-        if here {
-            return Some(table);
-        }
-        pos += line.len();
-    }
-    None
 }
 
 fn default_steps() -> u64 {
@@ -418,55 +280,6 @@ fn default_timeout() -> f64 {
 }
 
 impl Config {
-    /// Load `path`, apply the `--set` overrides, check ranges. Returns the config, its hash and
-    /// the canonical merged TOML (which rebuilds the same config with no overrides).
-    pub fn load(path: &Path, overrides: &[String]) -> Result<(Config, u64, String), WorkerError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| WorkerError::ConfigRead { path: path.into(), source })?;
-        Config::from_toml(&text, &path.display().to_string(), overrides)
-    }
-
-    /// Parse TOML text (named `origin` in errors), apply overrides, check ranges.
-    pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<(Config, u64, String), WorkerError> {
-        let mut table: toml::Table = text
-            .parse()
-            .map_err(|e: toml::de::Error| WorkerError::ConfigToml { path: origin.into(), message: e.to_string() })?;
-        for arg in overrides {
-            apply_override(&mut table, arg)?;
-        }
-        let origin = if overrides.is_empty() { origin.to_string() } else { format!("{origin} with --set overrides") };
-        // serde would take an empty array for a table whose fields all have defaults.
-        for (key, v) in table.iter().filter(|(k, _)| SECTIONS.contains(&k.as_str())) {
-            if !v.is_table() {
-                return Err(WorkerError::ConfigKey {
-                    key: key.clone(),
-                    origin,
-                    message: format!("invalid type: {}, expected a table", v.type_str()),
-                    hint: "write it as a [section] of key = value lines, as in examples/tiny.toml",
-                });
-            }
-        }
-        let canonical = table.to_string();
-        let cfg: Config = toml::from_str(&canonical).map_err(|e| {
-            let message = e.message().trim().to_string();
-            let hint = if message.starts_with("unknown field") {
-                "check the spelling and the table; examples/tiny.toml documents every key"
-            } else {
-                "examples/tiny.toml documents every key with a value of its type"
-            };
-            WorkerError::ConfigKey {
-                key: e.span().and_then(|s| key_at(&canonical, s.start)).unwrap_or_else(|| "?".into()),
-                origin,
-                message,
-                hint,
-            }
-        })?;
-        cfg.check()?;
-        let mut h = Fnv::default();
-        h.write(canonical.as_bytes());
-        Ok((cfg, h.0, canonical))
-    }
-
     /// Every range rule of every key; the first one broken is the error. No rule allocates, so an
     /// absurd model shape is refused here or by [`Config::memory`], never by an allocation.
     fn check(&self) -> Result<(), WorkerError> {
@@ -648,105 +461,6 @@ impl Config {
         }
     }
 
-    /// The checks that need the world size: a planned fault's rank must exist.
-    pub fn check_world(&self, world: usize) -> Result<(), WorkerError> {
-        for (i, f) in self.faults.iter().enumerate() {
-            if f.rank >= world {
-                return Err(WorkerError::ConfigRange {
-                    key: format!("faults[{i}].rank"),
-                    value: f.rank.to_string(),
-                    why: format!("must be below the world size {world} (the fault would never fire)"),
-                    hint: "e.g. rank = 0".into(),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// What a job of this config needs on one node that runs `local_ranks` of its ranks;
-    /// `shared`: the gradients live in the node's /dev/shm segment (a world of more than one).
-    pub fn memory(&self, local_ranks: usize, shared: bool) -> MemoryEstimate {
-        let (m, rl) = (&self.model, &self.rl);
-        let params = param_floats(m);
-        let (b, t) = (rl.prompts_per_rank.saturating_mul(rl.group_size), rl.response_len.saturating_add(1));
-        let bt = b as f64 * t as f64;
-        // Activations, the loss's dlogits (B, T, V) and per-position caches.
-        let activations = 4.0 * (crate::model::activations_numel(m, b, t) + bt * m.vocab as f64 + 16.0 * bt);
-        // Weights (trainer, rollout engine, frozen reference) and Adam's two moments.
-        let state = 4.0 * 5.0 * params;
-        let grads = 4.0 * params;
-        MemoryEstimate {
-            local_ranks,
-            params,
-            state,
-            activations,
-            private_grads: if shared { 0.0 } else { grads },
-            segment: if shared { local_ranks as f64 * (grads / 4096.0).ceil() * 4096.0 } else { 0.0 },
-            checkpoint: if self.checkpoint.every > 0 { state } else { 0.0 },
-        }
-    }
-
-    /// The model and batch keys the memory estimate depends on, with their values.
-    fn shape_keys(&self) -> String {
-        let (m, rl) = (&self.model, &self.rl);
-        format!(
-            "model.vocab = {}, model.max_seq = {}, model.channels = {}, model.heads = {}, model.layers = {}, \
-             rl.prompts_per_rank = {}, rl.group_size = {}, rl.response_len = {}",
-            m.vocab, m.max_seq, m.channels, m.heads, m.layers, rl.prompts_per_rank, rl.group_size, rl.response_len
-        )
-    }
-
-    /// Refuse the config when [`Config::memory`] exceeds what `machine` has: memory available
-    /// (`MemAvailable`) for the whole node, /dev/shm free space for the gradient segment.
-    pub fn check_memory(&self, local_ranks: usize, shared: bool, machine: &Machine) -> Result<(), WorkerError> {
-        let e = self.memory(local_ranks, shared);
-        let hint = "make the model or the batch smaller (model.channels, model.layers, model.vocab, \
-                    rl.prompts_per_rank, rl.group_size), or run fewer ranks on this node";
-        if let Some(have) = machine.mem_available.filter(|&have| e.total() > have) {
-            return Err(WorkerError::Memory {
-                estimate: format!(
-                    "the job needs about {} of memory on this node and the machine has {} available \
-                     (MemAvailable): {}; {}",
-                    bytes(e.total()),
-                    bytes(have),
-                    e.describe(),
-                    self.shape_keys()
-                ),
-                hint: hint.into(),
-            });
-        }
-        if let Some(free) = machine.shm_free.filter(|&free| e.segment > free) {
-            return Err(WorkerError::Memory {
-                estimate: format!(
-                    "the gradients of {} local rank(s) need about {} in /dev/shm and it has {} free \
-                     ({} parameters; {})",
-                    local_ranks,
-                    bytes(e.segment),
-                    bytes(free),
-                    count(e.params),
-                    self.shape_keys()
-                ),
-                hint: format!("{hint}; or enlarge /dev/shm (`mount -o remount,size=8G /dev/shm`, docker --shm-size)"),
-            });
-        }
-        Ok(())
-    }
-
-    /// The check of `device` for a node of `local_ranks` ranks: `device = "cuda"` needs a build
-    /// with the `cuda` feature and, on the machine that runs the ranks (`here`: this one), the CUDA
-    /// driver (libcuda.so) and a GPU; a launcher whose ranks run elsewhere checks only the build.
-    /// More local ranks than GPUs is allowed: the warning to print is returned.
-    pub fn check_device(&self, local_ranks: usize, here: bool) -> Result<Option<String>, WorkerError> {
-        if self.device == Device::Cpu {
-            return Ok(None);
-        }
-        let probe = gradbus_kernels::cuda::probe();
-        if !here && !matches!(probe, Err(gradbus_kernels::Error::NotCompiledWithCuda)) {
-            return Ok(None);
-        }
-        cuda_check(probe, local_ranks)
-    }
-
     /// The collectives' policy from the config.
     pub fn policy(&self) -> Policy {
         match self.policy {
@@ -761,58 +475,10 @@ impl Config {
     }
 }
 
-/// [`Config::check_device`] for `device = "cuda"` given the driver probe's answer (the number of
-/// GPUs it sees).
-fn cuda_check(probe: Result<usize, gradbus_kernels::Error>, local_ranks: usize) -> Result<Option<String>, WorkerError> {
-    use gradbus_kernels::Error as E;
-    let err = |why: String, hint: &str| WorkerError::Device { why, hint: hint.into() };
-    match probe {
-        Err(E::NotCompiledWithCuda) => Err(err(
-            "this gradbus was built without the cuda feature".into(),
-            "build it with `cargo build --release --features cuda` (or `cargo install --path . --features cuda`), or set device = \"cpu\"",
-        )),
-        Err(E::NoCudaDriver(why)) => Err(err(
-            format!("no CUDA driver: {why}"),
-            "install the NVIDIA driver (it provides libcuda.so) and run on a machine with a GPU, or set device = \"cpu\"",
-        )),
-        Err(e) => Err(err(e.to_string(), "check `nvidia-smi`, or set device = \"cpu\"")),
-        Ok(0) => Err(err(
-            "the CUDA driver sees no GPU".into(),
-            "check `nvidia-smi` and CUDA_VISIBLE_DEVICES, or set device = \"cpu\"",
-        )),
-        Ok(gpus) if gpus < local_ranks => Ok(Some(format!(
-            "device = \"cuda\": {local_ranks} local ranks share {gpus} GPU(s) (rank r takes GPU r mod {gpus})"
-        ))),
-        Ok(_) => Ok(None),
-    }
-}
-
-/// Apply `a.b.c=value` to a TOML table. The value is parsed as a TOML value (`3`, `1e-3`, `true`,
-/// `"safe"`); a bare word that is not valid TOML is taken as a string, so `loss.style=safe` works.
-fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), WorkerError> {
-    let bad = |why: &str| WorkerError::BadOverride { arg: arg.into(), why: why.into() };
-    let (key, raw) = arg.split_once('=').ok_or_else(|| bad("missing '='"))?;
-    let key = key.trim();
-    if key.is_empty() || key.split('.').any(str::is_empty) {
-        return Err(bad("empty key or key segment"));
-    }
-    let value = match format!("v = {raw}").parse::<toml::Table>() {
-        Ok(mut t) => t.remove("v").expect("parsed key v"),
-        Err(_) => toml::Value::String(raw.trim().to_string()),
-    };
-    let mut parts: Vec<&str> = key.split('.').collect();
-    let last = parts.pop().expect("non-empty key");
-    let mut cur = table;
-    for p in parts {
-        let entry = cur.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        cur = entry.as_table_mut().ok_or_else(|| bad(&format!("`{p}` is not a table")))?;
-    }
-    cur.insert(last.to_string(), value);
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
+    use super::memory::param_floats;
+    use super::placement::cuda_check;
     use super::*;
 
     fn load(sets: &[&str]) -> Result<Config, WorkerError> {
