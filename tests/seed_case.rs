@@ -64,6 +64,21 @@ fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes
     let failed = m.iter().position(|l| l["verdict"] == "abort").expect("no abort line");
     assert!(warned < failed, "warning at update {warned}, failure at {failed}");
     assert!(std::fs::read_to_string(a.join("rank-0.log")).unwrap().contains("nats from exp overflow"));
+    // ... and its lines in warnings.jsonl (rank 0's, verified): the first at that update or before
+    // (the forecast may come first), each for its own reason (the headroom under 20 nats, or the
+    // ceiling forecast within 5 updates), the last the failing update's log-ratio past the
+    // ceiling, held by a rank of the report.
+    let w = gradbus_artifacts::read_warnings(&a.join("warnings.jsonl")).expect("warnings.jsonl");
+    let (first, last) = (&w[0], w.last().unwrap());
+    assert!(first.update as usize <= warned && first.quantity == "loss.exp", "{first:?}");
+    assert!(w.windows(2).all(|p| p[0].update < p[1].update), "one line per update, in order");
+    for l in &w {
+        let why = l.limit - l.value < 20.0 || l.forecast_updates.is_some_and(|f| f <= 5.0);
+        assert!(why && l.action == gradbus_collectives::Alert::Warn, "{l:?}");
+    }
+    assert_eq!((last.update as usize, last.forecast_updates), (failed, Some(0.0)), "{last:?}");
+    assert!(last.value > last.limit && last.limit == 88.72283935546875, "{last:?}");
+    assert!(rep["ranks"].as_array().unwrap().contains(&last.rank.into()), "{last:?} {rep}");
 
     // Deterministic: a second run fails at the same update with the same report.
     let b = tmp.path().join("b");
@@ -84,6 +99,8 @@ fn stale_rollouts_overflow_the_k3_exp_deterministically_and_the_safe_loss_passes
     assert!(resumed.stderr().contains(&format!("step-{ckpt:06} at step {ckpt}")), "{}", resumed.stderr());
     assert_eq!(report(&a), rep, "the resumed run's report.json");
     assert_eq!(metrics(&a), metrics(&b), "the resumed run's metrics are the uninterrupted run's");
+    let warnings = |d: &std::path::Path| std::fs::read_to_string(d.join("warnings.jsonl")).unwrap();
+    assert_eq!(warnings(&a), warnings(&b), "the resumed run's warnings are the uninterrupted run's");
 
     // Replay in one process: bit for bit, and the trace names the k3 exp.
     let out = gradbus(&["replay", a.to_str().unwrap(), "--trace", "--json"], &[]);

@@ -1,4 +1,4 @@
-//! Every file gradbus writes and reads back, defined once: `metrics.jsonl` lines, `report.json`,
+//! Every file gradbus writes and reads back, defined once: `metrics.jsonl` and `warnings.jsonl` lines, `report.json`,
 //! failure dumps (`dumps/rank-K.bin`) and checkpoints (`checkpoints/step-N/state.bin` and `DONE`).
 //! Writers and readers (the worker, `gradbus replay`, `gradbus report`, `--resume`, the Python
 //! guard's `report.json`) use these types and functions only. A crate of its own, below the worker:
@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use gradbus_collectives::forecast::{self, Alert, Forecast, Outlook};
 use gradbus_collectives::spikes::SpikeDetector;
 use gradbus_collectives::{Action, Report};
 use gradbus_kernels::Health;
@@ -43,8 +44,8 @@ pub const REPORT_FORMAT: u32 = 2;
 /// Format version of a checkpoint's `DONE` marker.
 pub const DONE_FORMAT: u32 = 1;
 /// Format version of a checkpoint's `state.bin` metadata (2 adds `run`: what it was trained with;
-/// 1 is still read).
-pub const CHECKPOINT_FORMAT: u32 = 2;
+/// 3 adds `forecast`, the headroom's trend; 1 and 2 are still read).
+pub const CHECKPOINT_FORMAT: u32 = 3;
 /// Format version of a failure dump's metadata.
 pub const DUMP_FORMAT: u32 = 1;
 /// Version of the binary container (`GBTF`).
@@ -337,21 +338,126 @@ impl MetricsLine {
 
 /// Parse the text of a `metrics.jsonl` (blank lines skipped); errors name `file:LINE`.
 pub fn parse_metrics(text: &str, file: &Path) -> Result<Vec<MetricsLine>, ArtifactError> {
+    parse_lines(text, METRICS_FORMAT, file)
+}
+
+/// Read and verify `metrics.jsonl`.
+pub fn read_metrics(path: &Path) -> Result<Vec<MetricsLine>, ArtifactError> {
+    read_lines(path, METRICS_FORMAT)
+}
+
+/// Parse the sealed lines of a JSON-lines artifact of `format` (blank lines skipped); errors name
+/// `file:LINE`.
+fn parse_lines<T: DeserializeOwned>(text: &str, format: u32, file: &Path) -> Result<Vec<T>, ArtifactError> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if !line.trim().is_empty() {
-            out.push(unseal(line, METRICS_FORMAT, &format!("{}:{}", file.display(), i + 1))?);
+            out.push(unseal(line, format, &format!("{}:{}", file.display(), i + 1))?);
         }
     }
     Ok(out)
 }
 
-/// Read and verify `metrics.jsonl`.
-pub fn read_metrics(path: &Path) -> Result<Vec<MetricsLine>, ArtifactError> {
+fn read_lines<T: DeserializeOwned>(path: &Path, format: u32) -> Result<Vec<T>, ArtifactError> {
     let bytes = read(path)?;
     let text = String::from_utf8(bytes)
         .map_err(|e| ArtifactError::Schema { file: path.display().to_string(), what: format!("not UTF-8: {e}") })?;
-    parse_metrics(&text, path)
+    parse_lines(&text, format, path)
+}
+
+/// Open a JSON-lines artifact of `format` (`metrics.jsonl`, `warnings.jsonl`) to append to: empty
+/// for a fresh run (`keep` None); on resume, with only the lines `keep` keeps (those of the updates
+/// before the checkpoint), each verified first. A last line without its newline is a write a crash
+/// cut short: dropped, and its error returned beside the file for the caller to warn about. Any
+/// other line that does not verify is an error naming the file and line: nothing is rewritten.
+pub fn open_lines<T: DeserializeOwned>(
+    path: &Path,
+    format: u32,
+    keep: Option<&dyn Fn(&T) -> bool>,
+) -> Result<(File, Option<ArtifactError>), ArtifactError> {
+    let io = |source| ArtifactError::Io { file: path.display().to_string(), source };
+    let (mut kept, mut torn_error) = (String::new(), None);
+    if let Some(keep) = keep {
+        let text = match std::fs::read(path) {
+            Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(io(e)),
+        };
+        let lines: Vec<&str> = text.split_inclusive('\n').collect();
+        for (i, raw) in lines.iter().enumerate() {
+            let torn = i + 1 == lines.len() && !raw.ends_with('\n');
+            let line = raw.trim_end_matches('\n');
+            if line.trim().is_empty() {
+                continue;
+            }
+            match unseal::<T>(line, format, &format!("{}:{}", path.display(), i + 1)) {
+                Ok(m) if keep(&m) => kept.push_str(&format!("{line}\n")),
+                Ok(_) => {}
+                Err(e) if torn => torn_error = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    std::fs::write(path, kept).map_err(io)?;
+    let file = std::fs::OpenOptions::new().append(true).open(path).map_err(io)?;
+    Ok((file, torn_error))
+}
+
+// ------------------------------------------------------------------------------------------------
+// warnings.jsonl
+
+/// Format version of a `warnings.jsonl` line.
+pub const WARNINGS_FORMAT: u32 = 1;
+
+/// One line of `warnings.jsonl`: an agreed quantity came near its ceiling, or is forecast to
+/// within a few updates (`gradbus_collectives::forecast`). Written by rank 0: of the runtime for
+/// the largest log-ratio fed to an exp of its loss (`warn.*`), of the PyTorch guard for each
+/// quantity of `guard.watch`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WarningLine {
+    /// The optimizer update, from 0: the runtime's step x updates per step + update within the
+    /// step; the guard's `step`.
+    pub update: u64,
+    /// What is watched: the runtime's `loss.exp`; the name given to `guard.watch`.
+    pub quantity: String,
+    /// The largest value over every rank (null when non-finite).
+    #[serde(with = "nullable")]
+    pub value: f64,
+    /// Its ceiling (ln of the dtype's largest finite value for an exp argument).
+    pub limit: f64,
+    /// The lowest rank holding `value`.
+    pub rank: usize,
+    /// Updates until the ceiling at the trend's slope; null without a rising trend.
+    #[serde(deserialize_with = "required")]
+    pub forecast_updates: Option<f64>,
+    /// `warn`, or `stop`: every rank stopped before the update (the stop policy).
+    pub action: Alert,
+}
+
+impl WarningLine {
+    /// The line for `quantity`'s outlook at `update`, held by `rank`.
+    pub fn new(update: u64, quantity: &str, o: &Outlook, rank: usize, action: Alert) -> WarningLine {
+        WarningLine {
+            update,
+            quantity: quantity.into(),
+            value: o.value,
+            limit: o.limit,
+            rank,
+            forecast_updates: o.updates,
+            action,
+        }
+    }
+
+    /// The line as written (no newline).
+    pub fn to_line(&self) -> String {
+        seal(WARNINGS_FORMAT, self, false)
+    }
+}
+
+/// Read and verify `warnings.jsonl`.
+pub fn read_warnings(path: &Path) -> Result<Vec<WarningLine>, ArtifactError> {
+    read_lines(path, WARNINGS_FORMAT)
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -721,6 +827,9 @@ pub struct CheckpointMeta {
     pub layout_hash: u64,
     /// The spike detectors (loss, grad norm).
     pub spikes: [SpikeDetector; 2],
+    /// The trend of the largest log-ratio fed to an exp (empty in a checkpoint of format 1 or 2,
+    /// which did not record it: the forecast starts again from the resumed step).
+    pub forecast: Forecast,
     /// Headroom warnings so far.
     pub warnings: u32,
     /// The verdict history.
@@ -736,8 +845,13 @@ impl Kind for CheckpointMeta {
     const FORMAT: u32 = CHECKPOINT_FORMAT;
 
     fn upgrade(format: u64, meta: &mut serde_json::Value) -> bool {
-        match (format, meta.as_object_mut()) {
-            (1, Some(m)) => m.insert("run".into(), serde_json::Value::Null).is_none(),
+        let Some(m) = meta.as_object_mut() else { return false };
+        // A key that the format did not have is refused, not overwritten: not a file gradbus wrote.
+        let mut add = |key: &str, v: serde_json::Value| m.insert(key.into(), v).is_none();
+        let empty = || serde_json::to_value(Forecast::new(forecast::DEFAULT_WINDOW)).expect("json");
+        match format {
+            1 => add("run", serde_json::Value::Null) && add("forecast", empty()),
+            2 => add("forecast", empty()),
             _ => false,
         }
     }

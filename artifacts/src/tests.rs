@@ -55,10 +55,19 @@ fn checkpoint_meta() -> CheckpointMeta {
         config_hash: 7,
         layout_hash: 9,
         spikes: [SpikeDetector::new(8, 6.0), SpikeDetector::new(8, 6.0)],
+        forecast: forecast_after(&[10.0, 20.5]),
         warnings: 2,
         history: SavedHistory { consecutive_skips: 1, skipped: 3, recent: [true, false].into(), suspects: vec![2] },
         run: Some(RunRecord { gradbus: crate::version::build(), world: 2, config: "seed = 1\n".into() }),
     }
+}
+
+fn forecast_after(values: &[f64]) -> Forecast {
+    let mut f = Forecast::new(forecast::DEFAULT_WINDOW);
+    for &x in values {
+        f.observe(x, 88.7);
+    }
+    f
 }
 
 fn dump_meta() -> DumpMeta {
@@ -243,7 +252,7 @@ fn checkpoint_metadata_and_dump_refuse_a_missing_key_and_an_unknown_version() {
     let e = decode::<DumpMeta>(&encode(&NoB { rank: 1 }, &[]), "rank-1.bin").unwrap_err();
     assert!(e.to_string().contains("rank-1.bin: header: key `meta`: missing field"), "{e}");
     let e = decode::<CheckpointMeta>(&encode(&Future(checkpoint_meta()), &[]), "state.bin").unwrap_err();
-    assert!(matches!(e, ArtifactError::Version { what: "format", found: 7, expected: 2, .. }), "{e}");
+    assert!(matches!(e, ArtifactError::Version { what: "format", found: 7, expected: 3, .. }), "{e}");
     let mut old = encode(&checkpoint_meta(), &[]);
     old[4..8].copy_from_slice(&1u32.to_le_bytes());
     let e = decode::<CheckpointMeta>(&old, "state.bin").unwrap_err();
@@ -263,13 +272,70 @@ impl<const F: u32> Kind for Raw<F> {
 fn a_checkpoint_of_format_1_is_read_without_its_run_and_format_2_must_have_one() {
     let mut v1 = serde_json::to_value(checkpoint_meta()).unwrap();
     v1.as_object_mut().unwrap().remove("run");
+    v1.as_object_mut().unwrap().remove("forecast");
     let l = decode::<CheckpointMeta>(&encode(&Raw::<1>(v1.clone()), &[("params", &A)]), "state.bin").unwrap();
-    assert_eq!(l.meta, CheckpointMeta { run: None, ..checkpoint_meta() });
+    assert_eq!(l.meta, CheckpointMeta { run: None, forecast: forecast_after(&[]), ..checkpoint_meta() });
     let e = decode::<CheckpointMeta>(&encode(&Raw::<2>(v1.clone()), &[]), "state.bin").unwrap_err();
     assert!(e.to_string().contains("missing field `run`"), "{e}");
     // A format-1 header that somehow has `run` is not one gradbus wrote: refused, not overwritten.
     v1["run"] = serde_json::Value::Null;
     assert!(decode::<CheckpointMeta>(&encode(&Raw::<1>(v1), &[]), "state.bin").is_err());
+}
+
+#[test]
+fn a_checkpoint_of_format_2_is_read_with_an_empty_forecast_and_format_3_must_have_one() {
+    let mut v2 = serde_json::to_value(checkpoint_meta()).unwrap();
+    v2.as_object_mut().unwrap().remove("forecast");
+    let l = decode::<CheckpointMeta>(&encode(&Raw::<2>(v2.clone()), &[("params", &A)]), "state.bin").unwrap();
+    assert_eq!(l.meta, CheckpointMeta { forecast: forecast_after(&[]), ..checkpoint_meta() });
+    let e = decode::<CheckpointMeta>(&encode(&Raw::<3>(v2.clone()), &[]), "state.bin").unwrap_err();
+    assert!(e.to_string().contains("missing field `forecast`"), "{e}");
+    v2["forecast"] = serde_json::to_value(forecast_after(&[1.0])).unwrap();
+    assert!(decode::<CheckpointMeta>(&encode(&Raw::<2>(v2), &[]), "state.bin").is_err());
+}
+
+#[test]
+fn warning_lines_round_trip_with_a_null_forecast_and_refuse_damage() {
+    let limit = 88.72;
+    let mut f = Forecast::new(forecast::DEFAULT_WINDOW);
+    let lines: Vec<WarningLine> = [70.0, 75.0, f64::INFINITY]
+        .iter()
+        .enumerate()
+        .map(|(u, &x)| WarningLine::new(u as u64, "k3_exp", &f.observe(x, limit), 1, forecast::Alert::Warn))
+        .collect();
+    assert_eq!(lines[0].forecast_updates, None);
+    let text: String = lines.iter().map(|l| l.to_line() + "\n").collect();
+    assert!(text.lines().next().unwrap().starts_with(r#"{"format":1,"update":0,"quantity":"k3_exp","value":70.0,"limit":88.72,"rank":1,"forecast_updates":null,"action":"warn","crc32c":"#), "{text}");
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("warnings.jsonl");
+    std::fs::write(&path, &text).unwrap();
+    let read = read_warnings(&path).unwrap();
+    assert!(read[2].value.is_nan(), "a non-finite value is written as null, read as NaN");
+    assert_eq!(read[..2], lines[..2]);
+    std::fs::write(&path, text.replacen("\"rank\":1", "\"rank\":2", 1)).unwrap();
+    let e = read_warnings(&path).unwrap_err();
+    assert!(e.to_string().contains("warnings.jsonl:1: checksum mismatch"), "{e}");
+}
+
+#[test]
+fn open_lines_keeps_the_verified_lines_asked_for_and_drops_a_torn_last_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("warnings.jsonl");
+    let o = forecast::Outlook { value: 80.0, limit: 88.72, headroom: 8.72, updates: Some(1.5) };
+    let line = |u| WarningLine::new(u, "loss.exp", &o, 0, forecast::Alert::Stop).to_line();
+    std::fs::write(&path, format!("{}\n{}\n{}", line(3), line(9), &line(12)[..20])).unwrap();
+    let keep = |w: &WarningLine| w.update < 5;
+    let (_, torn) = open_lines(&path, WARNINGS_FORMAT, Some(&keep as _)).unwrap();
+    assert!(torn.is_some(), "the torn last line is reported");
+    assert_eq!(read_warnings(&path).unwrap().iter().map(|w| w.update).collect::<Vec<_>>(), [3]);
+    // A damaged line that is not the last stops the resume, and nothing is rewritten.
+    let bad = format!("{}\n{}\n", line(3).replace("loss.exp", "loss.exq"), line(4));
+    std::fs::write(&path, &bad).unwrap();
+    assert!(open_lines(&path, WARNINGS_FORMAT, Some(&keep as _)).is_err());
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), bad);
+    // A fresh run starts an empty file.
+    open_lines::<WarningLine>(&path, WARNINGS_FORMAT, None).unwrap();
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
 }
 
 fn save(dir: &Path, step: u64) {

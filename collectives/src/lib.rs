@@ -10,6 +10,7 @@
 pub mod agreement;
 pub mod bench;
 pub mod bench_agreement;
+pub mod forecast;
 pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -25,6 +26,7 @@ pub mod verdict;
 mod wire;
 
 pub use agreement::{AgreementPath, Anomaly, ExactSum, LocalReport, Stat, Summary, ValueNames};
+pub use forecast::{Alert, Forecast, Outlook, Rule};
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use overlap::{backward_and_reduce, BusBackend, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};

@@ -73,6 +73,7 @@ pub(crate) fn save(
         config_hash,
         layout_hash: layout.hash(),
         spikes: s.judge.spikes.clone(),
+        forecast: s.judge.forecast.clone(),
         warnings: s.judge.warnings,
         history: SavedHistory {
             consecutive_skips: h.consecutive_skips,
@@ -136,6 +137,7 @@ pub(crate) fn restore(
     judge.history.recent = meta.history.recent.clone();
     judge.history.suspects = meta.history.suspects.clone();
     judge.spikes = meta.spikes.clone();
+    judge.forecast = meta.forecast.clone();
     judge.warnings = meta.warnings;
     if rank == 0 {
         eprintln!("resumed from {} at step {}", dir.display(), meta.step);

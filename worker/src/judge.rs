@@ -1,54 +1,84 @@
 //! The agreement's memory: the verdict history, the spike detectors of the agreed loss and gradient
-//! norm, and the count of headroom warnings - everything that turns an agreed table into a verdict.
+//! norm, and the headroom forecast and its warnings - everything that turns an agreed table into a
+//! verdict and a warning.
 //!
 //! Invariant: it is fed only agreed numbers (the table and its [`Agreed`] values), in update order,
-//! so every rank holds the same state and reaches the same verdict; a checkpoint saves it whole.
+//! so every rank holds the same state and reaches the same verdict and warnings; a checkpoint saves
+//! it whole.
 
+use gradbus_collectives::forecast::{Alert, Forecast, Outlook, Rule, DEFAULT_WINDOW};
 use gradbus_collectives::spikes::SpikeDetector;
 use gradbus_collectives::{decide, Action, HealthTable, History, Layout, StepId, Verdict};
 
 use crate::config::Config;
+use crate::loss::EXP_OVERFLOW;
 use crate::update::Agreed;
 
-/// Verdict history, spike detectors and warnings of one rank (the same on every rank).
+/// Verdict history, spike detectors, headroom forecast and warnings of one rank (the same on every
+/// rank).
 #[derive(Clone, Debug)]
 pub struct Judge {
     /// Verdict history (skips, suspects).
     pub history: History,
     /// Spike detectors of the agreed loss and gradient norm (in that order).
     pub spikes: [SpikeDetector; 2],
-    /// Updates whose agreed log-ratio headroom fell under `warn.headroom`.
+    /// The trend of the agreed largest log-ratio fed to an exp of the loss, one value per update.
+    pub forecast: Forecast,
+    /// Updates that warned (`warn.*`: the headroom, or the forecast, under its threshold).
     pub warnings: u32,
 }
 
+/// What one update's verdict comes with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Judged {
+    /// The verdict.
+    pub verdict: Verdict,
+    /// The loss or gradient-norm spike, described, if either was one.
+    pub spike: Option<String>,
+    /// The headroom outlook, when it warns (`warn.*`).
+    pub warning: Option<Outlook>,
+}
+
 impl Judge {
-    /// Empty history and detectors for `cfg`'s spike settings.
+    /// Empty history, detectors and forecast for `cfg`'s spike settings.
     pub fn new(cfg: &Config) -> Judge {
         let detector = || SpikeDetector::new(cfg.spike.window, cfg.spike.z_limit);
-        Judge { history: History::default(), spikes: [detector(), detector()], warnings: 0 }
+        Judge {
+            history: History::default(),
+            spikes: [detector(), detector()],
+            forecast: Forecast::new(DEFAULT_WINDOW),
+            warnings: 0,
+        }
     }
 
     /// The verdict on one agreed update: `decide` from the table and the history; a proceeding
     /// update whose agreed loss or gradient norm spikes is skipped when `spike.skip` says so. The
-    /// verdict is recorded, the headroom warning counted. Returns the verdict and the spike, if any.
-    pub fn judge(
-        &mut self,
-        table: &HealthTable,
-        agreed: &Agreed,
-        layout: &Layout,
-        cfg: &Config,
-        at: StepId,
-    ) -> (Verdict, Option<String>) {
+    /// verdict is recorded; the update's largest log-ratio feeds the forecast (once per update: not
+    /// on an attempt that is rerun) and a warning is counted when `warn.*` says so.
+    pub fn judge(&mut self, table: &HealthTable, agreed: &Agreed, layout: &Layout, cfg: &Config, at: StepId) -> Judged {
         let mut verdict = decide(table, layout, &cfg.policy(), &self.history, at);
         let spike = if verdict.action == Action::Proceed { self.spike(agreed) } else { None };
         if spike.is_some() && cfg.spike.skip {
             verdict.action = Action::Skip;
         }
         self.history.record(table, &verdict);
-        if agreed.headroom < cfg.warn.headroom as f64 {
-            self.warnings += 1;
+        let mut warning = None;
+        if verdict.action != Action::Rerun {
+            let limit = EXP_OVERFLOW as f64;
+            let outlook = self.forecast.observe(limit - agreed.headroom, limit);
+            // The runtime has no stop policy: every alert is a warning.
+            let rule = Rule {
+                warn_updates: cfg.warn.forecast as f64,
+                warn_headroom: cfg.warn.headroom as f64,
+                stop_updates: 0.0,
+                stop_headroom: 0.0,
+            };
+            if rule.alert(&outlook) >= Some(Alert::Warn) {
+                self.warnings += 1;
+                warning = Some(outlook);
+            }
         }
-        (verdict, spike)
+        Judged { verdict, spike, warning }
     }
 
     /// Feed the agreed loss and gradient norm of a proceeding update to the spike detectors; the

@@ -1,5 +1,6 @@
-//! `metrics.jsonl`: one line per optimizer update, written by rank 0 from the agreed table (the
-//! line's format is [`gradbus_artifacts::MetricsLine`]).
+//! `metrics.jsonl`: one line per optimizer update, and `warnings.jsonl`: one line per headroom
+//! warning, written by rank 0 from the agreed table (the lines' formats are
+//! [`gradbus_artifacts::MetricsLine`] and [`gradbus_artifacts::WarningLine`]).
 //!
 //! Invariant: every field but the wall-clock `time_*` ones is a function of the agreed table, so two
 //! runs with the same seed and world size write the same lines (also after resume, which keeps the
@@ -9,15 +10,18 @@ use std::io::Write;
 use std::path::Path;
 use std::time::Instant;
 
+use gradbus_collectives::forecast::{Alert, Outlook};
 use gradbus_collectives::{Action, HealthTable, StepId};
 
 use crate::error::WorkerError;
 use crate::update::Agreed;
-use gradbus_artifacts::{self as artifacts, MetricsLine};
+use gradbus_artifacts::{self as artifacts, MetricsLine, WarningLine};
 
-/// Rank 0's `metrics.jsonl` (nothing on the other ranks).
+/// Rank 0's `metrics.jsonl` and `warnings.jsonl` (nothing on the other ranks).
 pub struct MetricsWriter {
-    file: Option<std::fs::File>,
+    files: Option<(std::fs::File, std::fs::File)>,
+    /// Updates per RL step: a warning's `update` is step x this + update within the step.
+    updates_per_step: u64,
 }
 
 /// What the step loop knows of an update besides the agreed numbers.
@@ -39,15 +43,38 @@ pub struct UpdateRecord<'a> {
 }
 
 impl MetricsWriter {
-    /// Rank 0's file (kept lines verified on resume, see [`open_metrics`]); a writer that writes
-    /// nothing on the other ranks.
-    pub fn open(run_dir: &Path, step: u64, rank: usize) -> Result<MetricsWriter, WorkerError> {
-        Ok(MetricsWriter { file: if rank == 0 { Some(open_metrics(run_dir, step)?) } else { None } })
+    /// Rank 0's files from RL step `step` on (on resume, the verified lines of the steps before it
+    /// are kept, see [`open_kept`]); a writer that writes nothing on the other ranks.
+    pub fn open(run_dir: &Path, step: u64, updates_per_step: u64, rank: usize) -> Result<MetricsWriter, WorkerError> {
+        let files = if rank == 0 {
+            let metrics =
+                open_kept(run_dir, "metrics.jsonl", artifacts::METRICS_FORMAT, step > 0, &|m: &MetricsLine| {
+                    m.step < step
+                })?;
+            let first = step * updates_per_step;
+            let warnings =
+                open_kept(run_dir, "warnings.jsonl", artifacts::WARNINGS_FORMAT, step > 0, &|w: &WarningLine| {
+                    w.update < first
+                })?;
+            Some((metrics, warnings))
+        } else {
+            None
+        };
+        Ok(MetricsWriter { files, updates_per_step })
+    }
+
+    /// The warning line of a headroom outlook that warns (`Judge::judge`), at update `at`, the
+    /// largest log-ratio held by `rank`.
+    pub fn warn(&mut self, at: StepId, o: &Outlook, rank: usize) -> Result<(), WorkerError> {
+        let Some((_, f)) = self.files.as_mut() else { return Ok(()) };
+        let update = at.step * self.updates_per_step + at.minibatch as u64;
+        let line = WarningLine::new(update, "loss.exp", o, rank, Alert::Warn);
+        writeln!(f, "{}", line.to_line()).map_err(|e| WorkerError::io("warnings.jsonl", e))
     }
 
     /// One line for one update.
     pub fn write(&mut self, table: &HealthTable, agreed: &Agreed, u: &UpdateRecord<'_>) -> Result<(), WorkerError> {
-        let Some(f) = self.file.as_mut() else { return Ok(()) };
+        let Some((f, _)) = self.files.as_mut() else { return Ok(()) };
         let (values, at) = (&agreed.values, u.at);
         let line = MetricsLine {
             step: at.step,
@@ -79,35 +106,18 @@ impl MetricsWriter {
     }
 }
 
-/// Metrics file for rank 0; on resume keep only the lines of steps before `step`, each verified.
-/// A last line without its newline is a write the crash cut short: dropped, with a warning. Any
-/// other line that does not verify stops the resume (exit 2), naming the file and line.
-fn open_metrics(run_dir: &Path, step: u64) -> Result<std::fs::File, WorkerError> {
-    let path = run_dir.join("metrics.jsonl");
-    let io = |e| WorkerError::io(&path.display().to_string(), e);
-    let mut kept = String::new();
-    if step > 0 {
-        let text = match std::fs::read(&path) {
-            Ok(b) => String::from_utf8_lossy(&b).into_owned(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => return Err(io(e)),
-        };
-        let lines: Vec<&str> = text.split_inclusive('\n').collect();
-        for (i, raw) in lines.iter().enumerate() {
-            let torn = i + 1 == lines.len() && !raw.ends_with('\n');
-            let line = raw.trim_end_matches('\n');
-            if line.trim().is_empty() {
-                continue;
-            }
-            let file = format!("{}:{}", path.display(), i + 1);
-            match artifacts::unseal::<MetricsLine>(line, artifacts::METRICS_FORMAT, &file) {
-                Ok(m) if m.step < step => kept.push_str(&format!("{line}\n")),
-                Ok(_) => {}
-                Err(e) if torn => eprintln!("warning: dropping the last metrics line, cut short by the crash: {e}"),
-                Err(e) => return Err(e.into()),
-            }
-        }
+/// `name` in the run directory for rank 0: empty, or on `resume` with only the verified lines
+/// `keep` keeps (`gradbus_artifacts::open_lines`).
+fn open_kept<T: serde::de::DeserializeOwned>(
+    run_dir: &Path,
+    name: &str,
+    format: u32,
+    resume: bool,
+    keep: &dyn Fn(&T) -> bool,
+) -> Result<std::fs::File, WorkerError> {
+    let (file, torn) = artifacts::open_lines(&run_dir.join(name), format, resume.then_some(keep))?;
+    if let Some(e) = torn {
+        eprintln!("warning: dropping the last line of {name}, cut short by the crash: {e}");
     }
-    std::fs::write(&path, kept).map_err(io)?;
-    std::fs::OpenOptions::new().append(true).open(&path).map_err(io)
+    Ok(file)
 }

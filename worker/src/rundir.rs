@@ -38,7 +38,8 @@ pub const RESUMES_FILE: &str = "resumes.jsonl";
 
 /// Config keys a resume may change without a warning: they change how long the run goes, how often
 /// it is saved or how it waits, never the numbers it computes.
-pub const NOT_DATA: [&str; 5] = ["steps", "checkpoint.every", "collective_timeout_s", "overlap", "warn.headroom"];
+pub const NOT_DATA: [&str; 6] =
+    ["steps", "checkpoint.every", "collective_timeout_s", "overlap", "warn.headroom", "warn.forecast"];
 
 /// What the job does with what the directory already holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

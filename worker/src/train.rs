@@ -30,7 +30,7 @@ use crate::error::WorkerError;
 use crate::failure::{describe, trace_failure, write_failure};
 use crate::faults::{FaultPhase, FaultPlan};
 use crate::gradients::Work;
-use crate::judge::Judge;
+use crate::judge::{Judge, Judged};
 use crate::metrics::{MetricsWriter, UpdateRecord};
 use crate::model::Gpt;
 use crate::policy::Policy;
@@ -122,7 +122,8 @@ impl<B: BusBackend> Trainer<B> {
                 info.world
             );
         }
-        let metrics = MetricsWriter::open(&run_dir, step, info.rank)?;
+        let updates_per_step = (cfg.rl.epochs * cfg.rl.minibatches) as u64;
+        let metrics = MetricsWriter::open(&run_dir, step, updates_per_step, info.rank)?;
         let max_b = cfg.rl.prompts_per_rank * cfg.rl.group_size;
         let work = Work::new(&be, &cfg, max_b, cfg.rl.response_len + 1);
         Ok(Trainer {
@@ -238,11 +239,14 @@ impl<B: BusBackend> Trainer<B> {
             let stats =
                 forward_backward(be, gpt, cfg, params, &mut self.work, &mut *self.bus, faults, self.overlap, mb, at)?;
             warn_headroom(&stats, cfg.warn.headroom, rank, at);
-            let values = UpdateValues::local(mb, &stats).to_report();
+            let values = UpdateValues::local(mb, &stats).to_report(rank);
             let table = self.bus.agree(at, LocalReport { loss: stats.loss as f64, values, replica })?;
             check_replicas(&table, at)?;
             let agreed = Agreed::new(&table);
-            let (verdict, spike) = self.judge.judge(&table, &agreed, self.bus.layout(), cfg, at);
+            let Judged { verdict, spike, warning } = self.judge.judge(&table, &agreed, self.bus.layout(), cfg, at);
+            if let Some(o) = &warning {
+                self.metrics.warn(at, o, agreed.headroom_rank)?;
+            }
             if let Some(r) = &verdict.report {
                 log::warn!("rank {rank}: {}", describe(r));
             }

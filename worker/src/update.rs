@@ -6,6 +6,7 @@
 //! progress bar use is computed once per update, in [`Agreed::new`], from the agreed table; every
 //! rank has the same table, so every rank computes the same numbers.
 
+use gradbus_collectives::forecast::{ranked, unranked};
 use gradbus_collectives::{BusBackend, HealthTable, StepId, Transport, ValueNames};
 
 use crate::config::Config;
@@ -102,37 +103,42 @@ impl UpdateValues {
         }
     }
 
-    /// The values by name, in the order they travel (`LocalReport::values`).
-    fn named(self) -> [(&'static str, f64); 5] {
+    /// The values by name, in the order they travel (`LocalReport::values`). The two largest
+    /// log-ratios travel with `rank` (`forecast::ranked`: the agreed maximum names its rank).
+    fn named(self, rank: usize) -> [(&'static str, f64); 5] {
         [
             ("reward", self.reward),
             ("kl", self.kl),
-            ("max_logratio_response", self.max_logratio_response),
-            ("max_logratio_masked", self.max_logratio_masked),
+            ("max_logratio_response", ranked(self.max_logratio_response, rank)),
+            ("max_logratio_masked", ranked(self.max_logratio_masked, rank)),
             ("min_response_logp", self.min_response_logp),
         ]
     }
 
     /// The names the transport is opened with.
     pub fn names() -> ValueNames {
-        ValueNames::new(&UpdateValues::default().named().map(|(name, _)| name))
+        ValueNames::new(&UpdateValues::default().named(0).map(|(name, _)| name))
     }
 
-    /// The values of `LocalReport::values`, in the order of [`UpdateValues::names`].
-    pub fn to_report(self) -> Vec<f64> {
-        self.named().iter().map(|&(_, v)| v).collect()
+    /// The values of `LocalReport::values` of `rank`, in the order of [`UpdateValues::names`].
+    pub fn to_report(self, rank: usize) -> Vec<f64> {
+        self.named(rank).iter().map(|&(_, v)| v).collect()
     }
 
     /// The agreed values of every rank, from the agreement's summary (present on both the summary
-    /// and the table path): reward and KL averaged over ranks, the extremes of the others.
-    pub fn agreed(table: &HealthTable) -> UpdateValues {
-        UpdateValues {
+    /// and the table path): reward and KL averaged over ranks, the extremes of the others; and the
+    /// rank holding the largest log-ratio.
+    pub fn agreed(table: &HealthTable) -> (UpdateValues, usize) {
+        let (response, at_response) = unranked(table.value("max_logratio_response").max());
+        let (masked, at_masked) = unranked(table.value("max_logratio_masked").max());
+        let values = UpdateValues {
             reward: table.mean_value("reward"),
             kl: table.mean_value("kl"),
-            max_logratio_response: table.value("max_logratio_response").max(),
-            max_logratio_masked: table.value("max_logratio_masked").max(),
+            max_logratio_response: response,
+            max_logratio_masked: masked,
             min_response_logp: table.value("min_response_logp").min(),
-        }
+        };
+        (values, if masked > response { at_masked } else { at_response })
     }
 }
 
@@ -152,13 +158,15 @@ pub struct Agreed {
     pub bucket_norms: Vec<f64>,
     /// ln(f32::MAX) minus the largest log-ratio any rank fed to an exp of the loss.
     pub headroom: f64,
+    /// The (lowest) rank that fed it.
+    pub headroom_rank: usize,
 }
 
 impl Agreed {
     /// The agreed numbers of `table`.
     pub fn new(table: &HealthTable) -> Agreed {
         let world = table.world as f64;
-        let values = UpdateValues::agreed(table);
+        let (values, headroom_rank) = UpdateValues::agreed(table);
         Agreed {
             world: table.world,
             loss: table.mean_loss(),
@@ -166,6 +174,7 @@ impl Agreed {
             grad_norm: table.grad_norm() / world,
             bucket_norms: table.reduced.iter().map(|h| h.sumsq.sqrt() / world).collect(),
             headroom: EXP_OVERFLOW as f64 - values.max_logratio_response.max(values.max_logratio_masked),
+            headroom_rank,
         }
     }
 }

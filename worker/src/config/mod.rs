@@ -225,11 +225,14 @@ pub struct CheckpointConfig {
 pub struct WarnConfig {
     /// Warn when a log-ratio fed to an exp comes within this many nats of ln(f32::MAX) = 88.72.
     pub headroom: f32,
+    /// Warn when the trend of that log-ratio (least squares over 3 updates) forecasts the ceiling
+    /// within this many updates (0 = off).
+    pub forecast: f32,
 }
 
 impl Default for WarnConfig {
     fn default() -> Self {
-        WarnConfig { headroom: 20.0 }
+        WarnConfig { headroom: 20.0, forecast: 5.0 }
     }
 }
 
@@ -399,6 +402,13 @@ impl Config {
                 "20",
             ),
             rule(
+                "warn.forecast",
+                self.warn.forecast,
+                finite_nonneg(self.warn.forecast.into()),
+                "must be finite and >= 0 (updates; 0 = off)",
+                "5",
+            ),
+            rule(
                 "spike.window",
                 self.spike.window,
                 (2..=MAX_SPIKE_WINDOW).contains(&self.spike.window),
@@ -526,6 +536,7 @@ mod tests {
             ("optim.lr=-1", "optim.lr"),
             ("loss.clip=inf", "loss.clip"),
             ("warn.headroom=-1", "warn.headroom"),
+            ("warn.forecast=-1", "warn.forecast"),
             ("optim.beta2=1.0", "optim.beta2"),
             ("skip.window=0", "skip.window"),
             ("collective_timeout_s=inf", "collective_timeout_s"),

@@ -1,0 +1,277 @@
+//! Early warning of an overflow ahead: per update, the largest argument of a named `exp` (or any
+//! quantity with a known ceiling) that every rank agreed on, its headroom to the ceiling, and from
+//! its trend over the last updates a forecast of how many updates remain before it gets there.
+//! The native runtime (its log-ratio headroom) and the PyTorch guard (`guard.watch`) both use it,
+//! so a warning means the same on both sides.
+//!
+//! - [`exp_ceiling`]: ln of the largest finite value of a dtype, where `exp` overflows to +inf:
+//!   88.72 for float32, 88.72 for bfloat16 (88.719: its largest finite value is a little smaller),
+//!   11.09 for float16, 709.78 for float64.
+//! - [`ranked`] / [`unranked`]: a rank's value and the rank in ONE f64 whose maximum over ranks is
+//!   the largest value together with the lowest rank that holds it. So an agreement that combines
+//!   values by maxima (`Stat::max`, on the summary path as on the table path, in any reduction
+//!   order) agrees on which rank holds the maximum too, with no extra word or round trip. The value
+//!   is rounded to f32 (exact for the float32, bfloat16 and float16 values it carries).
+//! - [`Forecast`]: the agreed maxima of the last `window` updates; the trend is their
+//!   least-squares slope, the forecast the headroom divided by it.
+//! - [`Rule`]: when an [`Outlook`] is a warning, and when it is a stop.
+//!
+//! Invariant: a pure function of the stream of agreed values, fed in update order, so every rank
+//! holds the same state and reaches the same outlook; the state serializes (checkpoints) and a
+//! restored forecast continues the stream bit for bit. The slope is computed from the window in a
+//! fixed order on every observation, with no running sums.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+/// ln of the largest finite value of `dtype` (torch's names: "float32", "bfloat16", "float16",
+/// "float64"): `exp` of anything larger is +inf. `None` for another name.
+pub fn exp_ceiling(dtype: &str) -> Option<f64> {
+    let max: f64 = match dtype {
+        "float32" => f32::MAX as f64,
+        // 0x7f7f: the largest finite bfloat16, (2 - 2^-7) * 2^127.
+        "bfloat16" => f32::from_bits(0x7f7f_0000) as f64,
+        "float16" => 65504.0,
+        "float64" => f64::MAX,
+        _ => return None,
+    };
+    Some(max.ln())
+}
+
+/// Mantissa bits of an f64 below those of an f32 widened to it (always zero there): the rank's.
+const RANK_BITS: u32 = 29;
+const RANK_MASK: u64 = (1 << RANK_BITS) - 1;
+/// The most ranks [`ranked`] can name.
+pub const MAX_RANKS: usize = 1 << RANK_BITS;
+/// Where a non-finite value goes: 2^200, beyond every f32, so +inf and NaN order above any finite
+/// value and -inf below, and the word stays finite (the agreement's sums stay exact). A power of
+/// two: its low mantissa bits are free for the rank too.
+const BEYOND: f64 = f64::from_bits((1023 + 200) << 52);
+
+/// `value` of `rank` as one f64 whose maximum over ranks gives the largest value and the lowest
+/// rank holding it ([`unranked`] reads both back). The value is rounded to the nearest f32; NaN
+/// counts as +inf (an `exp` of NaN is no better than an overflow). `rank` < [`MAX_RANKS`].
+pub fn ranked(value: f64, rank: usize) -> f64 {
+    assert!(rank < MAX_RANKS, "ranked: rank {rank} beyond {MAX_RANKS}");
+    let v = if value.is_nan() { f32::INFINITY } else { value as f32 };
+    let base = if v.is_finite() { v as f64 } else { BEYOND.copysign(v as f64) };
+    // A positive value is larger with larger low bits, a negative one smaller: the lowest rank
+    // gets the largest word either way.
+    let low = if base.is_sign_negative() { rank as u64 } else { RANK_MASK - rank as u64 };
+    f64::from_bits(base.to_bits() | low)
+}
+
+/// The (value, rank) of a word made by [`ranked`] (or the maximum of several).
+pub fn unranked(word: f64) -> (f64, usize) {
+    let bits = word.to_bits();
+    let low = bits & RANK_MASK;
+    let base = f64::from_bits(bits & !RANK_MASK);
+    let rank = if base.is_sign_negative() { low } else { RANK_MASK - low } as usize;
+    let value = if base.abs() >= BEYOND { f64::INFINITY.copysign(base) } else { base };
+    (value, rank)
+}
+
+/// The updates a trend needs: least squares over the last `DEFAULT_WINDOW` agreed values.
+pub const DEFAULT_WINDOW: usize = 3;
+
+/// The agreed maxima of one quantity over the last updates, and the forecast they give.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Forecast {
+    window: usize,
+    recent: VecDeque<f64>,
+}
+
+/// One update's value against its ceiling, and the forecast.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Outlook {
+    /// The agreed maximum.
+    pub value: f64,
+    /// The ceiling.
+    pub limit: f64,
+    /// `limit - value` (<= 0: at or past the ceiling; -inf for an infinite or NaN value).
+    pub headroom: f64,
+    /// Updates until the value reaches the ceiling at the trend's slope (`headroom / slope`, 0 at
+    /// or past it); `None` without a rising trend (fewer than `window` finite values yet, or a
+    /// slope <= 0).
+    pub updates: Option<f64>,
+}
+
+impl Forecast {
+    /// An empty forecast over `window` updates (at least 2).
+    pub fn new(window: usize) -> Forecast {
+        Forecast { window: window.max(2), recent: VecDeque::with_capacity(window.max(2)) }
+    }
+
+    /// The least-squares slope per update of the window, once it is full.
+    fn slope(&self) -> Option<f64> {
+        let n = self.recent.len();
+        if n < self.window {
+            return None;
+        }
+        let mid = (n - 1) as f64 / 2.0;
+        let (mut num, mut den) = (0.0, 0.0);
+        for (i, y) in self.recent.iter().enumerate() {
+            let dx = i as f64 - mid;
+            num += dx * y;
+            den += dx * dx;
+        }
+        Some(num / den)
+    }
+
+    /// Feed the agreed maximum of the next update against `limit`; its outlook. A non-finite value
+    /// (the quantity overflowed, or is NaN) has no headroom and does not enter the trend.
+    pub fn observe(&mut self, value: f64, limit: f64) -> Outlook {
+        let finite = value.is_finite();
+        let headroom = if finite { limit - value } else { f64::NEG_INFINITY };
+        if finite {
+            if self.recent.len() == self.window {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(value);
+        }
+        let updates = if headroom <= 0.0 { Some(0.0) } else { self.slope().filter(|&s| s > 0.0).map(|s| headroom / s) };
+        Outlook { value, limit, headroom, updates }
+    }
+}
+
+/// What an outlook calls for (the `action` of a `warnings.jsonl` line: "warn" or "stop").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Alert {
+    /// Tell the user.
+    Warn,
+    /// Stop before the update that would overflow (where the policy says stop; else a warning).
+    Stop,
+}
+
+/// When an outlook warns and when it stops: the forecast at or under a number of updates, or the
+/// headroom under a number of nats (0 turns a test off).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rule {
+    /// Warn when the forecast is at most this many updates.
+    pub warn_updates: f64,
+    /// Warn when the headroom is under this.
+    pub warn_headroom: f64,
+    /// Stop when the forecast is at most this many updates.
+    pub stop_updates: f64,
+    /// Stop when the headroom is under this.
+    pub stop_headroom: f64,
+}
+
+impl Rule {
+    /// The defaults for a ceiling `limit`. Chosen on the trajectories measured in
+    /// docs/hf-trainer.md (TRL's k3 exponent on stale rollouts, seeds 0-4, overflowing at updates
+    /// 7-9; and the on-policy and plain-k3 controls, which never get a rising 3-update trend that
+    /// reaches the ceiling within 7 updates):
+    /// - warn at a forecast of 5 updates: the first warning came 3-5 updates before the overflow
+    ///   on every seed, while the controls' shortest forecast was over 8 updates;
+    /// - stop at 2.5 updates: the trend lags an accelerating climb (from one update to the next the
+    ///   increase grew up to 1.9x), so a stop at 2.5 leaves the update after it finite even if the
+    ///   slope doubles; the stops came 2-3 updates before the overflow;
+    /// - headroom: warn under 22.5% of the ceiling (20 nats for float32, the runtime's
+    ///   `warn.headroom`), stop under 10% (8.9 nats): the backstop for a climb too slow or noisy to
+    ///   make a trend.
+    pub fn default_for(limit: f64) -> Rule {
+        Rule { warn_updates: 5.0, warn_headroom: 0.225 * limit, stop_updates: 2.5, stop_headroom: 0.1 * limit }
+    }
+
+    /// The alert `o` calls for, if any.
+    pub fn alert(&self, o: &Outlook) -> Option<Alert> {
+        let within = |updates: f64, headroom: f64| {
+            o.headroom < headroom || o.updates.is_some_and(|u| u <= updates) || !o.headroom.is_finite()
+        };
+        if within(self.stop_updates, self.stop_headroom) {
+            Some(Alert::Stop)
+        } else if within(self.warn_updates, self.warn_headroom) {
+            Some(Alert::Warn)
+        } else {
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ceilings_per_dtype() {
+        let c = |d| exp_ceiling(d).unwrap();
+        assert!((c("float32") - 88.7228).abs() < 1e-4);
+        assert!((c("bfloat16") - 88.7189).abs() < 1e-4);
+        assert!((c("float16") - 11.0899).abs() < 1e-4);
+        assert!((c("float64") - 709.7827).abs() < 1e-4);
+        assert_eq!(exp_ceiling("int8"), None);
+        // Just under the ceiling exp is finite; just over, it is not.
+        assert!((c("float32") as f32 - 1e-4).exp().is_finite() && !(c("float32") as f32 + 1e-4).exp().is_finite());
+    }
+
+    #[test]
+    fn ranked_maximum_names_the_value_and_its_lowest_rank() {
+        let words = |vals: &[f64]| vals.iter().enumerate().map(|(r, &v)| ranked(v, r)).collect::<Vec<_>>();
+        let max = |w: &[f64]| w.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(unranked(max(&words(&[12.5, 98.875, 3.0]))), (98.875, 1));
+        // Ties go to the lowest rank, for positive and negative values alike.
+        assert_eq!(unranked(max(&words(&[1.0, 7.0, 7.0, 7.0]))), (7.0, 1));
+        assert_eq!(unranked(max(&words(&[-2.5, -2.5, -3.0]))), (-2.5, 0));
+        assert_eq!(unranked(max(&words(&[-0.0, 0.0]))), (0.0, 1));
+        // Non-finite values: NaN and +inf above every finite value, -inf below; the words finite.
+        let w = words(&[f64::NEG_INFINITY, 88.0, f64::NAN, f64::INFINITY]);
+        assert!(w.iter().all(|x| x.is_finite()));
+        assert_eq!(unranked(max(&w)), (f64::INFINITY, 2));
+        assert_eq!(unranked(ranked(f64::NEG_INFINITY, 5)), (f64::NEG_INFINITY, 5));
+        // Rounded to f32; a float32 value is exact, and the last rank fits.
+        assert_eq!(unranked(ranked(0.1f32 as f64, MAX_RANKS - 1)), (0.1f32 as f64, MAX_RANKS - 1));
+        assert_eq!(unranked(ranked(0.1, 0)).0, 0.1f32 as f64);
+    }
+
+    /// TRL's k3 exponent, seed 0 (docs/hf-trainer.md): the agreed maxima of updates 0-6; update 7
+    /// overflowed (99.3).
+    const SEED0: [f64; 7] = [0.0, 12.3, 19.8, 28.7, 45.3, 64.4, 82.2];
+
+    #[test]
+    fn forecast_from_the_least_squares_trend() {
+        let limit = exp_ceiling("float32").unwrap();
+        let mut f = Forecast::new(DEFAULT_WINDOW);
+        let out: Vec<Outlook> = SEED0.iter().map(|&x| f.observe(x, limit)).collect();
+        assert_eq!((out[0].updates, out[1].updates), (None, None), "no trend before 3 updates");
+        // Update 4: slope (45.3 - 19.8) / 2 = 12.75 per update, 43.4 nats to go.
+        let u4 = out[4].updates.unwrap();
+        assert!((u4 - (limit - 45.3) / 12.75).abs() < 1e-9, "{u4}");
+        let rule = Rule::default_for(limit);
+        let alerts: Vec<Option<Alert>> = out.iter().map(|o| rule.alert(o)).collect();
+        assert_eq!(alerts, [None, None, None, None, Some(Alert::Warn), Some(Alert::Stop), Some(Alert::Stop)]);
+        // A falling or flat trend forecasts nothing; a value at the ceiling is 0 updates away.
+        let mut g = Forecast::new(3);
+        for x in [12.3, 11.9, 9.8] {
+            assert_eq!(g.observe(x, limit).updates, None);
+        }
+        assert_eq!(g.observe(89.0, limit).updates, Some(0.0));
+    }
+
+    #[test]
+    fn non_finite_values_have_no_headroom_and_stay_out_of_the_trend() {
+        let mut f = Forecast::new(3);
+        for x in [10.0, 20.0] {
+            f.observe(x, 88.0);
+        }
+        let o = f.observe(f64::INFINITY, 88.0);
+        assert_eq!((o.headroom, o.updates), (f64::NEG_INFINITY, Some(0.0)));
+        assert_eq!(Rule::default_for(88.0).alert(&o), Some(Alert::Stop));
+        assert!(f.observe(f64::NAN, 88.0).headroom.is_infinite());
+        // The window still holds 10 and 20: a third finite value completes it.
+        assert_eq!(f.observe(30.0, 88.0).updates, Some(58.0 / 10.0));
+    }
+
+    #[test]
+    fn state_round_trips_and_continues_the_stream() {
+        let mut a = Forecast::new(3);
+        let all: Vec<Outlook> = SEED0.iter().map(|&x| a.observe(x, 88.7)).collect();
+        let mut b = Forecast::new(3);
+        let mut out: Vec<Outlook> = SEED0[..4].iter().map(|&x| b.observe(x, 88.7)).collect();
+        let mut c: Forecast = serde_json::from_str(&serde_json::to_string(&b).unwrap()).unwrap();
+        out.extend(SEED0[4..].iter().map(|&x| c.observe(x, 88.7)));
+        assert_eq!(out, all);
+    }
+}
