@@ -29,10 +29,9 @@ import gradbus.torch as gbt  # noqa: E402
 
 def one_update(guard, buckets, layout):
     for b in range(buckets):
-        guard._cells[b] = (0.0, 0.0, 1.0 + b, -1.0)
-        guard._layout[b] = layout[b]
-    guard._loss = 0.5
-    guard._exchange(buckets - 1)
+        guard.record(b, layout[b], (0.0, 0.0, 1.0 + b, -1.0))
+    guard.set_loss(0.5)
+    guard.exchange(buckets)
     return guard.verdict()
 
 

@@ -67,15 +67,15 @@ def stack(a):
 
 
 GUARD_CPU = {"health": 0.0, "exchange": 0.0}
-"""Rank 0's thread CPU seconds inside the guard's own entry points: `health` (the scans), and `_exchange` /
+"""Rank 0's thread CPU seconds inside the guard's own entry points: `health` (the scans), and `exchange` /
 `verdict` (building and exchanging the table, waiting for it, `decide`)."""
 _DEPTH = [0]
 
 
 def timed(guard):
-    """Count the CPU time of the guard's work. The DDP hook calls `_exchange` at the last bucket and
-    `verdict` later; the adapters call `_exchange` inside `verdict`: nested calls count once."""
-    for name, kind in (("health", "health"), ("_exchange", "exchange"), ("verdict", "exchange")):
+    """Count the CPU time of the guard's work. The DDP hook calls `exchange` at the last bucket and
+    `verdict` later; the adapters call `exchange` inside `verdict`: nested calls count once."""
+    for name, kind in (("health", "health"), ("exchange", "exchange"), ("verdict", "exchange")):
         f = getattr(guard, name)
 
         def wrapper(*args, _f=f, _kind=kind, **kw):

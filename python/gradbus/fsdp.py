@@ -17,7 +17,7 @@ runtime's Rust scan; other dtypes and CUDA: torch ops on the device, in the redu
 first non-finite element back to (parameter, element of the unsharded parameter), then calls the comm
 that was installed before it (FSDP's default: `dist.reduce_scatter_single`) with the same arguments,
 so a clean run is bitwise FSDP2's. `verdict()` (taken by `gradbus.torch.GuardedOptimizer.step`)
-exchanges every rank's table and runs the runtime's `decide`.
+exchanges every rank's row and runs the runtime's `decide` (`gradbus.guard`, the core).
 
 Cost: one read of the rank's local gradient, as large as the reduce-scatter's input (no copy; the
 scan runs on FSDP's reduce-scatter stream on a GPU), plus one small all-gather per update.
@@ -40,8 +40,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from gradbus._adapter import BucketGuard
-from gradbus.torch import GuardedOptimizer, NonFiniteGradients, Verdict
+from gradbus.guard import BucketGuard, GuardedOptimizer, NonFiniteGradients, Verdict
 
 __all__ = ["Guard", "GuardedOptimizer", "NonFiniteGradients", "Verdict"]
 
@@ -101,7 +100,7 @@ class _GuardedReduceScatter:
         return self.inner.allocate(*args, **kwargs)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
-        self.guard._tally(self.index, input_tensor)
+        self.guard._tally_input(self.index, input_tensor)
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
 
 
@@ -171,7 +170,9 @@ class Guard(BucketGuard):
         for m, index, g in comms:
             m.set_custom_reduce_scatter(_GuardedReduceScatter(self, index, g._reduce_scatter_comm))
 
-    def _tally(self, index: int, flat: torch.Tensor) -> None:
+    def _tally_input(self, index: int, flat: torch.Tensor) -> None:
+        """Record the health of module group `index`'s reduce-scatter input `flat`, its first
+        non-finite element mapped to the bucket's packed layout."""
         g = self._groups[index]
         if flat.numel() != g.world * g.row:
             raise RuntimeError(

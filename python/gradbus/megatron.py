@@ -34,8 +34,8 @@ import functools
 from importlib import metadata
 from typing import Any, Dict, List, Tuple
 
-from gradbus._adapter import BucketGuard
-from gradbus.torch import NonFiniteGradients, Verdict
+from gradbus import guard as core
+from gradbus.guard import BucketGuard, NonFiniteGradients, Verdict
 
 __all__ = ["Guard", "GuardedOptimizer", "NonFiniteGradients", "Verdict", "SUPPORTED"]
 
@@ -170,11 +170,11 @@ class Guard(BucketGuard):
             megatron_check(check_for_nan_or_inf=False, check_for_large=True)
 
 
-class GuardedOptimizer:
-    """Megatron's optimizer behind the guard's verdict. `step()` returns Megatron's
-    (update_successful, grad_norm, num_zeros_in_grad): the inner step's on "proceed", else
-    (False, None, None) with the optimizer untouched (weights, moments, step count). Other attributes
-    are the wrapped optimizer's."""
+class GuardedOptimizer(core.GuardedOptimizer):
+    """Megatron's optimizer behind the guard's verdict (`gradbus.guard.GuardedOptimizer`, the one
+    step-on-proceed of every adapter). `step()` returns Megatron's (update_successful, grad_norm,
+    num_zeros_in_grad): the inner step's on "proceed", else (False, None, None) with the optimizer
+    untouched (weights, moments, step count). Other attributes are the wrapped optimizer's."""
 
     def __init__(self, optimizer: Any, guard: Guard):
         scaler = getattr(optimizer, "grad_scaler", None)
@@ -183,14 +183,10 @@ class GuardedOptimizer:
                 "gradbus.megatron: fp16 with Megatron's loss scaler is not supported yet (an overflow there "
                 "is the scaler's business; the guard does not cooperate with it yet) (hint: bf16 or fp32)"
             )
-        self.optimizer = optimizer
-        self.guard = guard
+        super().__init__(optimizer, guard)
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        v = self.guard.verdict()
-        if v.proceeded:
-            return self.optimizer.step(*args, **kwargs)
-        return False, None, None
+    def _runner(self, *args: Any, **kwargs: Any) -> Any:
+        return lambda: self.optimizer.step(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
+    def _result(self, v: Verdict, out: Any) -> Any:
+        return (False, None, None) if out is None else out
