@@ -30,4 +30,6 @@ rm -rf target/pywheels312
 "$base/bin/maturin" build --release --quiet -m python/Cargo.toml -o target/pywheels312
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps target/pywheels312/gradbus-*.whl
 cd python/tests
-../../"$venv"/bin/python -m pytest -q -p no:cacheprovider test_megatron.py
+# megatron-core was installed above: its import failing fails the run (python/tests/skip.py).
+GRADBUS_REQUIRE="${GRADBUS_REQUIRE:+$GRADBUS_REQUIRE,}megatron-core" \
+  ../../"$venv"/bin/python -m pytest -q -p no:cacheprovider test_megatron.py

@@ -59,8 +59,14 @@ rm "$clean/.complete"
 "$clean/bin/python" -m pip install -q --no-index "$wheel"
 echo "python/test.sh: testing $wheel in $clean"
 
+# The frameworks installed above must import, so their tests run: GRADBUS_REQUIRE turns a file's
+# "does not import" skip into a failure (python/tests/skip.py). pip installs them without their
+# dependencies, and one missing from the pinned list would otherwise skip a whole file, green.
+export GRADBUS_REQUIRE="${GRADBUS_REQUIRE:+$GRADBUS_REQUIRE,}megatron-core,transformers,trl"
+
 # From python/tests, so that `import gradbus` is the installed wheel, not the source folder.
 cd python/tests
 ../../"$clean"/bin/python -c 'import gradbus, sys; assert "site-packages" in gradbus.__file__, gradbus.__file__'
-# -rs: each skipped test prints its reason ("SKIPPED [1] test_trl.py:12: trl not installed ...").
+# -rs: each skipped test prints its reason; conftest.py also appends it to GRADBUS_SKIP_LOG, the
+# closing list of scripts/test.sh.
 ../../"$clean"/bin/python -m pytest -q -rs -p no:cacheprovider .

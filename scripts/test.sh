@@ -81,6 +81,14 @@ if [ "$(id -u)" = 0 ]; then
 fi
 # cxx: a C++ compiler, installed above (kernels/tests/cuda_shim.rs runs the .cu sources on the CPU).
 if has g++; then require+=(cxx); fi
+# simd-<level>: each instruction-set level whose flags /proc/cpuinfo shows (the names and flags of
+# gradbus_kernels::simd::Level): kernels/tests/simd.rs must compare that level's path, not take the
+# kernels' own word that the CPU lacks it.
+flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+cpu_has() { for f; do [[ $flags == *" $f "* ]] || return 1; done; }
+if cpu_has avx fma; then require+=(simd-avx); fi
+if cpu_has avx2 fma; then require+=(simd-avx2); fi
+if cpu_has avx512f avx2 fma; then require+=(simd-avx512); fi
 # cuda: a GPU that the driver lists (kernels/tests/cuda.rs, collectives/tests/nccl.rs).
 if has nvidia-smi && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then require+=(cuda); fi
 GRADBUS_REQUIRE=$(IFS=,; echo "${require[*]}")
@@ -89,7 +97,8 @@ echo "test.sh: GRADBUS_REQUIRE=$GRADBUS_REQUIRE (tests that need these must run 
 
 # ---------------------------------------------------------------- the closing list
 # Printed however the run ends: the test totals, every SKIPPED line (with how many tests printed
-# it), every #[ignore]d test (benchmarks: run by hand), and the time taken.
+# it; pytest's too), every #[ignore]d test (benchmarks: run by hand; the entries that multi-process
+# tests run in their children: not tests), and the time taken.
 closing() {
   local rc=$?
   echo
@@ -97,7 +106,7 @@ closing() {
   if [ -s "$results" ]; then
     awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1); if ($i ~ /^ignored/) g += $(i-1) } n++ }
          END { printf "tests: %d passed, %d failed, %d ignored (%d test harness runs)\n", p, f, g, n }' "$results"
-    echo "ignored (#[ignore]: benchmarks and long runs, by hand):"
+    echo "ignored (#[ignore]: benchmarks and long runs, by hand; child-process entries, run by their tests):"
     grep -E '^test .* \.\.\. ignored' "$results" | sed -E 's/^test (.*) \.\.\. ignored(, )?/  \1: /; s/: $//' | sort -u || echo "  none"
   fi
   echo "skipped (SKIPPED: the test or README command could not run here):"
@@ -120,6 +129,22 @@ run() {
   echo "test.sh: $*"
   "$@" 2>&1 | tee -a "$results"
 }
+# `run` for a `cargo test ... -- FILTER...` that selects tests by name: each filter must select a test
+# that ran (passed, failed or skipped, not ignored), or the run fails - a renamed test would leave its
+# filter selecting nothing, and cargo test passes an empty selection.
+run_selected() {
+  local from filter past=0
+  from=$(($(cat "$results" 2>/dev/null | wc -l) + 1))
+  run "$@"
+  for filter in "$@"; do
+    if [ $past = 1 ] && [[ $filter != -* ]] &&
+      ! tail -n "+$from" "$results" | awk -v f="$filter" '$1 == "test" && index($2, f) && $3 == "..." && $4 !~ /^ignored/ { n++ } END { exit !n }'; then
+      echo "test.sh: the filter '$filter' selected no test that ran (renamed?): $*" >&2
+      exit 1
+    fi
+    [ "$filter" != -- ] || past=1
+  done
+}
 
 # ---------------------------------------------------------------- the tests
 run cargo test --workspace --release
@@ -129,7 +154,7 @@ run cargo test --workspace --release
 run cargo test --workspace --release --features mpi --test mpi
 # Slurm with the MPI transport (tests/slurm.rs): `srun --mpi=pmix` on one node, and two nodes in
 # network namespaces (`two_nodes_`); the other Slurm tests ran above.
-run cargo test --workspace --release --features mpi --test slurm -- pmix_ two_nodes_
+run_selected cargo test --workspace --release --features mpi --test slurm -- pmix_ two_nodes_
 
 # The fault matrix (docs/reliability.md): every fault ends with its documented exit code and leaves
 # no process or segment, nothing is lost where nothing should be, and every damaged artifact is
@@ -142,7 +167,7 @@ python3 scripts/fault-matrix.py
 # no-driver paths are tested for real. The GPU checks themselves: scripts/gpu-check.sh on a GPU.
 run cargo test --release --features cuda -p gradbus-kernels
 run cargo test --release --features cuda -p gradbus-collectives --test nccl
-run cargo test --release --features cuda -p gradbus-collectives --lib nccl::
+run_selected cargo test --release --features cuda -p gradbus-collectives --lib -- nccl::
 
 # The Python package for PyTorch users (python/, issue #15): builds the PyO3 extension with maturin
 # and runs its pytest suite (DDP over gloo, 2-3 processes) with torch from PyPI in target/pyvenv.
@@ -188,7 +213,7 @@ fi
 mkdir -p "$tmp/nvrtc"
 ln -sf "$nvrtc_dir/libnvrtc.so.13" "$tmp/nvrtc/libnvrtc.so"
 GRADBUS_REQUIRE="$GRADBUS_REQUIRE,nvrtc" LD_LIBRARY_PATH="$tmp/nvrtc:$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-  run cargo test --release --features cuda -p gradbus-kernels --test cuda kernel_sources_compile
+  run_selected cargo test --release --features cuda -p gradbus-kernels --test cuda -- kernel_sources_compile
 
 # Every command of the README, then of docs/*.md, on a fresh clone, in order: the first contact of a
 # new user. Its own install (`cargo install --path .`, into a temporary root) is the check that an

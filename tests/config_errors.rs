@@ -256,15 +256,21 @@ fn resume_without_checkpoint_and_replay_of_a_missing_dump_are_clear_errors() {
 
 /// Two ranks started by hand with different configs: the second refuses the first's segment
 /// (config hash), and the first times out naming the rank that never arrived.
+///
+/// Rank 1 starts first and waits for rank 0's segment (its own timeout only bounds a hang). Rank 0
+/// starts once rank 1 has made its run directory, the last thing a worker does before it opens the
+/// bus: rank 1 then polls for the segment (every 10 ms at most) and reads its header as soon as it is
+/// made, while rank 0 waits its 3 s for rank 1 - the timeout under test, not a guess at start-up.
 #[test]
 fn ranks_with_different_configs_refuse_to_share_a_bus() {
     let tmp = tempfile::tempdir().unwrap();
     let job = format!("cfgmismatch{}", std::process::id());
-    let spawn = |rank: usize, seed: &str| {
+    let run_dir = |rank: usize| tmp.path().join(format!("rank-{rank}"));
+    let spawn = |rank: usize, seed: &str, timeout: &str| {
         Command::new(env!("CARGO_BIN_EXE_gradbus"))
             .current_dir(root())
-            .args(["worker", "--run-dir", tmp.path().to_str().unwrap(), "examples/tiny.toml"])
-            .args(["--set", seed, "--set", "collective_timeout_s=3", "--set", "steps=1"])
+            .args(["worker", "--run-dir", run_dir(rank).to_str().unwrap(), "examples/tiny.toml"])
+            .args(["--set", seed, "--set", &format!("collective_timeout_s={timeout}"), "--set", "steps=1"])
             .env("GRADBUS_RANK", rank.to_string())
             .env("GRADBUS_LOCAL_RANK", rank.to_string())
             .env("GRADBUS_WORLD_SIZE", "2")
@@ -277,13 +283,17 @@ fn ranks_with_different_configs_refuse_to_share_a_bus() {
             .spawn()
             .unwrap()
     };
-    let r0 = spawn(0, "seed=1");
-    // Rank 0 creates the segment; wait until it exists before starting rank 1 (bounded).
-    let t0 = Instant::now();
-    while !common::segments_left(&job).iter().any(|n| n.contains(&job)) && t0.elapsed() < Duration::from_secs(10) {
+    let mut r1 = spawn(1, "seed=2", "120");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !run_dir(1).exists() {
+        if r1.try_wait().unwrap().is_some() || Instant::now() > deadline {
+            let _ = r1.kill();
+            let o = r1.wait_with_output().unwrap();
+            panic!("rank 1 ended or hung before it made its run directory:\n{}", String::from_utf8_lossy(&o.stderr));
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let r1 = spawn(1, "seed=2");
+    let r0 = spawn(0, "seed=1", "3");
     let o1 = r1.wait_with_output().unwrap();
     let o0 = r0.wait_with_output().unwrap();
     let (e0, e1) = (String::from_utf8_lossy(&o0.stderr), String::from_utf8_lossy(&o1.stderr));

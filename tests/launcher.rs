@@ -314,11 +314,16 @@ fn all_ranks_exiting_non_finite_pass_the_code_through() {
     job.assert_clean(&ran, 3);
 }
 
+/// The launcher's rule for a timeout: the first failure's exit 5 decides, although the rank it
+/// stopped ended by SIGTERM. Here a script exits with the code; a real collective timeout of the real
+/// worker ending the job with 5 is `tests/teardown.rs`'s `stalled_rank_makes_the_others_time_out_...`.
 #[test]
-fn first_rank_timing_out_gives_exit_5() {
+fn first_rank_exiting_with_the_timeout_code_gives_exit_5_though_the_other_was_stopped() {
     let job = Job::new(r#"if [ "$R" = 1 ]; then all_ready; exit 5; fi; nap"#);
     let ran = run(job.gradbus(&["run", "--np", "2", "--grace", "1", "c.toml"]));
     ran.assert_code(5);
+    ran.assert_stderr("rank 1 failed first: exited with code 5 (a collective timed out)");
+    ran.assert_stderr("rank 0: killed by SIGTERM");
     job.assert_clean(&ran, 2);
 }
 

@@ -57,17 +57,16 @@ fn snapshot(dir: &Path) -> Vec<(PathBuf, usize, u64)> {
     out
 }
 
-fn spawn(args: &[String]) -> Child {
-    Command::new(GRADBUS)
-        .args(args)
+fn spawn_cmd(args: &[String]) -> Command {
+    let mut c = Command::new(GRADBUS);
+    c.args(args)
         .current_dir(root())
         .env_remove("GRADBUS_FAULTS")
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+        .stderr(Stdio::piped());
+    c
 }
 
 /// Waits (bounded) for `child`; its exit code and stderr.
@@ -136,24 +135,60 @@ fn a_crashed_run_is_kept_too_and_a_resume_keeps_its_logs() {
     assert!(log.contains("resumed from") && log.find("step 0 done") < log.find("resumed from"), "{log}");
 }
 
+/// A worker that waits (bounded) for `go` in `dir`, then runs as the real `gradbus worker`: a job
+/// whose claim of its run directory is settled before any rank trains.
+fn worker_after_go(dir: &Path) -> PathBuf {
+    let script = dir.join("worker-after-go.sh");
+    let text = format!(
+        "#!/bin/sh\ni=0\nwhile [ ! -e '{go}' ] && [ $i -lt 3000 ]; do sleep 0.02; i=$((i+1)); done\n\
+         [ -e '{go}' ] || exit 1\nexec '{GRADBUS}' worker \"$@\"\n",
+        go = dir.join("go").display()
+    );
+    std::fs::write(&script, text).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    script
+}
+
 #[test]
 fn two_jobs_started_at_once_exactly_one_runs_and_its_metrics_verify() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("r");
-    // Long enough that the loser cannot start after the winner has finished.
-    let args = run_args(2, &d, &["--set", "steps=20"]);
-    let (a, b) = (spawn(&args), spawn(&args));
+    // Both claim the directory at once; the winner's ranks train only after the loser has ended,
+    // so the loser meets a job in use however slowly it starts.
+    let worker = worker_after_go(tmp.path());
+    let args = run_args(2, &d, &["--set", "steps=3"]);
+    let spawn_job = || {
+        let mut c = spawn_cmd(&args);
+        c.env("GRADBUS_WORKER_BIN", &worker);
+        c.spawn().unwrap()
+    };
+    let mut jobs = [spawn_job(), spawn_job()];
+    let deadline = Instant::now() + LIMIT;
+    let loser = loop {
+        if let Some(i) = (0..2).find(|&i| jobs[i].try_wait().unwrap().is_some()) {
+            break i;
+        }
+        assert!(Instant::now() < deadline, "neither job ended within {LIMIT:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::fs::write(tmp.path().join("go"), "").unwrap();
+    let [a, b] = jobs;
     let (a, b) = (finish(a, "job a"), finish(b, "job b"));
-    let mut codes = [a.0, b.0];
-    codes.sort();
-    assert_eq!(codes, [Some(0), Some(2)], "exactly one of two jobs runs\n--- a\n{}\n--- b\n{}", a.1, b.1);
-    let loser = if a.0 == Some(2) { &a.1 } else { &b.1 };
-    assert!(loser.contains("is in use by job "), "the loser names the running job:\n{loser}");
+    let (winner, lost) = if loser == 0 { (b, a) } else { (a, b) };
+    assert_eq!(
+        lost.0,
+        Some(2),
+        "the job that ended first was refused\n--- it\n{}\n--- the other\n{}",
+        lost.1,
+        winner.1
+    );
+    assert!(lost.1.contains("is in use by job "), "the loser names the running job:\n{}", lost.1);
+    assert_eq!(winner.0, Some(0), "the other job runs\n{}", winner.1);
     // The winner's metrics are whole: every line verifies, and they are those of a run alone.
     let report = gradbus(&["report", d.to_str().unwrap()], &[]);
     report.expect_code(0);
     let alone = tmp.path().join("alone");
-    gb(&run_args(2, &alone, &["--set", "steps=20"])).expect_code(0);
+    gb(&run_args(2, &alone, &["--set", "steps=3"])).expect_code(0);
     assert_eq!(metrics(&d), metrics(&alone));
 }
 

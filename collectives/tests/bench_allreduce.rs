@@ -1,12 +1,14 @@
 //! The all-reduce benchmark run the way `gradbus bench allreduce` runs it: N real processes, each
-//! calling `bench::rank_main` (self-exec: this test binary re-run with `--exact bench_child`).
+//! calling `bench::rank_main` (self-exec: this test binary re-run to run only `bench_child`, an
+//! ignored test: common/child.rs).
 //!
 //! `bench_smoke` (a test) checks that every reduced element is right on small sizes.
 //! `bench_allreduce_numbers` (ignored: a benchmark prints numbers) measures the real sizes:
 //!
 //! ```sh
 //! GRADBUS_BENCH_NP=2 GRADBUS_BENCH_SIZES=1MiB,16MiB,64MiB,256MiB \
-//!   cargo test -p gradbus-collectives --release --test bench_allreduce -- --ignored --nocapture
+//!   cargo test -p gradbus-collectives --release --test bench_allreduce -- \
+//!   --ignored --exact bench_allreduce_numbers --nocapture
 //! ```
 
 use std::path::Path;
@@ -16,14 +18,16 @@ use std::time::{Duration, Instant};
 use gradbus_collectives::bench::{format_table, json_lines, parse_sizes, rank_main, BenchArgs};
 use gradbus_collectives::shm::remove_job_segments;
 
+#[path = "common/child.rs"]
+mod child;
+
 const CHILD_ENV: &str = "GRADBUS_BENCH_CHILD";
 
 /// The child's entry: rank `GRADBUS_BENCH_CHILD` of the benchmark; rank 0 writes the results.
 #[test]
+#[ignore = "not a test: the child process that this file's tests start"]
 fn bench_child() {
-    let Ok(rank) = std::env::var(CHILD_ENV) else {
-        return;
-    };
+    let rank = child::scenario(CHILD_ENV);
     let get = |k: &str| std::env::var(k).unwrap();
     let mut args = BenchArgs::new(
         rank.parse().unwrap(),
@@ -56,7 +60,7 @@ fn run(np: usize, sizes: &str, iters: usize) -> String {
     let mut children: Vec<_> = (0..np)
         .map(|r| {
             Command::new(&exe)
-                .args(["--exact", "bench_child", "--nocapture", "--test-threads=1"])
+                .args(child::args("bench_child"))
                 .env(CHILD_ENV, r.to_string())
                 .env("GB_NP", np.to_string())
                 .env("GB_JOB", &job)

@@ -1,9 +1,9 @@
 //! Multi-process tests of the MPI transports (feature `mpi`), with REAL processes under `mpirun`.
 //!
 //! Self-exec pattern, as in `shm_bus.rs`: the test (the parent) runs `mpirun -np N` on this test
-//! binary with `--exact child_entry` and `GRADBUS_TEST_CHILD=<scenario>`; each child is one MPI rank,
-//! writes what it saw into files of the test's temp dir and exits with a code that encodes its
-//! outcome (0 = success). The parent compares the files across ranks, across runs and with a serial
+//! binary's ignored `child_entry` (common/child.rs) with `GRADBUS_TEST_CHILD=<scenario>`; each child
+//! is one MPI rank, writes what it saw into files of the test's temp dir and exits with a code that
+//! encodes its outcome (0 = success). The parent compares the files across ranks, across runs and with a serial
 //! oracle. Flat MPI runs at 2, 3 and 4 ranks; the hierarchical path at 2 fake nodes x 2 ranks
 //! (`GB_FAKE_NODES` splits the ranks of this machine into nodes, each with its own shm segment).
 #![cfg(feature = "mpi")]
@@ -20,6 +20,8 @@ use gradbus_collectives::{
 };
 use gradbus_kernels::rng::Rng;
 
+#[path = "common/child.rs"]
+mod child;
 mod common;
 use common::{digest, value_names};
 
@@ -57,15 +59,14 @@ fn num(k: &str) -> usize {
     var(k).parse().unwrap_or_else(|_| panic!("{k} is not a number"))
 }
 
-/// The child's entry: does nothing in a normal test run.
+/// The child's entry (see common/child.rs).
 #[test]
+#[ignore = "not a test: the child process that this file's tests start"]
 fn child_entry() {
-    if std::env::var(CHILD_ENV).is_err() {
-        return;
-    }
+    let scenario = child::scenario(CHILD_ENV);
     let dir = PathBuf::from(var("GB_DIR"));
     let rank = num("OMPI_COMM_WORLD_RANK");
-    let code = match std::panic::catch_unwind(|| run_child(&dir, rank)) {
+    let code = match std::panic::catch_unwind(|| run_child(&scenario, &dir, rank)) {
         Ok(Ok(())) => 0,
         Ok(Err(err)) => {
             std::fs::write(dir.join(format!("outcome-{rank}.txt")), format!("{err:?}\n{err}")).unwrap();
@@ -129,9 +130,9 @@ fn open(world_claimed: usize) -> Result<Box<dyn Transport>, Error> {
     }
 }
 
-fn run_child(dir: &Path, rank: usize) -> Result<(), Error> {
+fn run_child(scenario: &str, dir: &Path, rank: usize) -> Result<(), Error> {
     let np = num("OMPI_COMM_WORLD_SIZE");
-    match var(CHILD_ENV).as_str() {
+    match scenario {
         "reduce" => child_reduce(dir, rank),
         // The environment claims another world size than mpirun started.
         "size" => open(num("GB_CLAIM")).map(drop),
@@ -237,9 +238,9 @@ fn mpirun(np: usize, scenario: &str, env: &[(&str, &str)]) -> Mpirun {
     for (k, v) in &vars {
         c.env(k, v).args(["-x", k]);
     }
-    c.arg(&exe).args(["--exact", "child_entry", "--nocapture", "--test-threads=1"]);
+    c.arg(&exe).args(child::args("child_entry"));
     let cmd = format!(
-        "{} mpirun -np {np} ... {} --exact child_entry",
+        "{} mpirun -np {np} ... {} --ignored --exact child_entry",
         vars.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "),
         exe.display()
     );

@@ -1,9 +1,9 @@
 //! Multi-process tests of the shared-memory bus, with REAL processes.
 //!
-//! Self-exec pattern: each test (the parent) re-runs this test binary with `--exact child_entry`
-//! and `GRADBUS_TEST_CHILD=<scenario>`; the child acts as local rank `GB_RANK`, writes what it saw
-//! into files of the test's temp dir and exits with a code that encodes its outcome (0 = success,
-//! see `code_of`). The parent waits with a time limit (killing every child past it), compares the
+//! Self-exec pattern: each test (the parent) re-runs this test binary to run only `child_entry` (an
+//! ignored test: common/child.rs) with `GRADBUS_TEST_CHILD=<scenario>`; the child acts as local rank
+//! `GB_RANK`, writes what it saw into files of the test's temp dir and exits with a code that encodes
+//! its outcome (0 = success, see `code_of`). The parent waits with a time limit (killing every child past it), compares the
 //! files across ranks and with a serial oracle, and checks that no segment is left in /dev/shm.
 
 use std::path::{Path, PathBuf};
@@ -17,6 +17,8 @@ use gradbus_collectives::{
 };
 use gradbus_kernels::rng::Rng;
 
+#[path = "common/child.rs"]
+mod child;
 mod common;
 #[path = "../../tests/common/skip.rs"]
 mod skip;
@@ -80,7 +82,7 @@ struct Env {
 fn env() -> Env {
     let get = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} not set"));
     Env {
-        scenario: get(CHILD_ENV),
+        scenario: child::scenario(CHILD_ENV),
         rank: get("GB_RANK").parse().unwrap(),
         np: get("GB_NP").parse().unwrap(),
         job: get("GB_JOB"),
@@ -97,12 +99,10 @@ fn config(e: &Env, layout: Layout, timeout: Duration) -> BusConfig {
     c
 }
 
-/// The child's entry: does nothing in a normal test run.
+/// The child's entry (see common/child.rs).
 #[test]
+#[ignore = "not a test: the child process that this file's tests start"]
 fn child_entry() {
-    if std::env::var(CHILD_ENV).is_err() {
-        return;
-    }
     let e = env();
     let code = match std::panic::catch_unwind(|| run_child(&e)) {
         Ok(Ok(())) => 0,
@@ -294,19 +294,15 @@ fn spawn_via(
 ) -> Child {
     let exe = std::env::current_exe().unwrap();
     let exe = exe.to_str().unwrap();
-    let args = [exe, "--exact", "child_entry", "--nocapture", "--test-threads=1"];
     let mut cmd = match wrap {
         Some(w) => {
             let mut c = Command::new(w[0]);
-            c.args(&w[1..]).args(args);
+            c.args(&w[1..]).arg(exe);
             c
         }
-        None => {
-            let mut c = Command::new(exe);
-            c.args(&args[1..]);
-            c
-        }
+        None => Command::new(exe),
     };
+    cmd.args(child::args("child_entry"));
     let log = std::fs::File::create(dir.join(format!("child-{rank}.log"))).unwrap();
     cmd.env(CHILD_ENV, scenario)
         .env("GB_RANK", rank.to_string())

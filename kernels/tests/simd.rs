@@ -2,7 +2,9 @@
 //! and the baseline), forced one at a time with `simd::with_level`, gives the same bits in every
 //! kernel that dispatches on the level: the GEMM (one fma chain per element whatever the tile), the
 //! reduce with its health tallies, the health scan, AdamW and the replica checksum. A level this CPU
-//! lacks is reported as SKIPPED.
+//! lacks is reported as SKIPPED. scripts/test.sh reads the CPU's flags in /proc/cpuinfo and requires
+//! (`GRADBUS_REQUIRE=simd-<level>`) every level they show, so that the kernels' own detection cannot
+//! drop a level unseen.
 
 use gradbus_kernels::ops::{adamw_update, matmul_backward, matmul_forward};
 use gradbus_kernels::rng::Rng;
@@ -29,6 +31,12 @@ fn levels(test: &str) -> Vec<Level> {
         );
     }
     let levels: Vec<Level> = simd::available().collect();
+    for want in skip::required_starting("simd-") {
+        assert!(
+            levels.iter().any(|l| format!("simd-{l}") == want),
+            "GRADBUS_REQUIRE names {want} (the CPU's flags show it), yet the kernels run only {levels:?}"
+        );
+    }
     eprintln!("{test}: comparing the paths {levels:?}");
     levels
 }

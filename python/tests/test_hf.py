@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-pytest.importorskip("transformers", reason="transformers not installed (python/requirements-frameworks.txt)")
+from skip import framework
+
+framework("transformers", "transformers")
 
 import example_run  # noqa: E402
 import gradbus.hf as ghf  # noqa: E402

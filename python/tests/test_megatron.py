@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core not installed (python/requirements-frameworks.txt)")
+from skip import framework
+
+framework("megatron.core", "megatron-core")
 
 import gradbus.megatron as gm  # noqa: E402
 from megatron_case import run  # noqa: E402

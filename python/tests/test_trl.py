@@ -7,9 +7,9 @@ import json
 import math
 import os
 
-import pytest
+from skip import framework
 
-pytest.importorskip("trl", reason="trl not installed (python/requirements-frameworks.txt)")
+framework("trl", "trl")
 
 import example_run  # noqa: E402
 

@@ -37,6 +37,17 @@ fn required(capability: &str, require: Option<&str>) -> bool {
     require.is_some_and(|list| list.split(',').any(|c| c.trim() == capability))
 }
 
+/// The capabilities `GRADBUS_REQUIRE` names that start with `prefix`: for a test that must find each
+/// of them among what it runs (every `simd-` level the CPU's flags show), where no skip would fire.
+pub fn required_starting(prefix: &str) -> Vec<String> {
+    starting(prefix, std::env::var("GRADBUS_REQUIRE").ok().as_deref())
+}
+
+fn starting(prefix: &str, require: Option<&str>) -> Vec<String> {
+    let list = require.unwrap_or_default().split(',').map(str::trim);
+    list.filter(|c| c.starts_with(prefix)).map(String::from).collect()
+}
+
 #[test]
 fn require_lists_name_capabilities_exactly() {
     assert!(required("netns", Some("netns,tmpfs")));
@@ -44,4 +55,6 @@ fn require_lists_name_capabilities_exactly() {
     assert!(!required("cuda", Some("netns,tmpfs")));
     assert!(!required("tmp", Some("tmpfs")));
     assert!(!required("netns", None));
+    assert_eq!(starting("simd-", Some("tmpfs, simd-avx,simd-avx512")), ["simd-avx", "simd-avx512"]);
+    assert!(starting("simd-", None).is_empty());
 }
