@@ -50,6 +50,7 @@ tmp=$(mktemp -d "${TMPDIR:-/tmp}/gradbus-test.XXXXXX")
 export GRADBUS_SKIP_LOG="$tmp/skipped"
 : >"$GRADBUS_SKIP_LOG"
 results="$tmp/cargo-test.log"
+: >"$results"
 require=()
 # tmpfs: a 1 MiB tmpfs in a private mount namespace (collectives/tests/shm_bus.rs, full /dev/shm).
 mkdir "$tmp/mnt"
@@ -134,7 +135,7 @@ run() {
 # filter selecting nothing, and cargo test passes an empty selection.
 run_selected() {
   local from filter past=0
-  from=$(($(cat "$results" 2>/dev/null | wc -l) + 1))
+  from=$(($(wc -l <"$results") + 1))
   run "$@"
   for filter in "$@"; do
     if [ $past = 1 ] && [[ $filter != -* ]] &&
