@@ -85,7 +85,7 @@ if has g++; then require+=(cxx); fi
 # simd-<level>: each instruction-set level whose flags /proc/cpuinfo shows (the names and flags of
 # gradbus_kernels::simd::Level): kernels/tests/simd.rs must compare that level's path, not take the
 # kernels' own word that the CPU lacks it.
-flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2 || true) "
 cpu_has() { for f; do [[ $flags == *" $f "* ]] || return 1; done; }
 if cpu_has avx fma; then require+=(simd-avx); fi
 if cpu_has avx2 fma; then require+=(simd-avx2); fi
