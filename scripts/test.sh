@@ -206,7 +206,7 @@ fi
 # GPU needed; ~15 s), against PyPI's NVRTC that the venv above holds (torch's nvidia-cuda-nvrtc, in
 # nvidia/cu13/lib, beside its builtins). cudarc asks for libnvrtc.so (or .so.12, .so.11, ...), so a
 # link of that name to libnvrtc.so.13 goes first.
-nvrtc_dir=$(ls -d "$PWD"/target/pyvenv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -n 1)
+nvrtc_dir=$(ls -d "$PWD"/target/pyvenv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -n 1 || true)
 if [ -z "$nvrtc_dir" ] || [ ! -e "$nvrtc_dir/libnvrtc.so.13" ]; then
   echo "test.sh: no libnvrtc.so.13 in target/pyvenv (python/test.sh builds it with torch's CUDA wheels)" >&2
   exit 1

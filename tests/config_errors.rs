@@ -107,6 +107,7 @@ const BAD_VALUES: &[(&str, [&str; 3])] = &[
     ("checkpoint.every", ["\"10\"", "-1", "1e30"]),
     ("warn", ["1", "[]", "\"x\""]),
     ("warn.headroom", ["\"20\"", "-0.001", "inf"]),
+    ("warn.forecast", ["\"5\"", "-0.001", "inf"]),
     ("spike", ["1", "[]", "\"x\""]),
     ("spike.skip", ["1", "\"yes\"", "[]"]),
     ("spike.window", ["\"128\"", "1", "1000000000000"]),

@@ -379,3 +379,26 @@ fn resume_takes_the_newest_intact_checkpoint_and_names_each_refused_one() {
     assert_eq!(refused.len(), 4);
     assert!(refused[3].to_string().contains("step-000002/state.bin: truncated"), "{}", refused[3]);
 }
+
+/// A checkpoint's JSON header carries f64 windows of f32 values widened (the spike detectors'
+/// history, the headroom forecast); a resume continues them bit for bit only if every such number
+/// reads back as the same bits. serde_json rounds 17-digit numbers twice unless its
+/// `float_roundtrip` feature is on (the workspace's Cargo.toml turns it on): ~3% of f32 values in
+/// [40, 89) came back one ulp off without it, e.g. 47.654869079589844.
+#[test]
+fn sealed_json_reads_back_every_widened_f32_bit_for_bit() {
+    let mut values: Vec<f64> = vec![47.654869079589844];
+    let mut x: u32 = 0x4220_0000; // 40.0f32; step through the f32s of [40, 89)
+    while f32::from_bits(x) < 89.0 {
+        values.push(f32::from_bits(x) as f64);
+        x += 997;
+    }
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Window {
+        values: Vec<f64>,
+    }
+    let text = seal(1, &Window { values: values.clone() }, false);
+    let back = unseal::<Window>(&text, 1, "t").unwrap().values;
+    let off = values.iter().zip(&back).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    assert_eq!(off, 0, "{off} of {} widened f32 values read back with other bits", values.len());
+}
