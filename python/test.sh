@@ -30,13 +30,30 @@ if [ ! -e "$venv/.complete" ]; then
   "$venv/bin/python" -m pip install -q -r python/requirements-ci.txt
   touch "$venv/.complete"
 fi
-# The framework adapters' test dependencies (megatron-core, transformers, trl; ~485 MB), all pinned and
-# installed without their dependencies (see the file); again whenever the file changes.
+# The framework adapters' test dependencies (megatron-core, transformers, trl, deepspeed; ~510 MB), all
+# pinned and installed without their dependencies (see the file); again whenever the file changes.
+# DeepSpeed's sdist is built with DS_BUILD_OPS=0 and --no-build-isolation (its setup.py imports torch).
 fw=$(sha256sum python/requirements-frameworks.txt | cut -c1-16)
 if [ ! -e "$venv/.frameworks-$fw" ]; then
-  "$venv/bin/python" -m pip install -q --no-deps -r python/requirements-frameworks.txt
+  DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -r python/requirements-frameworks.txt
   rm -f "$venv"/.frameworks-*
   touch "$venv/.frameworks-$fw"
+fi
+# DeepSpeed's CPU accelerator JIT-builds its shm op (C++, with ninja, g++ and Python's headers) at
+# deepspeed.init_distributed, into ~/.cache/torch_extensions: build it here, once per machine (~1 min
+# of 2 cores; seconds when cached), so that a missing compiler fails here, saying so, and the
+# DeepSpeed tests' time is theirs.
+if ! type -P g++ >/dev/null || ! "$venv/bin/python" -c 'import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends g++ python3-dev >/dev/null
+fi
+if ! log=$(PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -c '
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder("ShareMemCommBuilder").load()' 2>&1); then
+  echo "$log" >&2
+  echo "python/test.sh: DeepSpeed's CPU shm op did not build (above)" >&2
+  exit 1
 fi
 
 # The build tools (maturin, ziglang) live in the venv above; a venv made before ziglang was added

@@ -123,15 +123,32 @@ NEEDS_TRL=(
   "torchrun --standalone --nproc-per-node 2 python/examples/trl_grpo.py --policy none"
   "torchrun --standalone --nproc-per-node 2 python/examples/trl_grpo.py --policy abort"
 )
+# Commands that also need deepspeed (and ninja) in that venv (python/requirements-frameworks.txt);
+# skipped without it, as python/tests/test_deepspeed.py is.
+NEEDS_DEEPSPEED=(
+  "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8 ninja"
+  "torchrun --standalone --nproc-per-node 2 python/examples/deepspeed_guard.py --policy abort --plant 1:2:layers.0.linear1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/deepspeed_guard.py --no-bf16-check --policy none --plant 1:2:layers.0.linear1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/deepspeed_guard.py --no-bf16-check --policy skip --plant 1:2:layers.0.linear1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/deepspeed_guard.py --precision fp16 --policy abort --plant 1:2:layers.0.linear1.weight:77"
+  "torchrun --standalone --nproc-per-node 2 python/examples/deepspeed_guard.py --zero 3 --precision fp32 --policy abort --plant 0:1:head.weight:5"
+)
 pyvenv="$src/target/pyvenv"
 if ! [ -e "$pyvenv/.complete" ]; then
-  for key in "${NEEDS_TORCH[@]}" "${NEEDS_TRL[@]}"; do
+  for key in "${NEEDS_TORCH[@]}" "${NEEDS_TRL[@]}" "${NEEDS_DEEPSPEED[@]}"; do
     SKIP[$key]="needs PyTorch and maturin; no target/pyvenv here (python/test.sh makes it)"
   done
-elif ! "$pyvenv/bin/python" -c "import trl" 2>/dev/null; then
-  for key in "${NEEDS_TRL[@]}"; do
-    SKIP[$key]="needs trl, not installed in target/pyvenv (python/requirements-frameworks.txt); python/tests/test_trl.py skips too"
-  done
+else
+  if ! "$pyvenv/bin/python" -c "import trl" 2>/dev/null; then
+    for key in "${NEEDS_TRL[@]}"; do
+      SKIP[$key]="needs trl, not installed in target/pyvenv (python/requirements-frameworks.txt); python/tests/test_trl.py skips too"
+    done
+  fi
+  if ! "$pyvenv/bin/python" -c "import deepspeed" 2>/dev/null; then
+    for key in "${NEEDS_DEEPSPEED[@]}"; do
+      SKIP[$key]="needs deepspeed, not installed in target/pyvenv (python/requirements-frameworks.txt); python/tests/test_deepspeed.py skips too"
+    done
+  fi
 fi
 
 # The commands of the pages' ```sh blocks, one per array element (continuation lines joined with a
@@ -183,7 +200,7 @@ strip() { # the command without its trailing comment and surrounding blanks
   c="${c#"${c%%[![:space:]]*}"}"
   printf '%s' "${c%"${c##*[![:space:]]}"}"
 }
-for key in "${!SKIP[@]}" "${NEEDS_TORCH[@]}" "${NEEDS_TRL[@]}"; do
+for key in "${!SKIP[@]}" "${NEEDS_TORCH[@]}" "${NEEDS_TRL[@]}" "${NEEDS_DEEPSPEED[@]}"; do
   found=0
   for c in "${commands[@]}"; do [ "$(strip "$c")" = "$key" ] && found=1; done
   [ $found = 1 ] || { echo "readme-test: SKIP entry matches no command of ${PAGES[*]}: $key" >&2; exit 1; }

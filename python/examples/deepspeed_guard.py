@@ -7,8 +7,14 @@ NaN planted in one rank's gradient.
 
 --plant RANK:STEP:PARAM:ELEMENT writes a NaN into PARAM's gradient element ELEMENT on rank RANK at
 update STEP (0-based; example_cli.py: a stand-in for a loss gone non-finite). --policy none runs
-DeepSpeed alone. Each rank prints one line per update (loss, DeepSpeed's skipped_steps, the learning
-rate, the loss scale). Exit: 0, or 3 when the guard aborted.
+DeepSpeed alone. --no-bf16-check turns DeepSpeed's bf16 overflow check off (bf16.check_grad_overflow,
+off by default before 2026-05). Each rank prints one line per update (loss, DeepSpeed's
+skipped_steps, the learning rate, the loss scale) and one at the end (whether ZeRO's fp32 master
+weights and Adam's moments are finite). Exit: 0, or 3 when the guard aborted.
+
+fp16 on a CPU: DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has AVX512-FP16 ("ValueError:
+Type fp16 is not supported on your device." on an AMD EPYC, for one); `cpu_fp16` then declares it
+supported, as a GPU would (torch computes float16 on any x86 CPU), and says so.
 """
 
 import deepspeed
@@ -81,17 +87,45 @@ def ds_config(zero: int, precision: str, gas: int = 1) -> dict:
     return cfg
 
 
+def cpu_fp16() -> bool:
+    """Declare fp16 supported on DeepSpeed's CPU accelerator where oneDNN lacks AVX512-FP16
+    (torch.ops.mkldnn._is_mkldnn_fp16_supported() False): the flag's only use on ZeRO's path is
+    deepspeed.initialize's refusal. True when it was needed."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" or acc.is_fp16_supported():
+        return False
+    acc.is_fp16_supported = lambda: True
+    return True
+
+
+def finite_state(engine) -> bool:
+    """ZeRO's fp32 master weights (this rank's partition) and Adam's moments hold no NaN/Inf."""
+    inner = engine.optimizer.optimizer
+    tensors = [p for g in inner.param_groups for p in g["params"]]
+    tensors += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def main() -> int:
     ap = example_cli.parser(__doc__, "runs/deepspeed")
     ap.add_argument("--zero", type=int, choices=[1, 2, 3], default=2)
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    ap.add_argument("--no-bf16-check", action="store_true", help="DeepSpeed's bf16 overflow check off")
     a = ap.parse_args()
     rank, _ = example_cli.init(cuda=False)
     deepspeed.init_distributed(dist_backend="gloo")
+    if a.precision == "fp16" and cpu_fp16() and rank == 0:
+        print("fp16: DeepSpeed's CPU accelerator says this CPU has no fp16; declared supported (see --help)", flush=True)
+    cfg = ds_config(a.zero, a.precision)
+    if a.no_bf16_check:
+        cfg.setdefault("bf16", {})["check_grad_overflow"] = False
     net = model()
-    engine, _, _, sched = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=ds_config(a.zero, a.precision))
+    engine, _, _, sched = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    guard = None
     if a.policy != "none":
-        gradbus.deepspeed.guard(engine, policy=a.policy, run_dir=a.run_dir)  # the line a user adds
+        guard = gradbus.deepspeed.guard(engine, policy=a.policy, run_dir=a.run_dir)  # the line a user adds
     params = dict(engine.module.named_parameters())
 
     def train() -> None:
@@ -105,6 +139,11 @@ def main() -> int:
             engine.step()
             print(f"[rank {rank}] step {step} loss {loss.item():.4f} skipped_steps {engine.skipped_steps} "
                   f"lr {sched.get_last_lr()[0]:.6f} loss_scale {engine.optimizer.loss_scale:g}", flush=True)
+        skips = "" if guard is None else "; gradbus skips: " + ", ".join(
+            f"step {v.step} {v.report['param']}[{v.report['element']}] rank(s) {v.report['ranks']} "
+            f"({v.report['classification'] or 'not an overflow'})" for v in guard.skips)
+        print(f"[rank {rank}] done: skipped_steps {engine.skipped_steps}, master weights and Adam state "
+              f"finite: {finite_state(engine)}{skips}", flush=True)
 
     return example_cli.run(train, gbt.NonFiniteGradients)
 

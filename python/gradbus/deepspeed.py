@@ -40,7 +40,7 @@ Supported: deepspeed 0.19 (tested: 0.19.8), ZeRO stages 1, 2 and 3, fp32, bf16 a
 static loss scale), data parallelism; policies "abort" and "skip" ("rerun" is refused: the engine
 has no loop that recomputes an update from the same batch). Refused with the reason: ZeRO stage 0 and
 the optimizers that are not ZeRO's (BF16_Optimizer for ZeRO 1 with fp32 gradient accumulation),
-optimizer offload, pipeline, tensor and expert parallelism.
+offload, ZeRO++ quantization, pipeline, tensor, sequence and expert parallelism.
 """
 
 from importlib import metadata
@@ -194,6 +194,8 @@ def guard(engine: Any, policy: str = "abort", run_dir: Any = None, **kwargs: Any
     for cfg in (engine.zero_offload_optimizer(), engine.zero_offload_param()):
         if cfg is not None and cfg.device != "none":
             _refuse(f"ZeRO offload to {cfg.device}", "not tested (hint: keep the optimizer state and parameters on the device)")
+    if engine.zero_quantized_gradients() or engine.zero_quantized_weights():
+        _refuse("ZeRO++ quantized gradients or weights", "not tested (hint: zero_quantized_gradients and zero_quantized_weights off)")
     import torch.distributed as dist
 
     if engine.has_moe_layers or dist.get_world_size(opt.dp_process_group) != dist.get_world_size():
@@ -227,7 +229,8 @@ def _wrap_reduce(opt: Any, g: Guard, stage3: bool) -> None:
             bucket = opt.ipg_buckets[comm_dtype]
             if bucket.params:
                 # The gradients were copied into the bucket on reduce_and_partition_stream, where the
-                # reduce-scatter runs after this returns.
+                # reduce-scatter runs after this returns (and which DeepSpeed synchronizes at the end
+                # of every backward, before the exchange reads the cells).
                 with get_accelerator().stream(opt.reduce_and_partition_stream):
                     g._check_bucket([p.grad for p in bucket.params], list(bucket.params))
             reduce(comm_dtype)

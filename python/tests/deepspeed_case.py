@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ddp_case import plant_hook, spawn
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from deepspeed_guard import batch, ds_config, model  # noqa: E402
+from deepspeed_guard import batch, cpu_fp16, ds_config, model  # noqa: E402
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -76,21 +76,6 @@ def same_weights(a, b) -> bool:
 def finite(snap) -> bool:
     tensors = snap["master"] + list(snap["weights"].values()) + [v for s in snap["adam"] for v in s.values() if torch.is_tensor(v)]
     return all(bool(torch.isfinite(t.float()).all()) for t in tensors)
-
-
-def fp16_stand_in() -> bool:
-    """On a CPU without AVX512-FP16 (AMD EPYC of this machine, for one), DeepSpeed's CPU accelerator
-    says fp16 is unsupported (torch.ops.mkldnn._is_mkldnn_fp16_supported() is False) and
-    deepspeed.initialize refuses fp16 ("ValueError: Type fp16 is not supported on your device.",
-    its only use of the flag in ZeRO's path); torch computes float16 on any x86 CPU, so the tests
-    declare it supported. True when the stand-in was needed."""
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if acc.device_name() != "cpu" or acc.is_fp16_supported():
-        return False
-    acc.is_fp16_supported = lambda: True
-    return True
 
 
 def one_case(rank: int, case: dict) -> dict:
@@ -153,7 +138,7 @@ def worker(rank: int, world: int, port: int, cases: list, outdir: str) -> None:
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=180))
     deepspeed.init_distributed(dist_backend="gloo")
-    fp16_stand_in()
+    cpu_fp16()  # on a CPU without AVX512-FP16 (this machine's AMD EPYC): the example's stand-in
     results = []
     try:
         for case in cases:

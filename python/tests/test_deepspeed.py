@@ -68,7 +68,13 @@ FP16 = {
     "fp16-inf-guarded-z3": case(3, "fp16", ABORT, plants=[INF]),
     "fp16-inf-min-scale": case(2, "fp16", {"policy": "skip", "min_scale": 256.0}, plants=[INF]),
 }
-OTHER = {"zero0-refused": case(0, "fp32", ABORT, steps=1)}
+OTHER = {
+    "zero0-refused": case(0, "fp32", ABORT, steps=1),
+    # DeepSpeed #8415: every step skipped. DeepSpeed alone skips without end; the guard's budget stops it.
+    "skip-budget": case(2, "bf16", {"policy": "skip", "max_consecutive": 2},
+                        plants=[plant(1, s, "layers.1.linear2.weight", 3) for s in range(STEPS)]),
+    "skip-budget-plain": case(2, "bf16", plants=[plant(1, s, "layers.1.linear2.weight", 3) for s in range(STEPS)]),
+}
 
 CASES = {**CLEAN, **{k: c for k, (c, _) in ABORTS.items()}, **SKIPS, **BF16_INF, **FP16, **OTHER}
 
@@ -214,3 +220,19 @@ def test_fp16_overflow_at_the_minimum_scale_aborts(results):
     msg = errors.pop()
     assert "NonFiniteGradients" in msg and "loss scale 256" in msg and "rank(s) [1]" in msg, msg
     assert (root / "fp16-inf-min-scale" / "report.json").exists()
+
+
+def test_skips_are_bounded_where_deepspeed_skips_without_end(results):
+    """DeepSpeed #8415 (every step skipped): DeepSpeed alone skips every poisoned update, naming
+    nothing; the guard skips, naming the rank and parameter, up to its budget (here 2 in a row) and
+    then stops every rank."""
+    res, root = results
+    for r in res["skip-budget-plain"]:
+        assert r["error"] is None and r["skipped_steps"] == [1, 2, 3, 4]
+    errors = {r["error"] for r in res["skip-budget"]}
+    assert len(errors) == 1 and None not in errors, errors
+    msg = errors.pop()
+    assert "step 2 " in msg and "param layers.1.linear2.weight element 3" in msg and "verdict abort (skip-budget)" in msg, msg
+    for r in res["skip-budget"]:
+        assert r["skipped_steps"] == [1, 2] and r["skipped"] == 2 and [a for a, _, _ in r["skips"]] == ["skip", "skip"]
+    assert json.loads((root / "skip-budget" / "report.json").read_text())["verdict"] == "abort"
