@@ -39,23 +39,6 @@ if [ ! -e "$venv/.frameworks-$fw" ]; then
   rm -f "$venv"/.frameworks-*
   touch "$venv/.frameworks-$fw"
 fi
-# DeepSpeed's CPU accelerator JIT-builds its shm op (C++, with ninja, g++ and Python's headers) at
-# deepspeed.init_distributed, into ~/.cache/torch_extensions: build it here, once per machine (~1 min
-# of 2 cores; seconds when cached), so that a missing compiler fails here, saying so, and the
-# DeepSpeed tests' time is theirs.
-if ! type -P g++ >/dev/null || ! "$venv/bin/python" -c 'import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null; then
-  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends g++ python3-dev >/dev/null
-fi
-if ! log=$(PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -c '
-from deepspeed.accelerator import get_accelerator
-get_accelerator().create_op_builder("ShareMemCommBuilder").load()' 2>&1); then
-  echo "$log" >&2
-  echo "python/test.sh: DeepSpeed's CPU shm op did not build (above)" >&2
-  exit 1
-fi
-
 # The build tools (maturin, ziglang) live in the venv above; a venv made before ziglang was added
 # gets it here.
 "$venv/bin/python" -c 'import ziglang' 2>/dev/null || "$venv/bin/python" -m pip install -q "$(grep '^ziglang' python/requirements-ci.txt)"
@@ -76,10 +59,28 @@ rm "$clean/.complete"
 "$clean/bin/python" -m pip install -q --no-index "$wheel"
 echo "python/test.sh: testing $wheel in $clean"
 
+# DeepSpeed's CPU accelerator JIT-builds its shm op (C++, with ninja, g++ and Python's headers) at
+# deepspeed.init_distributed, into ~/.cache/torch_extensions. The build is keyed by the venv's paths
+# (a build for target/pyvenv is redone for target/pyvenv-clean, and back): build it here for the venv
+# the tests run in (~1 min of 2 cores; seconds when it is there), so that a missing compiler fails
+# here, saying so, and the DeepSpeed tests' time is theirs.
+if ! type -P g++ >/dev/null || ! "$clean/bin/python" -c 'import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends g++ python3-dev >/dev/null
+fi
+if ! log=$(PATH="$PWD/$clean/bin:$PATH" "$clean/bin/python" -c '
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder("ShareMemCommBuilder").load()' 2>&1); then
+  echo "$log" >&2
+  echo "python/test.sh: DeepSpeed's CPU shm op did not build (above)" >&2
+  exit 1
+fi
+
 # The frameworks installed above must import, so their tests run: GRADBUS_REQUIRE turns a file's
 # "does not import" skip into a failure (python/tests/skip.py). pip installs them without their
 # dependencies, and one missing from the pinned list would otherwise skip a whole file, green.
-export GRADBUS_REQUIRE="${GRADBUS_REQUIRE:+$GRADBUS_REQUIRE,}megatron-core,transformers,trl"
+export GRADBUS_REQUIRE="${GRADBUS_REQUIRE:+$GRADBUS_REQUIRE,}megatron-core,transformers,trl,deepspeed"
 
 # From python/tests, so that `import gradbus` is the installed wheel, not the source folder.
 cd python/tests

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 import example_cli
 import gradbus.deepspeed
-import gradbus.torch as gbt
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH = 64, 32, 4, 2, 16, 4
 
@@ -145,7 +144,7 @@ def main() -> int:
         print(f"[rank {rank}] done: skipped_steps {engine.skipped_steps}, master weights and Adam state "
               f"finite: {finite_state(engine)}{skips}", flush=True)
 
-    return example_cli.run(train, gbt.NonFiniteGradients)
+    return example_cli.run(train, gradbus.deepspeed.NonFiniteGradients)
 
 
 if __name__ == "__main__":

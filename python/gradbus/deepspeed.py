@@ -15,7 +15,7 @@
   (DeepSpeed's parameter names, `engine.module`'s FQNs, and their sizes). ZeRO 2 and 3 reduce in
   every micro-step, ZeRO 1 at the accumulation boundary; every reduce of an update is recorded.
 - the ZeRO optimizer's `step` (which `engine.step()` calls at the accumulation boundary): first the
-  agreed verdict over every rank's spans (one exchange, `gradbus.torch.Guard`'s), then DeepSpeed's
+  agreed verdict over every rank's spans (one exchange: the core's, `gradbus.guard`), then DeepSpeed's
   own step. "abort" raises `gradbus.torch.NonFiniteGradients` on every rank from `engine.step()`
   (rank 0 writes run_dir/report.json) naming the rank, the parameter and the element.
 - the ZeRO optimizer's `_update_scale(overflow)`, which DeepSpeed's step calls once, after its own
@@ -48,8 +48,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-import gradbus.torch as gbt
-from gradbus.torch import NonFiniteGradients, Verdict
+from gradbus.guard import GuardCore, NonFiniteGradients, Verdict
 
 __all__ = ["guard", "Guard", "NonFiniteGradients", "Verdict", "SUPPORTED"]
 
@@ -81,7 +80,7 @@ def _version() -> str:
 
 
 class _LossScale:
-    """DeepSpeed's dynamic loss scaler as `gradbus.torch.Guard` reads a GradScaler: the scale the
+    """DeepSpeed's dynamic loss scaler as the guard's core reads a GradScaler: the scale the
     current gradients were computed at (read at the exchange, before DeepSpeed's step updates it)."""
 
     def __init__(self, optimizer: Any):
@@ -111,16 +110,17 @@ def _spans(grads: List[torch.Tensor]) -> List[Tuple[torch.Tensor, List[int]]]:
     return runs
 
 
-class Guard(gbt.Guard):
-    """The guard in one DeepSpeed engine (made by `guard`; `gradbus.torch.Guard`'s verdicts, reports,
-    `skips`, `skipped`). `spans`: the spans read in the last update."""
+class Guard(GuardCore):
+    """The guard in one DeepSpeed engine (made by `guard`; the core's verdicts, reports, `skips`,
+    `skipped`). `spans`: the spans read in the last update."""
 
     def __init__(self, engine: Any, policy: str, run_dir: Any, **kwargs: Any):
         opt = engine.optimizer
         scaler = _LossScale(opt) if getattr(opt, "dynamic_loss_scale", False) else None
         if scaler is not None and "min_scale" not in kwargs:
             kwargs["min_scale"] = float(opt.loss_scaler.min_scale)
-        super().__init__(policy, names=engine.module, run_dir=run_dir, process_group=opt.dp_process_group, scaler=scaler, **kwargs)
+        params = {id(p): (p, n) for n, p in engine.module.named_parameters()}
+        super().__init__(policy, params, run_dir, opt.dp_process_group, scaler=scaler, **kwargs)
         self.engine = engine
         self.spans = 0
         self._next = 0
@@ -173,7 +173,7 @@ def guard(engine: Any, policy: str = "abort", run_dir: Any = None, **kwargs: Any
             "gradbus.deepspeed: policy 'rerun' needs a training loop that recomputes the update from the same "
             "batch, and engine.step() has none (hint: policy 'skip' or 'abort')"
         )
-    for k in ("names", "process_group", "scaler"):
+    for k in ("names", "params", "process_group", "scaler"):
         if k in kwargs:
             raise TypeError(f"gradbus.deepspeed.guard: {k!r} comes from the engine; do not pass it")
     from deepspeed.runtime.engine import DeepSpeedEngine
