@@ -1,6 +1,6 @@
-"""Multi-process DeepSpeed ZeRO training cases for the tests: `run(world, cases, outdir)` spawns
-`world` processes (torch.multiprocessing, spawn) that join one gloo process group and then run every
-case in turn, each with a fresh `deepspeed.initialize` of a small transformer (python/examples/
+"""Multi-process DeepSpeed ZeRO training cases for the tests (and python/gpu/deepspeed_check.py):
+`run(world, cases, outdir, device)` spawns `world` processes (torch.multiprocessing, spawn) that join
+one process group (gloo on the CPU, NCCL on GPU 0) and then run every case in turn, each with a fresh `deepspeed.initialize` of a small transformer (python/examples/
 deepspeed_guard.py's `model`) on DeepSpeed's CPU accelerator, with or without the gradbus guard,
 optionally planting a NaN/Inf in one parameter's gradient on one rank; one process group for all
 the cases keeps the run short (DeepSpeed's import and its process start cost seconds each).
@@ -44,11 +44,17 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def snapshot(engine) -> dict:
+    """Copies, on the host, of the inner optimizer's parameters (ZeRO's fp32 master partitions) and
+    state, and of the rank's weights (ZeRO 3: its partition)."""
     inner = engine.optimizer.optimizer
+
+    def host(t):
+        return t.detach().to("cpu", copy=True)
+
     params = [p for group in inner.param_groups for p in group["params"]]
-    state = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in inner.state.get(p, {}).items()} for p in params]
-    weights = {n: (p.ds_tensor if hasattr(p, "ds_tensor") else p).detach().clone() for n, p in engine.module.named_parameters()}
-    return {"master": [p.detach().clone() for p in params], "adam": state, "weights": weights}
+    state = [{k: (host(v) if torch.is_tensor(v) else v) for k, v in inner.state.get(p, {}).items()} for p in params]
+    weights = {n: host(p.ds_tensor if hasattr(p, "ds_tensor") else p) for n, p in engine.module.named_parameters()}
+    return {"master": [host(p) for p in params], "adam": state, "weights": weights}
 
 
 def same(a, b) -> bool:
@@ -103,7 +109,7 @@ def one_case(rank: int, case: dict) -> dict:
                     for p in case.get("plants", [])
                     if p["rank"] == rank and p["step"] == step and p.get("micro", 0) == micro
                 ]
-                x = batch(rank, step * gas + micro)
+                x = batch(rank, step * gas + micro).to(engine.device)
                 loss = engine(x, labels=x)
                 engine.backward(loss)
                 for h in handles:
@@ -128,16 +134,24 @@ def one_case(rank: int, case: dict) -> dict:
     return out
 
 
-def worker(rank: int, world: int, port: int, cases: list, outdir: str) -> None:
+def worker(rank: int, world: int, port: int, job: tuple, outdir: str) -> None:
+    cases, device = job
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     # DeepSpeed's CPU accelerator JIT-builds its shm op with ninja from the venv's bin/ at initialize.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    torch.set_num_threads(1)
+    if device == "cuda":
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True)  # the bitwise checks compare two runs
+        torch.cuda.set_device(0)
+    else:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        torch.set_num_threads(1)
     import deepspeed
 
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=180))
-    deepspeed.init_distributed(dist_backend="gloo")
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=180))
+    deepspeed.init_distributed(dist_backend=backend)
     cpu_fp16()  # on a CPU without AVX512-FP16 (this machine's AMD EPYC): the example's stand-in
     results = []
     try:
@@ -148,7 +162,8 @@ def worker(rank: int, world: int, port: int, cases: list, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def run(world: int, cases: list, outdir: str | None = None):
-    """Run the cases on `world` processes; per case, one result dict per rank."""
-    per_rank = spawn(worker, world, cases, outdir)
+def run(world: int, cases: list, outdir: str | None = None, device: str = "cpu"):
+    """Run the cases on `world` processes on `device` ("cpu", or "cuda": every rank on GPU 0, so
+    world 1 with NCCL); per case, one result dict per rank."""
+    per_rank = spawn(worker, world, (cases, device), outdir)
     return [[per_rank[r][c] for r in range(world)] for c in range(len(cases))]
