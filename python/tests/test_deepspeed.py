@@ -4,11 +4,11 @@ Every case runs in one pair of processes (deepspeed_case.py: a fresh engine per 
 for the module."""
 
 import json
-import os
 
 import pytest
+from skip import framework
 
-pytest.importorskip("deepspeed", reason="deepspeed not installed (python/requirements-frameworks.txt, python/test.sh)")
+framework("deepspeed", "deepspeed")
 
 import gradbus.deepspeed as gds  # noqa: E402
 from deepspeed_case import finite, run, same, same_weights  # noqa: E402
