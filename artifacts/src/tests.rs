@@ -2,7 +2,11 @@
 //! every length, a missing key, an unknown format version, a missing `DONE`.
 
 use super::*;
-use gradbus_collectives::{Cause, Classification, RankHealth};
+use gradbus_collectives::forecast::{self, Forecast};
+use gradbus_collectives::spikes::SpikeDetector;
+use gradbus_collectives::{Action, Cause, Classification, RankHealth, Report};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 fn report() -> Report {
     Report {
