@@ -1,16 +1,49 @@
 #!/usr/bin/env bash
-# python/gpu-bundle.sh DIR: the PyTorch guard's part of the GPU check bundle (scripts/gpu-check.sh
-# --prepare calls it; scripts/gpu-check.d/80-python-guard runs it there). Builds the x86_64
-# manylinux2014 wheel here (python/build-wheels.sh, with $PYTHON or target/pyvenv's python: maturin +
-# ziglang) and copies it, gpu_check.py and tests/ddp_case.py into DIR/python-guard. The GPU machine has
-# no package registry: the step unpacks the wheel onto PYTHONPATH and runs gpu_check.py with its torch.
+# python/gpu-bundle.sh DIR [--wheel WHEEL] [--offline]: the Python parts of the GPU check bundle
+# (scripts/gpu-check.sh --prepare calls it; the steps of scripts/gpu-check.d/ run them there). The GPU
+# machine has no package registry and Python 3.12 with torch: each folder holds the wheels its step
+# unpacks onto PYTHONPATH, and the scripts it runs.
+#
+#   DIR/python-guard/  the gradbus wheel, gpu_check.py, tests/ddp_case.py         (80-python-guard)
+#   DIR/megatron/      the gradbus wheel, megatron-core 0.19.2's cp312 wheel, megatron_check.py and
+#                      what it imports (examples/megatron_guard.py and example_cli.py,
+#                      tests/ddp_case.py)                                         (90-megatron)
+#
+# The gradbus wheel: built here (python/build-wheels.sh x86_64, with $PYTHON or target/pyvenv's
+# python: maturin + ziglang), or WHEEL. --offline: no download (the megatron-core wheel is left out:
+# the step then imports the machine's own megatron-core; scripts/gpu-check-test.sh's CPU stand-in).
 set -euo pipefail
-dir=${1:?"usage: python/gpu-bundle.sh DIR"}
+dir=${1:?"usage: python/gpu-bundle.sh DIR [--wheel WHEEL] [--offline]"}
+shift
+wheel="" offline=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --wheel) wheel=$(realpath "${2:?--wheel needs a file}") && shift ;;
+    --offline) offline=1 ;;
+    *) echo "gpu-bundle: unknown argument $1" >&2 && exit 2 ;;
+  esac
+  shift
+done
 src=$(cd "$(dirname "$0")" && pwd)
-out="$dir/python-guard"
-rm -rf "$out"
-mkdir -p "$out/tests"
-PYTHON=${PYTHON:-$src/../target/pyvenv/bin/python} "$src/build-wheels.sh" "$out" x86_64
-cp "$src/gpu_check.py" "$out/"
-cp "$src/tests/ddp_case.py" "$out/tests/"
-ls -l "$out"
+mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+guard="$dir/python-guard" mega="$dir/megatron"
+rm -rf "$guard" "$mega"
+mkdir -p "$guard/tests" "$mega"
+if [ -z "$wheel" ]; then
+  PYTHON=${PYTHON:-$src/../target/pyvenv/bin/python} "$src/build-wheels.sh" "$guard" x86_64 >&2
+  wheel=$(ls "$guard"/gradbus-*manylinux2014_x86_64*.whl)
+else
+  cp "$wheel" "$guard/"
+fi
+cp "$wheel" "$mega/"
+cp "$src/gpu_check.py" "$guard/"
+cp "$src/tests/ddp_case.py" "$guard/tests/"
+cp "$src/gpu/megatron_check.py" "$src/examples/megatron_guard.py" "$src/examples/example_cli.py" \
+  "$src/tests/ddp_case.py" "$mega/"
+if [ $offline = 0 ]; then
+  py=${PYTHON:-$src/../target/pyvenv/bin/python}
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 megatron-core==0.19.2 -d "$mega"
+fi
+ls -l "$guard" "$mega"

@@ -1,33 +1,52 @@
 #!/usr/bin/env bash
-# gpu-check: every check of the `cuda` feature that needs a GPU, in one run, ending in ONE table.
-#
-# The checks are the steps in scripts/gpu-check.d/, run in name order: every executable file there
-# (a new check is a new file; `common.sh` is the helpers they source). A step prints its table rows
-# as lines `ROW <check> | <result>` and exits 0 (passed), 1 (failed) or 3 (not checked here: no
-# GPU, or a part not built yet - the rows say which). Today's steps: the CUDA kernels against their
-# CPU twins with each op's tolerance, NCCL at world size 1, the health scan's bandwidth against a
-# read-only kernel, GPU training against CPU training (20 steps), two GPU runs bitwise, the seed
-# case's mechanism on the GPU, the fault matrix's nan/inf/kill rows with device=cuda, tokens/s
-# against the PyTorch twin on the same GPU.
+# gpu-check: every check of the `cuda` feature that needs a GPU, in one run, ending in ONE table whose
+# verdicts mean what they say. docs/gpu.md lists the checks, their tolerances and the verdicts.
 #
 # Usage:
 #   scripts/gpu-check.sh --prepare DIR    build here (cargo) and write a self-contained bundle to DIR
-#                                         (<= 64 MiB: stripped binaries, configs, the PyTorch twin,
-#                                         this script and its steps; DIR/MANIFEST lists what it runs);
-#                                         runs nothing
+#                                         (<= 64 MiB: stripped binaries, configs, wheels, this script
+#                                         and its steps; DIR/MANIFEST lists what it runs, each step's
+#                                         time budget and the bundle's size); runs nothing
 #   bash DIR/gpu-check.sh --prebuilt DIR  on the GPU machine (no Rust needed): run every step from
-#                                         the bundle; budget: 6 minutes on one H200
+#                                         the bundle, each within its budget (all together <= 6 min)
 #   scripts/gpu-check.sh                  build here and run every step (a GPU machine with cargo)
 #   GPU_CHECK_ONLY='10 30' ...            run only the steps whose names start with these prefixes
+#
+# Exit codes (this is the one place that decides them):
+#   0  every selected step ran on a GPU and passed, and every benchmark met its target
+#   1  FAILED: a step failed, was killed over its budget, made fewer checks than its floor, or could
+#      not use a GPU that nvidia-smi lists; or nothing was selected, or no step ran
+#   2  bad usage, or the build (--prepare) failed or does not fit
+#   3  NO GPU: nvidia-smi lists none, so nothing ran; every row says NOT CHECKED
+#   4  TARGET MISSED: every check passed, but a benchmark missed its target (the rows say which)
+#
+# The step contract (a new check is a new file in gpu-check.d/; `common.sh` has the helpers):
+#   name    NN-word (two digits first): run in name order with `bash` (a lost run bit changes
+#           nothing), in the bundle's folder, with GPU_CHECK_BUNDLE, GPU_CHECK_LOGS, GPU_CHECK_PYTHON,
+#           GPU_CHECK_GPUS (GPUs listed) and GPU_CHECK_DEVICE (cuda; cpu only in the CPU stand-in run
+#           of scripts/gpu-check-test.sh, which also scales the budgets: GPU_CHECK_BUDGET_SCALE) set
+#   header  # check: <what it checks, one line>
+#           # budget: <seconds>  its wall-clock limit: over it the step and its children are killed
+#                                and the step is FAILED
+#           # floor: <n>         the fewest checks a passing run makes (>= 1): fewer is FAILED
+#           # gpus: <n>          (optional, default 1) GPUs it needs: with fewer listed it is NOT RUN
+#                                (said in its row; not a failure)
+#   output  ROW <check> | <result>                     a row of the table
+#           CHECKS <n>                                  n more checks made (the step's are summed)
+#           TARGET <figure's name> | <figure> | >= <bound>   (or <=) a benchmark figure and its
+#                                                       target: judged here, a miss is TARGET MISSED
+#   exit    0 when every check it made passed; anything else is FAILED. A step never decides that
+#           there is no GPU: this script does, from nvidia-smi, before running any step.
 #
 # Libraries: cudarc looks for libnvrtc.so, libcublas.so and libnccl.so (or .so.12, .so.11, ...),
 # never the .so.13 / .so.2 that CUDA 13 and NCCL ship: links of those names to what this machine
 # has (the torch venv's nvidia/cu13/lib, ldconfig) go into a folder at the front of LD_LIBRARY_PATH.
-#
-# Exit codes: 0 every step ran on a GPU and passed; 1 a step failed; 2 bad usage or build failure;
-# 3 nothing failed but some step could not check (see its rows).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# The most a run may take (the device run's lease); --prepare refuses steps whose budgets add up to
+# more than it less the setup's share.
+LIMIT_S=360
+SETUP_S=30
 
 mode=build
 dir=""
@@ -38,7 +57,7 @@ case "${1:-}" in
     dir=${2:?"$1 needs a folder"}
     ;;
   -h | --help)
-    sed -n '2,30p' "$0"
+    sed -n '2,45p' "$0"
     exit 0
     ;;
   *)
@@ -48,17 +67,47 @@ case "${1:-}" in
 esac
 
 say() { printf '\n== %s\n' "$*"; }
-logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
-t_start=$(date +%s)
+
+# ---------------------------------------------------------------- the steps' headers
+# header STEP KEY: the value of the step's `# KEY: value` line (empty when it has none).
+header() { sed -n "s/^# $2: *//p" "$1" | head -n 1; }
+# steps DIR: the step files of a gpu-check.d folder, in name order.
+steps() { find "$1" -maxdepth 1 -type f -name '[0-9][0-9]-*' | sort; }
+# bad_header STEP: what is wrong with the step's header, or nothing.
+bad_header() {
+  local b f g
+  b=$(header "$1" budget) f=$(header "$1" floor) g=$(header "$1" gpus)
+  [ -n "$(header "$1" check)" ] || { echo "no '# check:' line"; return; }
+  [[ $b =~ ^[1-9][0-9]*$ ]] || { echo "no '# budget: <seconds>' line"; return; }
+  [[ $f =~ ^[1-9][0-9]*$ ]] || { echo "no '# floor: <checks>' line (at least 1)"; return; }
+  [[ -z $g || $g =~ ^[1-9][0-9]*$ ]] || echo "'# gpus: $g' is not a count"
+}
 
 # ---------------------------------------------------------------- build (here, with cargo)
 if [ "$mode" != prebuilt ]; then
+  logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
   cd "$here/.."
   command -v cargo >/dev/null || { echo "gpu-check: cargo not found (build elsewhere with --prepare)" >&2; exit 2; }
+  # The steps first: a bundle with a broken step is refused before minutes of building. The
+  # budgets of the steps a one-GPU machine runs must fit its run.
+  total=0 multi=0
+  for s in $(steps "$here/gpu-check.d"); do
+    why=$(bad_header "$s")
+    [ -z "$why" ] || { echo "gpu-check: $s: $why (see the step contract in --help)" >&2; exit 2; }
+    if [ "$(header "$s" gpus | grep . || echo 1)" -le 1 ]; then
+      total=$((total + $(header "$s" budget)))
+    else
+      multi=$((multi + $(header "$s" budget)))
+    fi
+  done
+  if [ "$total" -gt $((LIMIT_S - SETUP_S)) ]; then
+    echo "gpu-check: the one-GPU steps' budgets add up to $total s, over the $((LIMIT_S - SETUP_S)) s a $LIMIT_S s run leaves them" >&2
+    exit 2
+  fi
   say "build: cargo build --release --features cuda, and the GPU test binaries"
-  cargo build --release --features cuda
+  cargo build --release --features cuda || exit 2
   cargo test --release --features cuda -p gradbus-kernels -p gradbus-collectives --no-run \
-    --message-format=json >"$logs/build.json"
+    --message-format=json >"$logs/build.json" || exit 2
   # The executables of the GPU test targets: kernels' tests/cuda.rs and collectives' tests/nccl.rs.
   exe() {
     python3 -c '
@@ -87,27 +136,26 @@ for line in open(sys.argv[2]):
   cp bench/pytorch_grpo.py bench/workload_config.py bench/compare.py "$bundle/bench/"
   cp "$here/gpu-check.sh" "$bundle/"
   cp "$here"/gpu-check.d/* "$bundle/gpu-check.d/"
-  # The PyTorch guard's wheel and check (python/gpu_check.py; run by gpu-check.d/80-python-guard).
-  python/gpu-bundle.sh "$bundle" >/dev/null
-  # gradbus.megatron's check with megatron-core 0.19.2's wheel (run by gpu-check.d/90-megatron).
-  python/gpu/megatron-check.sh --prepare "$bundle/megatron" >/dev/null
+  # The Python checks: the gradbus wheel, python/gpu_check.py, python/gpu/ and the frameworks' wheels.
+  python/gpu-bundle.sh "$bundle" >/dev/null || exit 2
+  size=$(du -sb "$bundle" | cut -f1)
   {
     echo "gradbus GPU check bundle, built $(date -u +%Y-%m-%dT%H:%MZ) from $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
     echo "run on the GPU machine: bash $bundle/gpu-check.sh --prebuilt $bundle"
     echo
-    echo "steps (gpu-check.d/, in order), and what each runs:"
-    for s in "$bundle"/gpu-check.d/*; do
-      [ -x "$s" ] || continue
-      printf '  %s: %s\n' "$(basename "$s")" "$(sed -n 's/^# check: //p' "$s" | head -n 1)"
+    echo "steps (gpu-check.d/, in order): budget (s), floor (checks), GPUs, what each runs:"
+    for s in $(steps "$bundle/gpu-check.d"); do
+      printf '  %-22s %4s s  floor %3s  gpus %s  %s\n' "$(basename "$s")" "$(header "$s" budget)" \
+        "$(header "$s" floor)" "$(header "$s" gpus | grep . || echo 1)" "$(header "$s" check)"
     done
+    echo "  budgets: $total s of the one-GPU steps + $SETUP_S s setup <= $LIMIT_S s (steps that need more GPUs: $multi s more)"
     echo
     echo "files:"
-    (cd "$bundle" && find . -type f | sort | while read -r f; do printf '  %-32s %9d bytes\n' "$f" "$(stat -c %s "$f")"; done)
-    echo "total: $(du -sb "$bundle" | cut -f1) bytes"
+    (cd "$bundle" && find . -type f | sort | while read -r f; do printf '  %-48s %9d bytes\n' "$f" "$(stat -c %s "$f")"; done)
+    echo "total: $size bytes ($((size >> 20)) MiB of the 64 MiB a device run carries)"
   } >"$bundle/MANIFEST"
   if [ "$mode" = prepare ]; then
     cat "$bundle/MANIFEST"
-    size=$(du -sb "$bundle" | cut -f1)
     if [ "$size" -gt $((64 << 20)) ]; then
       echo "gpu-check: the bundle is $size bytes, over the 64 MiB a device run carries" >&2
       exit 2
@@ -116,17 +164,55 @@ for line in open(sys.argv[2]):
     exit 0
   fi
 else
+  [ -d "$dir" ] || { echo "gpu-check: $dir is not a folder (make a bundle with --prepare DIR)" >&2; exit 2; }
   bundle=$(cd "$dir" && pwd)
-  [ -x "$bundle/bin/kernels-cuda" ] && [ -x "$bundle/bin/gradbus" ] && [ -d "$bundle/gpu-check.d" ] ||
+  [ -f "$bundle/bin/kernels-cuda" ] && [ -f "$bundle/bin/gradbus" ] && [ -d "$bundle/gpu-check.d" ] ||
     { echo "gpu-check: $dir is not a bundle (make one with --prepare DIR)" >&2; exit 2; }
+  # A copy that lost its run bits still runs.
+  chmod +x "$bundle"/bin/* 2>/dev/null || true
+  logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+fi
+t_start=$(date +%s)
+
+# ---------------------------------------------------------------- the selection
+selected=()
+for s in $(steps "$bundle/gpu-check.d"); do
+  name=$(basename "$s")
+  if [ -n "${GPU_CHECK_ONLY:-}" ]; then
+    keep=0
+    for p in $GPU_CHECK_ONLY; do case "$name" in "$p"*) keep=1 ;; esac; done
+    [ $keep = 1 ] || continue
+  fi
+  selected+=("$s")
+done
+if [ ${#selected[@]} = 0 ]; then
+  echo "gpu-check: FAILED: no step selected: GPU_CHECK_ONLY='${GPU_CHECK_ONLY:-}' names none of: $(steps "$bundle/gpu-check.d" | xargs -r -n1 basename | tr '\n' ' ')" >&2
+  exit 1
 fi
 
 # ---------------------------------------------------------------- environment
 say "environment"
+# The GPUs the driver lists. nvidia-smi is the witness: no GPU listed is the one case of NOT CHECKED.
+gpus=0
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
 else
   echo "nvidia-smi: not found"
+fi
+echo "GPUs listed by nvidia-smi: $gpus"
+# A device file without nvidia-smi is a GPU that the check must not call absent.
+devs=$(ls "${GPU_CHECK_DEV:-/dev}"/nvidia[0-9]* 2>/dev/null | wc -l || true)
+if [ "$gpus" = 0 ] && [ "$devs" -gt 0 ]; then
+  echo "gpu-check: FAILED: nvidia-smi lists no GPU, but $devs NVIDIA device file(s) exist (${GPU_CHECK_DEV:-/dev}/nvidia*): fix nvidia-smi, or the check would call this GPU absent" >&2
+  exit 1
+fi
+device=${GPU_CHECK_DEVICE:-cuda}
+# The CPU stand-in (scripts/gpu-check-test.sh) is slower than a GPU: it scales the budgets.
+scale=${GPU_CHECK_BUDGET_SCALE:-1}
+[[ $scale =~ ^[1-9][0-9]*$ ]] || { echo "gpu-check: GPU_CHECK_BUDGET_SCALE=$scale is not a whole number >= 1" >&2; exit 2; }
+if [ "$device" != cuda ]; then
+  echo "gpu-check: CPU STAND-IN RUN (GPU_CHECK_DEVICE=$device, budgets x$scale): the CPU plays the GPU; nothing below ran on a GPU"
 fi
 libs="$logs/lib"
 mkdir -p "$libs"
@@ -157,47 +243,116 @@ link() { # link NAME SONAME...: the first SONAME found (cu13 dir, then ldconfig)
 link libnvrtc.so libnvrtc.so.13 libnvrtc.so.12
 link libcublas.so libcublas.so.13 libcublas.so.12
 link libnccl.so libnccl.so.2
-[ -z "$(ls "$libs" 2>/dev/null | grep nccl)" ] && [ -n "$py" ] && {
+if ! ls "$libs" | grep -q nccl && [ -n "$py" ]; then
   nccl2=$("$py" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)
-  [ -n "$nccl2" ] && [ -e "$nccl2" ] && ln -sf "$nccl2" "$libs/libnccl.so" && echo "libnccl.so -> $nccl2"
-}
+  if [ -n "$nccl2" ] && [ -e "$nccl2" ]; then ln -sf "$nccl2" "$libs/libnccl.so" && echo "libnccl.so -> $nccl2"; fi
+fi
 export LD_LIBRARY_PATH="$libs${cu13:+:$cu13}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export GPU_CHECK_BUNDLE="$bundle" GPU_CHECK_LOGS="$logs" GPU_CHECK_PYTHON="${py:-python3}"
+export GPU_CHECK_BUNDLE="$bundle" GPU_CHECK_LOGS="$logs" GPU_CHECK_PYTHON="${py:-python3}" \
+  GPU_CHECK_GPUS="$gpus" GPU_CHECK_DEVICE="$device"
 
 # ---------------------------------------------------------------- steps
+# judge_targets LOG: one line per TARGET line of the log: "met|MISSED|BAD <TAB> name: figure (target op bound)".
+judge_targets() {
+  { grep -a '^TARGET ' "$1" || true; } | sed 's/^TARGET //' | awk -F' [|] ' '
+    function num(x) { return x ~ /^-?[0-9]+([.][0-9]+)?([eE][-+]?[0-9]+)?$/ }
+    {
+      split($3, t, " ")
+      if (NF != 3 || !num($2) || (t[1] != ">=" && t[1] != "<=") || !num(t[2])) { printf "BAD\t%s (not NAME | NUMBER | >= or <= NUMBER)\n", $0; next }
+      ok = (t[1] == ">=") ? ($2 + 0 >= t[2] + 0) : ($2 + 0 <= t[2] + 0)
+      printf "%s\t%s: %s (target %s %s)\n", ok ? "met" : "MISSED", $1, $2, t[1], t[2]
+    }'
+}
+# why LOG: the line of a step's log that says why it failed: a GPU it could not use first (a test's
+# GRADBUS_REQUIRE panic, a driver or CUDA error), else its last row, else its last line.
+why() {
+  (grep -a -m1 -E 'must run here, yet: |no CUDA (driver|device)|CUDA_ERROR|built without the cuda feature' "$1" ||
+    grep -a '^ROW ' "$1" | tail -n 1 | grep . || tail -n 1 "$1") |
+    sed 's/.*must run here, yet: //; s/^ROW [^|]*| //; s/ | /; /g' | cut -c1-140
+}
+
 : >"$logs/rows"
-status=0
-for step in "$bundle"/gpu-check.d/*; do
-  [ -f "$step" ] && [ -x "$step" ] || continue
+n_failed=0 n_missed=0 n_passed=0 n_unchecked=0 n_notrun=0
+verdict_row() { echo "$1 | $2" >>"$logs/rows"; }
+for step in "${selected[@]}"; do
   name=$(basename "$step")
-  if [ -n "${GPU_CHECK_ONLY:-}" ]; then
-    keep=0
-    for p in $GPU_CHECK_ONLY; do case "$name" in "$p"*) keep=1 ;; esac; done
-    [ $keep = 1 ] || continue
+  bad=$(bad_header "$step")
+  if [ -n "$bad" ]; then
+    verdict_row "$name" "FAILED: $bad (the step contract: gpu-check.sh --help)"
+    n_failed=$((n_failed + 1))
+    continue
   fi
-  say "step $name: $(sed -n 's/^# check: //p' "$step" | head -n 1)"
+  budget=$(($(header "$step" budget) * scale)) floor=$(header "$step" floor) need=$(header "$step" gpus)
+  need=${need:-1}
+  if [ "$gpus" = 0 ]; then
+    verdict_row "$name" "NOT CHECKED: no GPU here (nvidia-smi lists none): $(header "$step" check | cut -c1-80)"
+    n_unchecked=$((n_unchecked + 1))
+    continue
+  fi
+  if [ "$need" -gt "$gpus" ]; then
+    verdict_row "$name" "NOT RUN: needs $need GPUs, nvidia-smi lists $gpus"
+    n_notrun=$((n_notrun + 1))
+    continue
+  fi
+  say "step $name (budget $budget s, floor $floor checks): $(header "$step" check)"
+  log="$logs/$name.log"
   t0=$(date +%s)
   set +e
-  (cd "$bundle" && timeout "${GPU_CHECK_STEP_TIMEOUT:-150}" "$step") 2>&1 | tee "$logs/$name.log"
+  # timeout signals the step's whole process group (ranks and children included), then SIGKILLs it.
+  (cd "$bundle" && timeout --kill-after=5 "$budget" bash "$step") 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
   secs=$(($(date +%s) - t0))
-  grep -a '^ROW ' "$logs/$name.log" | sed 's/^ROW //' >>"$logs/rows" || true
-  case $rc in
-    0) verdict="passed" ;;
-    3) verdict="NOT CHECKED"; [ $status = 0 ] && status=3 ;;
-    124) verdict="TIMED OUT"; status=1 ;;
-    *) verdict="FAILED (exit $rc)"; status=1 ;;
+  # Anything of the step still running (a rank that left its group) names the step's logs folder.
+  pgrep -f -- "$logs/" | grep -vx "$$" | xargs -r kill -9 2>/dev/null || true
+  grep -a '^ROW ' "$log" | sed 's/^ROW //' >>"$logs/rows" || true
+  made=$({ grep -a '^CHECKS [0-9][0-9]*$' "$log" || true; } | awk '{ s += $2 } END { print s + 0 }')
+  targets=$(judge_targets "$log")
+  if [ -n "$targets" ]; then
+    while IFS=$'\t' read -r v what; do
+      verdict_row "  target: $what" "$([ "$v" = met ] && echo met || echo "$v")"
+    done <<<"$targets"
+  fi
+  missed=$(grep -c '^MISSED' <<<"$targets" || true)
+  badt=$(grep -c '^BAD' <<<"$targets" || true)
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    verdict="FAILED: over its budget of $budget s (killed after $secs s)"
+  elif [ "$rc" != 0 ]; then
+    verdict="FAILED (exit $rc): $(why "$log")"
+  elif [ "$made" -lt "$floor" ]; then
+    verdict="FAILED: $made checks made, below its floor of $floor"
+  elif [ "$badt" -gt 0 ]; then
+    verdict="FAILED: $badt malformed TARGET line(s)"
+  elif [ "$missed" -gt 0 ]; then
+    verdict="TARGET MISSED: $missed of $(wc -l <<<"$targets") targets ($made checks passed)"
+  else
+    verdict="passed: $made checks (floor $floor)"
+  fi
+  case $verdict in
+    FAILED*) n_failed=$((n_failed + 1)) ;;
+    TARGET*) n_missed=$((n_missed + 1)) ;;
+    *) n_passed=$((n_passed + 1)) ;;
   esac
-  echo "$name | $verdict in $secs s" >>"$logs/rows"
+  verdict_row "$name" "$verdict in $secs s (budget $budget s)"
 done
 
 # ---------------------------------------------------------------- the table
 say "gpu-check summary ($(($(date +%s) - t_start)) s; logs in $logs)"
-awk -F' [|] ' '{ printf "%-44s %s\n", $1, $2 }' "$logs/rows"
-case $status in
-  0) echo "gpu-check: every step ran on a GPU and passed" ;;
-  3) echo "gpu-check: nothing failed, but some step could not check (NOT CHECKED rows)" ;;
-  *) echo "gpu-check: FAILED (see the rows above and the logs)" ;;
-esac
-exit $status
+[ "$device" = cuda ] || echo "CPU STAND-IN RUN (GPU_CHECK_DEVICE=$device): nothing here ran on a GPU"
+awk -F' [|] ' '{ printf "%-52s %s\n", $1, $2 }' "$logs/rows"
+counts="$n_passed passed, $n_failed failed, $n_missed target missed, $n_unchecked not checked, $n_notrun not run (too few GPUs)"
+if [ "$n_failed" -gt 0 ]; then
+  echo "gpu-check: FAILED ($counts)"
+  exit 1
+elif [ "$gpus" = 0 ]; then
+  echo "gpu-check: NO GPU: nvidia-smi lists none, nothing was checked ($counts)"
+  exit 3
+elif [ "$n_passed" = 0 ] && [ "$n_missed" = 0 ]; then
+  echo "gpu-check: FAILED: no step ran ($counts)"
+  exit 1
+elif [ "$n_missed" -gt 0 ]; then
+  echo "gpu-check: TARGET MISSED: every check passed, a benchmark missed its target ($counts)"
+  exit 4
+fi
+echo "gpu-check: passed: every step ran on $([ "$device" = cuda ] && echo "a GPU" || echo "the CPU STAND-IN"), every target met ($counts)"
+exit 0

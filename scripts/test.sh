@@ -216,6 +216,13 @@ ln -sf "$nvrtc_dir/libnvrtc.so.13" "$tmp/nvrtc/libnvrtc.so"
 GRADBUS_REQUIRE="$GRADBUS_REQUIRE,nvrtc" LD_LIBRARY_PATH="$tmp/nvrtc:$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   run_selected cargo test --release --features cuda -p gradbus-kernels --test cuda -- kernel_sources_compile
 
+# The GPU check's own logic, on this GPU-less machine (scripts/gpu-check-test.sh): its verdicts with
+# stand-in steps and a stand-in nvidia-smi, the real steps failing on a listed GPU they cannot use,
+# and every step run with the CPU as the device (gpu_check.py and megatron_check.py --cpu among
+# them; ~10 min on 2 loaded cores, most of it the PyTorch guard's DDP jobs).
+echo "test.sh: scripts/gpu-check-test.sh"
+scripts/gpu-check-test.sh
+
 # Every command of the README, then of docs/*.md, on a fresh clone, in order: the first contact of a
 # new user. Its own install (`cargo install --path .`, into a temporary root) is the check that an
 # install works; every relative link of those pages must resolve.

@@ -23,8 +23,13 @@
 //   so a kernel that uses one does not compile against the shim. The kernels use none;
 // - the CUDA math library's rounding: `expf`, `logf` (and everything built on them) are glibc's
 //   here - the same functions the Rust CPU kernels call, so the shim compares the kernels' ORDER of
-//   operations with the CPU's bit for bit, and the GPU tests (kernels/tests/cuda.rs) carry the ulp
-//   tolerances of CUDA's own `expf` (2 ulp) and `logf` (1 ulp);
+//   operations with the CPU's bit for bit, and the GPU tests (kernels/tests/cuda.rs) carry the
+//   tolerances of CUDA's own `expf` (2 ulp) and `logf` (1 ulp). What it offers instead: built with
+//   `-DSHIM_LIBM_ULPS=K` (and `-DSHIM_LIBM_SPREAD` or not), `expf` and `logf` return glibc's result
+//   moved by K ulps (up, or down for K < 0; with SPREAD by -K..K ulps, a hash of the argument's bits
+//   choosing: the same for both schedules), never past 0, an infinity or a change of sign, and
+//   exp(0) = 1 kept: a math library K ulps from glibc's, which the tests' tolerances must admit at
+//   |K| = 3 (CUDA's 2 ulp + glibc's 1) and refuse far out;
 // - the memory model between blocks (fences, caches): blocks run one after another;
 // - dynamic shared memory (`extern __shared__`), textures, streams, cooperative groups.
 //
@@ -91,6 +96,21 @@ static inline unsigned atomicAdd(unsigned *p, unsigned v) {
     return old;
 }
 static inline void __threadfence() {}
+
+#ifdef SHIM_LIBM_ULPS
+// A math library SHIM_LIBM_ULPS ulps from glibc's (see the top; the harness inlines libm_nudge.h).
+#include "libm_nudge.h"
+#ifdef SHIM_LIBM_SPREAD
+#define SHIM_SPREAD 1
+#else
+#define SHIM_SPREAD 0
+#endif
+// exp(0) = 1 is exact in every math library (as log(1) = 0, which the nudge leaves as a 0).
+static inline float shim_expf(float x) { return x == 0.0f ? 1.0f : libm_nudge(x, expf(x), SHIM_LIBM_ULPS, SHIM_SPREAD); }
+static inline float shim_logf(float x) { return libm_nudge(x, logf(x), SHIM_LIBM_ULPS, SHIM_SPREAD); }
+#define expf shim_expf
+#define logf shim_logf
+#endif
 
 namespace shim {
 

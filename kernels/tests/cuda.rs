@@ -423,6 +423,9 @@ impl Exec for OnGpu {
         <Be as Backend>::copy_2d(&self.0, d.slice_mut(..), dst_pitch, s.slice(..), src_pitch, width, height);
         self.down(&d, dst);
     }
+}
+
+impl ExecDense for OnGpu {
     fn matmul_forward(
         &self,
         out: &mut [f32],
@@ -432,7 +435,7 @@ impl Exec for OnGpu {
         bt: usize,
         c: usize,
         oc: usize,
-    ) -> bool {
+    ) {
         let (mut o, x, w) = (self.up(out), self.up(inp), self.up(weight));
         let bias = bias.map(|b| self.up(b));
         <Be as Backend>::matmul_forward(
@@ -446,7 +449,6 @@ impl Exec for OnGpu {
             oc,
         );
         self.down(&o, out);
-        true
     }
     fn matmul_backward(
         &self,
@@ -459,7 +461,7 @@ impl Exec for OnGpu {
         bt: usize,
         c: usize,
         oc: usize,
-    ) -> bool {
+    ) {
         let (mut di, mut dw) = (self.up(dinp), self.up(dweight));
         let mut db = dbias.as_ref().map(|b| self.up(b));
         let (o, x, w) = (self.up(dout), self.up(inp), self.up(weight));
@@ -480,12 +482,20 @@ impl Exec for OnGpu {
         if let (Some(host), Some(dev)) = (dbias, db.as_ref()) {
             self.down(dev, host);
         }
-        true
     }
 }
 
 fn on_gpu(test: &str) -> Option<OnGpu> {
     gpu(test).map(OnGpu)
+}
+
+/// The worst |kernel - CPU| / tolerance of each op the test just checked through `expf`/`logf`:
+/// the GPU's own measurement beside the shim's (scripts/gpu-check.d/10-kernels puts it in the table).
+fn say_worst(g: &OnGpu) {
+    for (op, worst) in take_worst() {
+        let rtol = TOLS.iter().find(|t| t.op == op).map_or(f32::NAN, |t| t.rtol);
+        say(&format!("TOLERANCE {}: {op}: rtol {rtol:e}, worst |kernel - CPU| / tolerance {worst:.3}", g.name()));
+    }
 }
 
 #[test]
@@ -538,30 +548,34 @@ fn layernorm_forward_and_backward_are_bitwise_the_cpus() {
 fn gelu_within_exp_tolerance_and_residual_bitwise() {
     let Some(g) = on_gpu("gelu and residual") else { return };
     check_gelu_and_residual(&g);
+    say_worst(&g);
 }
 
 #[test]
 fn attention_forward_rows_and_backward_within_exp_tolerance() {
     let Some(g) = on_gpu("attention") else { return };
     check_attention(&g);
+    say_worst(&g);
 }
 
 #[test]
 fn logsoftmax_gather_forward_and_backward_within_exp_tolerance() {
     let Some(g) = on_gpu("logsoftmax_gather") else { return };
     check_logsoftmax_gather(&g);
+    say_worst(&g);
 }
 
 #[test]
 fn matmul_within_the_dot_product_bound_and_dbias_bitwise() {
     let Some(g) = on_gpu("matmul") else { return };
-    assert!(check_matmul(&g), "the GPU runs the dense layer");
+    check_matmul(&g);
 }
 
 #[test]
 fn the_grpo_loss_within_exp_tolerance_and_overflows_where_rolls_does() {
     let Some(g) = on_gpu("grpo") else { return };
     let overflowed = check_grpo(&g);
+    say_worst(&g);
     assert!(overflowed > 5, "roll: a finite loss with a non-finite gradient in only {overflowed} cases");
 }
 

@@ -19,7 +19,13 @@ use gradbus_kernels::cuda_grid::{self, Launch};
 use gradbus_kernels::health::Health;
 use gradbus_kernels::ops::grpo::{K3_CLAMP, LOGRATIO_CLAMP};
 use gradbus_kernels::ops::{AdamwScalars, GrpoGrads, GrpoSaved, GrpoScalars, GrpoStats};
-use shim::Lib;
+use shim::{Lib, Libm};
+
+/// Print past the harness's output capture (the tolerance measurement).
+fn say(msg: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{msg}");
+}
 
 type F = *mut f32;
 type C = *const f32;
@@ -60,17 +66,24 @@ impl<A: Bits, B: Bits, D: Bits> Bits for (A, B, D) {
     }
 }
 
-/// The kernels, run on the CPU by the shim.
-struct Shim;
+/// The kernels, run on the CPU by the shim, calling glibc's math library or one some ulps off it.
+struct Shim {
+    libm: Libm,
+}
 
 impl Shim {
     /// `None` after a `SKIPPED` line when there is no `g++`.
     fn new() -> Option<Shim> {
-        shim::lib("scale.cu").map(|_| Shim)
+        Shim::with(Libm::Glibc)
+    }
+
+    /// The shim with the math library `libm` (`Libm::Off`: `expf`/`logf` some ulps from glibc's).
+    fn with(libm: Libm) -> Option<Shim> {
+        shim::lib_with("scale.cu", libm).map(|_| Shim { libm })
     }
 
     fn lib(&self, file: &'static str) -> &'static Lib {
-        shim::lib(file).expect("g++ was there a moment ago")
+        shim::lib_with(file, self.libm).expect("g++ was there a moment ago")
     }
 
     /// Kernel `name` of `file`.
@@ -118,10 +131,15 @@ impl Shim {
 
 impl Exec for Shim {
     fn name(&self) -> String {
-        "shim".into()
+        match self.libm {
+            Libm::Glibc => "shim".into(),
+            Libm::Off { ulps, spread: false } if ulps < 0 => format!("shim (expf, logf {} ulps down)", -ulps),
+            Libm::Off { ulps, spread: false } => format!("shim (expf, logf {ulps} ulps up)"),
+            Libm::Off { ulps, spread: true } => format!("shim (expf, logf -{ulps}..{ulps} ulps)"),
+        }
     }
     fn cpu_libm(&self) -> bool {
-        true
+        self.libm == Libm::Glibc
     }
     fn health_scan(&self, x: &[f32]) -> Health {
         self.health("health_scan_f32", x)
@@ -593,32 +611,6 @@ impl Exec for Shim {
         });
         dst.copy_from_slice(&y);
     }
-    fn matmul_forward(
-        &self,
-        _: &mut [f32],
-        _: &[f32],
-        _: &[f32],
-        _: Option<&[f32]>,
-        _: usize,
-        _: usize,
-        _: usize,
-    ) -> bool {
-        false
-    }
-    fn matmul_backward(
-        &self,
-        _: &mut [f32],
-        _: &mut [f32],
-        _: Option<&mut [f32]>,
-        _: &[f32],
-        _: &[f32],
-        _: &[f32],
-        _: usize,
-        _: usize,
-        _: usize,
-    ) -> bool {
-        false
-    }
 }
 
 impl Shim {
@@ -726,10 +718,109 @@ fn fill_and_copy_2d_are_exact() {
     check_fill_and_copy_2d(&s);
 }
 
+/// The dense layer's own kernels (its products are cuBLAS's: `cuda.rs` checks those on a GPU): the
+/// bias broadcast of forward and the row-order sum of backward, bitwise the CPU's.
 #[test]
-fn the_shim_cannot_run_cublas_so_the_dense_layers_products_are_left_to_the_gpu_test() {
+fn the_dense_layers_bias_kernels_are_bitwise_the_cpus() {
     let Some(s) = Shim::new() else { return };
-    assert!(!check_matmul(&s), "the shim has no cuBLAS");
+    let fill: unsafe extern "C" fn(F, C, u64, u64) = s.k("matmul.cu", "bias_fill_f32");
+    let back: unsafe extern "C" fn(F, C, u64, u64) = s.k("matmul.cu", "bias_backward_f32");
+    let mut rng = gradbus_kernels::rng::Rng::new(&[0xc0da, 16]);
+    for (case, &(bt, c, oc)) in [(1, 1, 1), (7, 13, 5), (36, 256, 768), (64, 64, 16), (5, 1024, 3)].iter().enumerate() {
+        let (n, o) = (bt as u64, oc as u64);
+        let bias = random_input(&mut rng, oc, 1);
+        let out = s.orders("bias_fill_f32", |rev| {
+            let mut out = vec![f32::NAN; bt * oc];
+            let p = out.as_mut_ptr();
+            // SAFETY: out (BT, OC), bias (OC).
+            s.launch("matmul.cu", cuda_grid::elementwise(n * o), rev, &|| unsafe { fill(p, bias.as_ptr(), n, o) });
+            out
+        });
+        // Forward with zero inputs is the bias broadcast (the CPU's matmul adds 0 x w to it).
+        let mut want = vec![0f32; bt * oc];
+        gradbus_kernels::ops::matmul_forward(&mut want, &vec![0.0; bt * c], &vec![0.0; oc * c], Some(&bias), bt, c, oc);
+        assert_bitwise(&out, &want, &format!("shim: bias_fill case {case}"));
+        let dout = random_input(&mut rng, bt * oc, 2);
+        let init = random_input(&mut rng, oc, 0);
+        let got = s.orders("bias_backward_f32", |rev| {
+            let mut d = init.clone();
+            let p = d.as_mut_ptr();
+            // SAFETY: dbias (OC), dout (BT, OC).
+            s.launch("matmul.cu", cuda_grid::elementwise(o), rev, &|| unsafe { back(p, dout.as_ptr(), n, o) });
+            d
+        });
+        let (mut di, mut dw, mut db) = (vec![0f32; bt * c], vec![0f32; oc * c], init.clone());
+        gradbus_kernels::ops::matmul_backward(
+            &mut di,
+            &mut dw,
+            Some(&mut db),
+            &dout,
+            &vec![0.0; bt * c],
+            &vec![0.0; oc * c],
+            bt,
+            c,
+            oc,
+        );
+        assert_bitwise(&got, &db, &format!("shim: bias_backward case {case}"));
+    }
+}
+
+/// The ops through `expf`/`logf` against the shim's math library: each op's check with its GPU
+/// tolerance, the sampler's with its margin when `sampler`.
+fn libm_checks(s: &Shim, sampler: bool) -> Vec<(&'static str, std::thread::Result<()>)> {
+    let mut checks: Vec<(&'static str, fn(&dyn Exec))> = vec![
+        ("gelu", check_gelu_and_residual),
+        ("attention forward", check_attention),
+        ("log-softmax-gather", check_logsoftmax_gather),
+        ("grpo loss chain", |e| {
+            check_grpo(e);
+        }),
+    ];
+    if sampler {
+        checks.push(("sampler", check_sample));
+    }
+    checks.iter().map(|&(op, f)| (op, std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(s))))).collect()
+}
+
+/// The sampler's check can fail in each of its cases: a wrong token in row 0 (a random draw) is
+/// refused, with glibc's math library and with one 3 ulps off (where the check allows a token on the
+/// other side of a boundary the draw lies within its margin of).
+#[test]
+fn the_sampler_check_can_fail_in_every_case() {
+    for libm in [Libm::Glibc, Libm::Off { ulps: LIBM_ULPS as i32, spread: true }] {
+        let Some(s) = Shim::with(libm) else { return };
+        for case in 0..60 {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check_sample_upto(&s, Some(case))));
+            assert!(r.is_err(), "{}: sample case {case}: a wrong token passed the check", s.name());
+        }
+    }
+}
+
+/// The measurement behind the GPU's tolerances of the ops through `expf`/`logf`: CUDA's `expf` is
+/// within 2 ulp and `logf` within 1 ulp of the exact value, glibc's within 1, so the two differ by at
+/// most `LIBM_ULPS` (3). With the shim's math library that far from glibc's - every result 3 ulps
+/// up, 3 down, and spread over -3..3 - every op passes its tolerance and the sampler its margin (the
+/// worst |kernel - CPU| / tolerance per op is printed: how much room each keeps); 4096 ulps off,
+/// each op's check fails (the sampler's: `the_sampler_check_can_fail_in_every_case`).
+#[test]
+fn the_libm_tolerances_admit_a_math_library_3_ulps_off_and_refuse_4096() {
+    let u = LIBM_ULPS as i32;
+    for (ulps, spread) in [(u, false), (-u, false), (u, true)] {
+        let Some(s) = Shim::with(Libm::Off { ulps, spread }) else { return };
+        let _ = take_worst();
+        for (op, r) in libm_checks(&s, true) {
+            assert!(r.is_ok(), "{}: the {op} check refused a math library {LIBM_ULPS} ulps off", s.name());
+        }
+        for (op, worst) in take_worst() {
+            let rtol = TOLS.iter().find(|t| t.op == op).map_or(f32::NAN, |t| t.rtol);
+            say(&format!("TOLERANCE {}: {op}: rtol {rtol:e}, worst |kernel - CPU| / tolerance {worst:.3}", s.name()));
+        }
+    }
+    let Some(s) = Shim::with(Libm::Off { ulps: 4096, spread: true }) else { return };
+    for (op, r) in libm_checks(&s, false) {
+        assert!(r.is_err(), "{}: the {op} check admitted a math library 4096 ulps off", s.name());
+    }
+    let _ = take_worst();
 }
 
 #[test]

@@ -10,7 +10,8 @@
 #                                                 numpy and triton) and runs the check on GPU 0, with
 #                                                 ARGS (megatron_check.py --help; --cpu: a dry run)
 #
-# scripts/gpu-check.sh --prepare calls --prepare into its bundle, and its step gpu-check.d/90-megatron runs it.
+# The GPU check bundle carries the same folder (python/gpu-bundle.sh writes both; scripts/gpu-check.d/
+# 90-megatron runs it): this script is that one part, alone.
 # Exit codes: the check's (0 passed, 1 a check failed, 3 no CUDA device: SKIPPED), 2 bad usage.
 set -euo pipefail
 mode=${1:-}
@@ -21,14 +22,14 @@ shift 2
 cd "$(dirname "$0")/../.."
 case "$mode" in
   --prepare)
-    venv=target/pyvenv
-    [ -x "$venv/bin/maturin" ] || { echo "megatron-check: no $venv (run python/test.sh first)" >&2; exit 2; }
+    [ -x target/pyvenv/bin/maturin ] || { echo "megatron-check: no target/pyvenv (run python/test.sh first)" >&2; exit 2; }
+    # The GPU bundle's megatron folder (python/gpu-bundle.sh), alone.
+    tmp=$(mktemp -d)
+    python/gpu-bundle.sh "$tmp" >/dev/null
     mkdir -p "$dir"
     rm -f "$dir"/*.whl
-    "$venv/bin/maturin" build --release --quiet -m python/Cargo.toml -o "$dir"
-    "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --platform manylinux_2_28_x86_64 megatron-core==0.19.2 -d "$dir"
-    cp python/gpu/megatron_check.py python/examples/megatron_guard.py python/tests/ddp_case.py "$dir"/
+    cp "$tmp"/megatron/* "$dir"/
+    rm -rf "$tmp"
     ls -l "$dir"
     echo "prepared: run 'python/gpu/megatron-check.sh --prebuilt $dir' on the GPU machine"
     ;;

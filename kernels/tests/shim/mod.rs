@@ -22,9 +22,19 @@ mod skip;
 type LaunchFn = unsafe extern "C" fn(c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_int, Call, *mut c_void) -> c_int;
 type Call = unsafe extern "C" fn(*mut c_void);
 
+/// The math library the kernels call: glibc's (the CPU twins' own), or one `ulps` from it (every
+/// result moved by `ulps`: up, or down when negative; or by -|ulps|..|ulps| with `spread`): the
+/// header's `SHIM_LIBM_ULPS`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Libm {
+    Glibc,
+    Off { ulps: i32, spread: bool },
+}
+
 /// One `.cu` file built for the CPU and loaded.
 pub struct Lib {
     file: &'static str,
+    libm: Libm,
     handle: usize,
     launch: LaunchFn,
     lock: Mutex<()>,
@@ -32,6 +42,8 @@ pub struct Lib {
 
 /// The shim, and the shim's own test kernels (kernels/shim/).
 const SHIM_HEADER: &str = include_str!("../../shim/cuda_shim.h");
+/// The math library's nudge (`Libm::Off`), inlined where the header includes it.
+const NUDGE_HEADER: &str = include_str!("../../shim/libm_nudge.h");
 const SELFTEST: &str = include_str!("../../shim/selftest.cu");
 
 /// The text of `file`: a source of `cuda_grid::SOURCES`, or `selftest.cu`.
@@ -49,6 +61,11 @@ fn source(file: &str) -> &'static str {
 /// `kernels/cuda/<file>` (or the shim's `selftest.cu`) built and loaded (once per process), or `None` after a `SKIPPED` line
 /// when this machine has no `g++`. A source that does not compile is a panic with g++'s output.
 pub fn lib(file: &'static str) -> Option<&'static Lib> {
+    lib_with(file, Libm::Glibc)
+}
+
+/// [`lib`] with the math library `libm`.
+pub fn lib_with(file: &'static str, libm: Libm) -> Option<&'static Lib> {
     static LIBS: Mutex<Vec<&'static Lib>> = Mutex::new(Vec::new());
     static GXX: OnceLock<Result<(), String>> = OnceLock::new();
     let gxx = GXX.get_or_init(|| match Command::new("g++").arg("--version").output() {
@@ -61,26 +78,40 @@ pub fn lib(file: &'static str) -> Option<&'static Lib> {
         return None;
     }
     let mut libs = LIBS.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(l) = libs.iter().find(|l| l.file == file) {
+    if let Some(l) = libs.iter().find(|l| l.file == file && l.libm == libm) {
         return Some(l);
     }
-    let l: &'static Lib = Box::leak(Box::new(build(file)));
+    let l: &'static Lib = Box::leak(Box::new(build(file, libm)));
     libs.push(l);
     Some(l)
 }
 
-fn build(file: &'static str) -> Lib {
+fn build(file: &'static str, libm: Libm) -> Lib {
     let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-shim");
     std::fs::create_dir_all(&out_dir).expect("create the shim's build folder");
-    let stem = format!("{}-{}", file.trim_end_matches(".cu"), std::process::id());
+    let defines: Vec<String> = match libm {
+        Libm::Glibc => vec![],
+        Libm::Off { ulps, spread } => {
+            let mut d = vec![format!("-DSHIM_LIBM_ULPS={}", if spread { ulps.abs() } else { ulps })];
+            if spread {
+                d.push("-DSHIM_LIBM_SPREAD".into());
+            }
+            d
+        }
+    };
+    let tag: String = defines.concat().chars().filter(|c| c.is_ascii_alphanumeric()).collect();
+    let stem = format!("{}-{}-{tag}-{}", file.trim_end_matches(".cu"), std::process::id(), ulps_sign(libm));
     let (src, header, so) =
         (out_dir.join(format!("{stem}.cu")), out_dir.join(format!("{stem}.h")), out_dir.join(format!("{stem}.so")));
     std::fs::write(&src, source(file)).expect("write the kernel source");
-    std::fs::write(&header, SHIM_HEADER).expect("write the shim header");
+    let text = SHIM_HEADER.replace("#include \"libm_nudge.h\"", NUDGE_HEADER);
+    std::fs::write(&header, text).expect("write the shim header");
     // No -march: no FMA contraction possible; -ffp-contract=off says it anyway (NVRTC --fmad=false).
     let out = Command::new("g++")
         .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"])
-        .args(["-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-Werror", "-Wl,-Bsymbolic", "-include"])
+        .args(["-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-Werror", "-Wl,-Bsymbolic"])
+        .args(&defines)
+        .arg("-include")
         .arg(&header)
         .args(["-x", "c++"])
         .arg(&src)
@@ -100,10 +131,18 @@ fn build(file: &'static str) -> Lib {
     let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     assert!(!handle.is_null(), "dlopen {}: {}", so.display(), dlerror());
     let _ = std::fs::remove_file(&so);
-    let mut lib = Lib { file, handle: handle as usize, launch: launch_unset, lock: Mutex::new(()) };
+    let mut lib = Lib { file, libm, handle: handle as usize, launch: launch_unset, lock: Mutex::new(()) };
     // SAFETY: `shim_launch` is defined by cuda_shim.h with exactly `LaunchFn`'s signature.
     lib.launch = unsafe { lib.sym::<LaunchFn>("shim_launch") };
     lib
+}
+
+/// "m" for a math library moved down (the tag of its build's file name), else "p".
+fn ulps_sign(libm: Libm) -> &'static str {
+    match libm {
+        Libm::Off { ulps, .. } if ulps < 0 => "m",
+        _ => "p",
+    }
 }
 
 unsafe extern "C" fn launch_unset(
