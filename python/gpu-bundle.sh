@@ -4,7 +4,9 @@
 # machine has no package registry and Python 3.12 with torch: each folder holds the wheels its step
 # unpacks onto PYTHONPATH, and the scripts it runs.
 #
-#   DIR/python-guard/  the gradbus wheel, gpu_check.py, tests/ddp_case.py         (80-python-guard)
+#   DIR/python-guard/  the gradbus wheel, gpu_check.py and what it imports (tests/ddp_case.py,
+#                      tests/fsdp_case.py, examples/fsdp_guard.py, examples/example_cli.py)
+#                                                                                 (80-python-guard)
 #   DIR/megatron/      the gradbus wheel, megatron-core 0.19.2's cp312 wheel, megatron_check.py and
 #                      what it imports (examples/megatron_guard.py and example_cli.py,
 #                      tests/ddp_case.py)                                         (90-megatron)
@@ -29,7 +31,7 @@ mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 guard="$dir/python-guard" mega="$dir/megatron"
 rm -rf "$guard" "$mega"
-mkdir -p "$guard/tests" "$mega"
+mkdir -p "$guard/tests" "$guard/examples" "$mega"
 if [ -z "$wheel" ]; then
   PYTHON=${PYTHON:-$src/../target/pyvenv/bin/python} "$src/build-wheels.sh" "$guard" x86_64 >&2
   wheel=$(ls "$guard"/gradbus-*manylinux2014_x86_64*.whl)
@@ -38,7 +40,8 @@ else
 fi
 cp "$wheel" "$mega/"
 cp "$src/gpu_check.py" "$guard/"
-cp "$src/tests/ddp_case.py" "$guard/tests/"
+cp "$src/tests/ddp_case.py" "$src/tests/fsdp_case.py" "$guard/tests/"
+cp "$src/examples/fsdp_guard.py" "$src/examples/example_cli.py" "$guard/examples/"
 cp "$src/gpu/megatron_check.py" "$src/examples/megatron_guard.py" "$src/examples/example_cli.py" \
   "$src/tests/ddp_case.py" "$mega/"
 if [ $offline = 0 ]; then

@@ -178,6 +178,8 @@ verdicts() {
   expect "an empty selection (GPU_CHECK_ONLY=99) fails" 1 "FAILED: no step selected"
   run_check "$v" 1 GPU_CHECK_ONLY=' '
   expect "GPU_CHECK_ONLY of blanks (naming nothing) fails" 1 "FAILED: no step selected"
+  run_check "$v" 1 GPU_CHECK_ONLY=
+  expect "GPU_CHECK_ONLY set but empty fails" 1 "FAILED: no step selected"
   run_check "$v" 0
   expect "no GPU listed: exit 3, every row NOT CHECKED" 3 "^10-good +NOT CHECKED: no GPU here" \
     "^20-bench +NOT CHECKED" "NO GPU: nvidia-smi lists none"

@@ -11,6 +11,7 @@
 #                                         the bundle, each within its budget (all together <= 6 min)
 #   scripts/gpu-check.sh                  build here and run every step (a GPU machine with cargo)
 #   GPU_CHECK_ONLY='10 30' ...            run only the steps whose names start with these prefixes
+#                                         (set, it must name at least one: empty fails)
 #
 # Exit codes (this is the one place that decides them):
 #   0  every selected step ran on a GPU and passed, and every benchmark met its target
@@ -178,7 +179,8 @@ t_start=$(date +%s)
 selected=()
 for s in $(steps "$bundle/gpu-check.d"); do
   name=$(basename "$s")
-  if [ -n "${GPU_CHECK_ONLY:-}" ]; then
+  # Set, even empty, it must name steps (an empty or misspelt selection fails below).
+  if [ -n "${GPU_CHECK_ONLY+set}" ]; then
     keep=0
     for p in $GPU_CHECK_ONLY; do case "$name" in "$p"*) keep=1 ;; esac; done
     [ $keep = 1 ] || continue

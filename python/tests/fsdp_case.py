@@ -7,6 +7,8 @@ A case is a dict:
   steps   number of updates (default 4)
   guard   None (FSDP2 alone) or gradbus.fsdp.Guard keyword arguments
   plants  [{"rank", "step", "param", "element", "value": "nan"|"inf"|"-inf"}]
+  device  "cpu" (default) or "cuda" (every rank on GPU 0: python/gpu_check.py); backend: "gloo"
+          (default) or "nccl"
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ def snapshot(net: nn.Module, opt: torch.optim.Optimizer):
     """Full weights (all-gathered: every rank calls this at the same points) and this rank's shard of
     the Adam state."""
     names = {id(p): n for n, p in net.named_parameters()}
-    local = lambda v: (v.to_local() if hasattr(v, "to_local") else v).clone() if torch.is_tensor(v) else v  # noqa: E731
+    local = lambda v: (v.to_local() if hasattr(v, "to_local") else v).to("cpu", copy=True) if torch.is_tensor(v) else v  # noqa: E731
     return {
-        "weights": {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()},
+        "weights": {n: p.full_tensor().detach().to("cpu", copy=True) for n, p in net.named_parameters()},
         "adam": {names[id(p)]: {k: local(v) for k, v in s.items()} for p, s in opt.state.items()},
     }
 
@@ -45,11 +47,14 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    device = torch.device(case.get("device", "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(case.get("backend", "gloo"), rank=rank, world_size=world, timeout=timedelta(seconds=120))
     out = {"losses": [], "verdicts": [], "snapshots": [], "error": None, "report": None}
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        net = model()
+        mesh = init_device_mesh(device.type, (world,))
+        net = model().to(device)
         for block in (net.inp, net.mid):
             fully_shard(block, mesh=mesh)
         fully_shard(net, mesh=mesh)
@@ -61,7 +66,7 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
         for step in range(case.get("steps", 4)):
             out["snapshots"].append(snapshot(net, inner))
             opt.zero_grad()
-            x, y = batch(rank, step)
+            x, y = batch(rank, step, device.type)
             loss = nn.functional.mse_loss(net(x), y)
             handles = [unsharded(net, p["param"]).register_hook(plant_hook(p))
                        for p in case.get("plants", []) if p["rank"] == rank and p["step"] == step]
