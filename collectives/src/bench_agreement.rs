@@ -12,7 +12,7 @@
 
 use serde::Serialize;
 
-use crate::agreement::{AgreementPath, Cost, Times, ValueNames};
+use crate::agreement::{Cost, Times, ValueNames};
 use crate::Error;
 
 /// Timed rounds per bucket count; the best is reported (a shared machine's interference only
@@ -41,7 +41,7 @@ impl AgreementRow {
     /// The row of `times` measured at `cost`'s world size, bucket count and value count, with the
     /// model's times and choice.
     pub fn new(cost: Cost, times: Times) -> AgreementRow {
-        let model_choice = AgreementPath::cheaper(cost.world, cost.buckets, cost.values).name();
+        let model_choice = cost.cheaper().name();
         AgreementRow { cost, times, model_table_us: cost.table_us(), model_summary_us: cost.summary_us(), model_choice }
     }
 }
@@ -61,7 +61,8 @@ pub fn rank_main(
     let mut rows = Vec::new();
     for &b in buckets {
         let times = crate::mpi::bench_agreement(&universe, b, values, 3, iters, ROUNDS);
-        rows.push(AgreementRow::new(crate::agreement::cost(np, b, values.len()), times));
+        let row = crate::wire::RowShape::mpi(b, values.len());
+        rows.push(AgreementRow::new(crate::agreement::cost(np, row, crate::agreement::Calibration::MPI), times));
     }
     Ok((rank == 0).then_some(rows))
 }

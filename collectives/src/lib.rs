@@ -11,6 +11,7 @@ pub mod agreement;
 pub mod bench;
 pub mod bench_agreement;
 pub mod forecast;
+pub mod judge;
 pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -22,11 +23,11 @@ pub mod spikes;
 pub mod staged;
 pub mod transport;
 pub mod verdict;
-#[cfg(any(feature = "mpi", feature = "cuda"))]
-mod wire;
+pub mod wire;
 
 pub use agreement::{AgreementPath, Anomaly, ExactSum, LocalReport, Stat, Summary, ValueNames};
 pub use forecast::{Alert, Forecast, Outlook, Rule};
+pub use judge::{Judge, LossScale, OnSpike, Watched};
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use overlap::{backward_and_reduce, BusBackend, GradMut, ParamGrads};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};

@@ -69,7 +69,7 @@ use crate::transport::{Progress, Transport};
 use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
-use crate::wire::{fold_op, health_of, health_words};
+use crate::wire::{fold_op, table_of, RowShape};
 /// Largest element count of one `MPI_Allreduce` call (counts are C ints).
 const MAX_COUNT: usize = 1 << 30;
 
@@ -217,10 +217,10 @@ fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
 /// The per-update agreement shared by both transports: one allgather of a fixed-size row per rank,
 /// then every rank builds the same table from the same rows.
 ///
-/// Row: `[op hash, reducer flag, local health (4 words) x buckets, reduced health (4) x buckets,
-/// report (2 + values)]`. `reduced` is meaningful on reducers only (every rank of the flat transport, the
-/// leaders of the hierarchical one); the table takes the lowest reducer's, and every reducer's must
-/// be bitwise the same.
+/// Row (`wire`, shape `RowShape::mpi`): head `[op hash, reducer flag]`, local health per bucket, reduced
+/// health per bucket, report. `reduced` is meaningful on reducers only (every rank of the flat
+/// transport, the leaders of the hierarchical one); the table takes the lowest reducer's, and every
+/// reducer's must be bitwise the same.
 fn agree_rows(
     comm: &SimpleCommunicator,
     names: &ValueNames,
@@ -237,17 +237,8 @@ fn agree_rows(
 
 /// One rank's row of the table path (see `agree_rows`).
 fn row_words(ops: u64, local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Vec<u64> {
-    let nb = local.len();
-    let mut mine = Vec::with_capacity(2 + 8 * nb + LocalReport::words(report.values.len()));
-    mine.push(ops);
-    mine.push(reduced.is_some() as u64);
-    mine.extend(local.iter().flat_map(health_words));
-    match reduced {
-        Some(r) => mine.extend(r.iter().flat_map(health_words)),
-        None => mine.resize(mine.len() + 4 * nb, 0),
-    }
-    mine.extend(report.to_words());
-    mine
+    let shape = RowShape::mpi(local.len(), report.values.len());
+    shape.encode(&[ops, reduced.is_some() as u64], local, reduced, report)
 }
 
 /// The table every rank builds from the same gathered rows (`row_words` of every rank, in rank
@@ -255,26 +246,25 @@ fn row_words(ops: u64, local: &[Health], reduced: Option<&[Health]>, report: &Lo
 /// collectives `ops` hashes and that every reducer's sums are the same bits. `me`: this rank, for
 /// the error message.
 fn table_of_rows(all: &[u64], nb: usize, names: &ValueNames, ops: u64, me: usize) -> Result<HealthTable, Error> {
-    let row = 2 + 8 * nb + LocalReport::words(names.len());
-    let rows: Vec<&[u64]> = all.chunks_exact(row).collect();
-    let n = rows.len();
+    let rows = RowShape::mpi(nb, names.len())
+        .rows(all)
+        .map_err(|what| Error::Mpi { what, hint: "a transport bug: every rank gathers rows of one shape".into() })?;
     for (j, r) in rows.iter().enumerate() {
-        if r[0] != ops {
+        if r.head[0] != ops {
             return Err(Error::Mismatch {
                 rank: j,
-                theirs: format!("an update whose collectives hash to {:#018x}", r[0]),
+                theirs: format!("an update whose collectives hash to {:#018x}", r.head[0]),
                 mine: format!("an update whose collectives hash to {ops:#018x}"),
             });
         }
     }
-    let reducers: Vec<usize> = (0..n).filter(|&j| rows[j][1] == 1).collect();
+    let reducers: Vec<usize> = (0..rows.len()).filter(|&j| rows[j].head[1] == 1).collect();
     let first = *reducers.first().ok_or_else(|| Error::Mpi {
         what: "no rank reported a reduced bucket".into(),
         hint: "a transport bug: every node must have a leader".into(),
     })?;
-    let red = |j: usize| &rows[j][2 + 4 * nb..2 + 8 * nb];
     for &j in &reducers {
-        if red(j) != red(first) {
+        if rows[j].reduced_words() != rows[first].reduced_words() {
             return Err(Error::Mismatch {
                 rank: j,
                 theirs: "an MPI_Allreduce result with other bits".into(),
@@ -282,16 +272,7 @@ fn table_of_rows(all: &[u64], nb: usize, names: &ValueNames, ops: u64, me: usize
             });
         }
     }
-    let mut local = vec![Health::default(); nb * n];
-    let mut reports = Vec::with_capacity(n);
-    for (k, r) in rows.iter().enumerate() {
-        for b in 0..nb {
-            local[b * n + k] = health_of(&r[2 + 4 * b..2 + 4 * b + 4]);
-        }
-        reports.push(LocalReport::from_words(&r[2 + 8 * nb..]));
-    }
-    let reduced = red(first).chunks_exact(4).map(health_of).collect();
-    Ok(HealthTable::detailed(n, names, local, reduced, reports, Some(ops)))
+    Ok(table_of(&rows, names, rows[first].reduced(), Some(ops)))
 }
 
 /// The summary path of the agreement: the all-reduce of every rank's contribution, as two

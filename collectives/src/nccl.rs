@@ -18,6 +18,7 @@
 //!             ncclAllReduce(SUM, in place) of every pending bucket
 //!             ncclAllGather of the fixed-size row of every rank:
 //!               [op hash | config hash | layout hash | local health (4 words) x buckets | report (2 + values)]
+//!               (`wire`'s row codec)
 //!           ncclGroupEnd, stream synchronized
 //!           reduced buckets: health scan (same kernel, same bits on every rank), device -> host
 //!           every rank builds the same HealthTable from the same gathered rows
@@ -62,8 +63,7 @@ use crate::transport::{AlignedBuf, Transport};
 use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
-/// "No first bad index" in a row word.
-use crate::wire::{fold_op, health_of, health_words};
+use crate::wire::{fold_op, table_of, RowShape};
 /// Bytes of an NCCL unique id.
 const ID_BYTES: usize = 128;
 
@@ -139,9 +139,6 @@ fn await_id(path: &Path, timeout: Duration) -> Result<Id, Error> {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
-
-/// Words of a row before the buckets: op hash, config hash, layout hash.
-const HEAD: usize = 3;
 
 /// A data-parallel transport over NCCL, one GPU per rank.
 pub struct NcclTransport {
@@ -285,11 +282,9 @@ unsafe impl Transport for NcclTransport {
         fold_op(&mut self.ops, "agree", at, None);
         let ops = std::mem::take(&mut self.ops).0;
         let nb = self.local.len();
-        let n = self.cfg.world;
-        let mut mine = vec![ops, self.cfg.config_hash, self.cfg.layout.hash()];
-        mine.extend(self.local.iter().flat_map(health_words));
-        mine.extend(report.to_words());
-        let width = mine.len();
+        let shape = RowShape::nccl(nb, self.cfg.values.len());
+        let head = [ops, self.cfg.config_hash, self.cfg.layout.hash()];
+        let mine = shape.encode(&head, &self.local, None, &report);
         let all = self.exchange(&mine)?;
         let pending = std::mem::take(&mut self.pending);
         let mut reduced = vec![Health::default(); nb];
@@ -306,26 +301,21 @@ unsafe impl Transport for NcclTransport {
         }
         self.gpu.synchronize()?;
         self.device_resident = false;
-        let rows: Vec<&[u64]> = all.chunks_exact(width).collect();
+        let rows = shape.rows(&all).map_err(|what| Error::Nccl {
+            what,
+            hint: "a transport bug: every rank gathers rows of one shape".into(),
+        })?;
         for (j, r) in rows.iter().enumerate() {
-            if r[..HEAD] != mine[..HEAD] {
+            if r.head != head {
                 return Err(Error::Mismatch {
                     rank: j,
-                    theirs: format!("ops {:#018x}, config {:#018x}, layout {:#018x}", r[0], r[1], r[2]),
-                    mine: format!("ops {:#018x}, config {:#018x}, layout {:#018x}", mine[0], mine[1], mine[2]),
+                    theirs: format!("ops {:#018x}, config {:#018x}, layout {:#018x}", r.head[0], r.head[1], r.head[2]),
+                    mine: format!("ops {:#018x}, config {:#018x}, layout {:#018x}", head[0], head[1], head[2]),
                 });
             }
         }
-        let mut local = vec![Health::default(); nb * n];
-        let mut reports = Vec::with_capacity(n);
-        for (k, r) in rows.iter().enumerate() {
-            for b in 0..nb {
-                local[b * n + k] = health_of(&r[HEAD + 4 * b..HEAD + 4 * b + 4]);
-            }
-            reports.push(LocalReport::from_words(&r[HEAD + 4 * nb..]));
-        }
         // The table path always: a single GPU per machine has not run this transport yet.
-        let table = HealthTable::detailed(n, &self.cfg.values, local, reduced, reports, Some(ops));
+        let table = table_of(&rows, &self.cfg.values, reduced, Some(ops));
         // Buckets not reduced in the next update report nothing, as on the bus.
         self.local.fill(Health::default());
         Ok(table)

@@ -154,7 +154,8 @@ fn run_child(scenario: &str, dir: &Path, rank: usize) -> Result<(), Error> {
         // Odd ranks force the path the cost model chooses for this world, layout and value count
         // (`GB_FORCE=model`) or the other one (`other`); even ones let the model choose.
         "model-path" => {
-            let model = AgreementPath::cheaper(np, layout().buckets.len(), value_names().len());
+            let row = gradbus_collectives::wire::RowShape::mpi(layout().buckets.len(), value_names().len());
+            let model = AgreementPath::cheaper(np, row, gradbus_collectives::agreement::Calibration::MPI);
             if rank % 2 == 1 {
                 let forced = match var("GB_FORCE").as_str() {
                     "model" => model,

@@ -8,6 +8,14 @@ alternating the paths, and rank 0 prints microseconds per update - wall time, an
 time (process time, which a busy machine disturbs less) - the medians of the rounds, and the wall
 ratio. A benchmark: asserts nothing.
 
+Then it fits the runtime's cost model (collectives/src/agreement/cost.rs, `Calibration`) to these
+times: the latency of one exchange (alpha), the cost of a byte moved into a rank (beta) and each
+path's CPU cost per byte, by least squares over every row, with the model's bytes and exchanges
+from the native core (`_core.agreement_cost`: the row codec's length, the summary's words), and
+prints them as `Calibration::GLOO` takes them:
+  table path:   T = r alpha + (W - 1) row beta + W row cpu_table         (one all-gather)
+  summary path: T = 2 r alpha + r S beta + S cpu_summary                 (two all-reduces)
+
 Usage: exchange.py [--world 2,4,8] [--buckets 7,100] [--iters 200] [--rounds 5]
 """
 
@@ -71,6 +79,7 @@ def main():
     ctx = mp.get_context("spawn")
     print(f"{'world':>5} {'buckets':>7} {'table words':>11} {'summary words':>13} {'table us':>9} {'summary us':>10} "
           f"{'summary/table':>13} {'table CPU us':>12} {'summary CPU us':>14}")
+    rows = []
     for world in map(int, a.world.split(",")):
         for buckets in map(int, a.buckets.split(",")):
             q = ctx.Queue()
@@ -86,11 +95,37 @@ def main():
                     if "EADDRINUSE" not in str(e) or attempt == 2:
                         raise
             r = q.get()
-            row = buckets * gbt._core.CELL + gbt._core.EXTRA
-            summ = sum(gbt._core.summary_words(buckets))
+            c = gbt._core.agreement_cost(world, buckets)
             (tw, tc), (sw, sc) = r["table"], r["summary"]
-            print(f"{world:>5} {buckets:>7} {world * row:>11} {summ:>13} {tw:>9.1f} {sw:>10.1f} {sw / tw:>13.2f} "
-                  f"{tc:>12.1f} {sc:>14.1f}", flush=True)
+            rows.append((c, tw, sw))
+            print(f"{world:>5} {buckets:>7} {c['table_bytes'] // 8:>11} {c['summary_bytes'] // 8:>13} {tw:>9.1f} {sw:>10.1f} "
+                  f"{sw / tw:>13.2f} {tc:>12.1f} {sc:>14.1f}", flush=True)
+    fit(rows)
+
+
+def fit(rows):
+    """Least squares of the model's four constants (all >= 0) over the measured rows (wall times)."""
+    import numpy as np
+
+    a, y = [], []
+    for c, tw, sw in rows:
+        r = c["rounds"]
+        a.append([r, c["table_bytes"] - c["row_bytes"], c["table_bytes"], 0.0])
+        y.append(tw)
+        a.append([2 * r, c["summary_bytes_in"], 0.0, c["summary_bytes"]])
+        y.append(sw)
+    a, y = np.array(a, dtype=float), np.array(y, dtype=float)
+    free = [0, 1, 2, 3]
+    while True:  # drop a constant the fit makes negative, and fit again without it
+        x = np.zeros(4)
+        x[free] = np.linalg.lstsq(a[:, free], y, rcond=None)[0]
+        if (x >= 0).all():
+            break
+        free.remove(int(np.argmin(x)))
+    names = ["alpha_us", "beta_us_per_byte", "table_cpu_us_per_byte", "summary_cpu_us_per_byte"]
+    print("fitted: " + ", ".join(f"{n}: {v:.4g}" for n, v in zip(names, x)))
+    model = a @ x
+    print("model us per row (table, summary): " + "; ".join(f"{model[i]:.0f}, {model[i + 1]:.0f}" for i in range(0, len(model), 2)))
 
 
 if __name__ == "__main__":

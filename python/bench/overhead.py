@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The guard's cost on a real DDP script: bench/pytorch_grpo.py (the GRPO twin, gloo, CPU) with DDP's
 built-in all-reduce (no hook), PyTorch's Python `default_hooks.allreduce_hook`, and the gradbus
-guard's hook (policy skip), alternated `--reps` times in one run, tokens/s side by side (the twin's own definition: steps 1.. of the run,
+guard's hook (policy skip; its default agreement, and the table all-gathered every update), alternated `--reps` times in one run, tokens/s side by side (the twin's own definition: steps 1.. of the run,
 startup and step 0 excluded), and the CPU seconds each whole run used (user + sys of every process,
 startup included), which a busy machine disturbs less than wall time. A benchmark, not a test: it
 prints numbers and asserts nothing.
@@ -22,7 +22,14 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-VARIANTS = {"built-in": [], "allreduce_hook": ["--comm-hook", "allreduce"], "gradbus guard": ["--guard", "skip"]}
+VARIANTS = {
+    "built-in": [],
+    "allreduce_hook": ["--comm-hook", "allreduce"],
+    "gradbus guard": ["--guard", "skip"],
+    "guard, table": ["--guard", "skip", "--agreement", "table"],
+}
+"""The guard with its default agreement (at 2 ranks the rows ride the last bucket's all-reduce), and
+with the per-rank table all-gathered every update (the default before issue 31), as a baseline."""
 
 
 def one(config, np, sets, extra):

@@ -9,6 +9,28 @@ and element. See `gradbus.torch` and docs/pytorch.md.
 `gradbus._core` is the native core (Rust, PyO3); `gradbus.torch` imports torch, this module does not.
 """
 
-from gradbus._core import CELL, EXTRA, Agreement, Decision, checksum_f32, contribute, scan_f32, summary_words
+from gradbus._core import (
+    CELL,
+    Agreement,
+    Decision,
+    checksum_f32,
+    contribute,
+    decode_row,
+    encode_row,
+    row_words,
+    scan_f32,
+    summary_words,
+)
 
-__all__ = ["CELL", "EXTRA", "Agreement", "Decision", "checksum_f32", "contribute", "scan_f32", "summary_words"]
+__all__ = [
+    "CELL",
+    "Agreement",
+    "Decision",
+    "checksum_f32",
+    "contribute",
+    "decode_row",
+    "encode_row",
+    "row_words",
+    "scan_f32",
+    "summary_words",
+]

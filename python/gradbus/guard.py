@@ -13,11 +13,12 @@ offset; everything else is here and in the native core (`gradbus._core`, the run
 
 The per-rank row (`Row`) is the one place that says what a rank tells the others about one update:
 its cells (per bucket: NaN count, Inf count, sum of squares, first non-finite element), its loss,
-its loss scale, its replica checksum. `GuardCore._row` fills it, `Row.encode` turns it into the bytes
-the native core reads. To carry a new per-rank field: add it to `Row` (with its default), fill it in
-`GuardCore._row` (or in an adapter's override of `_row_fields`), and add it to the codec
-(`Row.encode` / `Row.decode` here and the row decoder of `python/src/lib.rs`). Every rank's decoded
-row of the last gathered table is in `GuardCore.rows`.
+its loss scale, its replica checksum. `GuardCore._row` fills it; `Row.encode` hands it to the native
+core, which encodes it with the runtime's one row codec (`collectives/src/wire.rs`). To carry a new
+per-rank field: add it to `Row` (with its default), fill it in `GuardCore._row` (an adapter may
+override `_row` and call the core's), and pass it through `_core.encode_row` / `_core.decode_row`
+(`python/src/lib.rs`) into the codec's row (a per-rank float: a value of the agreement, by name).
+Every rank's decoded row of the last gathered table is in `GuardCore.rows`.
 
 Invariants: every rank issues the same collectives in the same order (the agreement's all-reduces or
 all-gather, and an all-gather on every rank or none); every rank decides from bitwise-identical data
@@ -42,7 +43,7 @@ from gradbus import _core
 log = logging.getLogger("gradbus")
 
 POLICIES = ("abort", "skip", "rerun")
-AGREEMENTS = ("auto", "summary", "table")
+AGREEMENTS = ("auto", "summary", "table", "ride")
 
 Layout = List[Tuple[str, int]]
 """One bucket's layout: the (name, numel) of what it holds back to back, the same on every rank."""
@@ -225,8 +226,8 @@ def replica_checksum(params: List[torch.Tensor]) -> int:
 
 @dataclass
 class Row:
-    """What one rank tells the others about one update (see the module doc for how to add a field).
-    The native core decodes it (`_core.CELL` words per bucket, then `_core.EXTRA` words)."""
+    """What one rank tells the others about one update (see the module doc for how to add a field);
+    its words are the runtime's row codec's (`collectives/src/wire.rs`)."""
 
     cells: List[Sequence[float]]
     """Per bucket: NaN count, Inf count, sum of squares, first non-finite element (-1: none)."""
@@ -238,23 +239,20 @@ class Row:
     """The rank's replica checksum (0 on updates without a replica check)."""
 
     def encode(self) -> bytes:
-        """The row as the native core reads it: float64 cells, loss, loss scale, then the replica
-        checksum as a u64, little-endian."""
-        flat = [float(x) for c in self.cells for x in c]
-        return struct.pack(f"<{len(flat) + 2}dQ", *flat, self.loss, self.loss_scale, self.replica)
+        """The row's words (little-endian bytes) in the runtime's row codec
+        (`collectives/src/wire.rs`, through `_core.encode_row`, which checks the counts)."""
+        return _core.encode_row(self.cells, self.loss, self.loss_scale, self.replica)
 
     @staticmethod
     def decode(data: bytes, buckets: int) -> "Row":
         """The row of `encode`'s bytes over `buckets` buckets."""
-        n = buckets * _core.CELL
-        words = struct.unpack(f"<{n + 2}dQ", data)
-        cells = [tuple(words[i : i + _core.CELL]) for i in range(0, n, _core.CELL)]
-        return Row(cells, words[n], words[n + 1], words[n + 2])
+        cells, loss, loss_scale, replica = _core.decode_row(data, buckets)
+        return Row(cells, loss, loss_scale, replica)
 
     @staticmethod
     def size(buckets: int) -> int:
         """Bytes of a row over `buckets` buckets."""
-        return 8 * (buckets * _core.CELL + _core.EXTRA)
+        return 8 * _core.row_words(buckets)
 
 
 def _as_bytes(t: torch.Tensor) -> bytes:
@@ -263,16 +261,26 @@ def _as_bytes(t: torch.Tensor) -> bytes:
     return struct.pack(f"<{len(words)}q", *words)
 
 
+def _unride(seg: torch.Tensor) -> torch.Tensor:
+    """The int64 words of a summed ride segment (`GuardCore.ride`): every element is a 16-bit
+    (float32, float64) or 8-bit (float16, bfloat16) chunk of the rows' little-endian bytes, exact."""
+    c = seg.detach().to(torch.int32).cpu()
+    wide = seg.dtype in (torch.float32, torch.float64)
+    # int32 -> int16 keeps the low 16 bits (0..65535 -> the same bit pattern).
+    return (c.to(torch.int16) if wide else c.to(torch.uint8)).view(torch.int64)
+
+
 @dataclass
 class _Pending:
     """The agreement of one update in flight (started by `exchange`, finished by `verdict`)."""
 
     path: str
-    """"table" (one all-gather of the rows) or "summary" (two all-reduces, the table on an anomaly)."""
+    """"table" (one all-gather of the rows), "summary" (two all-reduces, the table on an anomaly) or
+    "ride" (the rows ride an all-reduce the framework runs anyway: no collective of the guard's)."""
     works: List[Any]
     """The collectives' handles, waited for by `verdict`."""
     parts: List[torch.Tensor]
-    """Their tensors: every rank's row (table), or the summary's SUM and MAX words."""
+    """Their tensors: every rank's row (table), the summary's SUM and MAX words, or the ride segment."""
     row: bytes
     """This rank's row (the summary path gathers it on an anomaly)."""
     layout: List[Layout]
@@ -296,6 +304,9 @@ class GuardCore:
         as `gradbus.torch.Guard` documents them.
     """
 
+    RIDES = False
+    """Whether the adapter can carry the rows on a gradient all-reduce of its framework (`ride`)."""
+
     def __init__(
         self,
         policy: str = "abort",
@@ -317,8 +328,9 @@ class GuardCore:
             raise ValueError(f"gradbus.torch.Guard: policy {policy!r}: expected one of {POLICIES}")
         if scan not in ("auto", "torch"):
             raise ValueError(f"gradbus.torch.Guard: scan {scan!r}: expected 'auto' or 'torch'")
-        if agreement not in AGREEMENTS:
-            raise ValueError(f"gradbus.torch.Guard: agreement {agreement!r}: expected one of {AGREEMENTS}")
+        if agreement not in AGREEMENTS or agreement == "ride" and not self.RIDES:
+            ok = AGREEMENTS if self.RIDES else tuple(a for a in AGREEMENTS if a != "ride")
+            raise ValueError(f"gradbus.torch.Guard: agreement {agreement!r}: expected one of {ok}")
         if not isinstance(replica_every, int) or replica_every < 0:
             raise ValueError(f"gradbus.torch.Guard: replica_every {replica_every!r}: expected a whole number >= 0 (0: off)")
         if scaler is not None and not hasattr(scaler, "get_scale"):
@@ -457,20 +469,9 @@ class GuardCore:
     def exchange(self, buckets: Optional[int] = None) -> None:
         """Start the agreement over the buckets 0..buckets-1 recorded since the last verdict (default:
         all recorded ones): the summary's two all-reduces or the table's all-gather. The DDP hook
-        calls it at DDP's last bucket; an adapter whose framework has no such moment, before
-        `verdict`."""
-        if self._pending is not None:
-            raise RuntimeError(
-                "gradbus.torch.Guard: a second backward before the verdict on the first "
-                "(hint: call opt.step() or guard.verdict() after every backward; gradient accumulation "
-                "runs its inner steps under ddp.no_sync())"
-            )
-        n = max(self._cells, default=-1) + 1 if buckets is None else buckets
-        if sorted(self._cells) != list(range(n)):
-            raise RuntimeError(f"gradbus: buckets {sorted(self._cells)} seen before the last bucket #{n - 1}")
-        row = self._row(n).encode()
-        layout = [self._layout[b] for b in range(n)]
-        world = dist.get_world_size(self.process_group)
+        calls it at DDP's last bucket (unless the rows ride that bucket: `ride`); an adapter whose
+        framework has no such moment, before `verdict`."""
+        n, row, layout, world = self._begin(buckets)
         path = _core.cheaper_path(world, n) if self.agreement == "auto" else self.agreement
         self.path = path
         if path == "table":
@@ -484,8 +485,54 @@ class GuardCore:
                 dist.all_reduce(parts[1], op=dist.ReduceOp.MAX, group=pg, async_op=True),
             ]
             self._pending = _Pending("summary", works, parts, row, layout, world)
+
+    @staticmethod
+    def ride_len(buckets: int, world: int, dtype: torch.dtype) -> int:
+        """Elements of `dtype` that every rank's row takes when it rides a bucket's all-reduce
+        (`ride`): `world` slots of one row's words as small integers the dtype holds exactly -
+        16-bit chunks in float32 and float64, 8-bit chunks in float16 and bfloat16."""
+        return world * _core.row_words(buckets) * (4 if dtype in (torch.float32, torch.float64) else 8)
+
+    def ride(self, buckets: int, out: torch.Tensor) -> _Pending:
+        """Start the agreement over buckets 0..buckets-1 with every rank's row riding a sum
+        all-reduce the caller runs anyway (the DDP hook: its last bucket's): fills `out`
+        (`ride_len` elements of the bucket's dtype, on its device) with this rank's row as small
+        integers in its own slot and zeros in the others', so the sum over ranks is every rank's row,
+        exactly (x + 0 = x), whatever else the all-reduce sums. The caller appends the all-reduce's
+        work to the returned record's `works`; `verdict` decodes `out` once it has completed. No
+        collective of its own."""
+        n, row, layout, world = self._begin(buckets)
+        wide = out.dtype in (torch.float32, torch.float64)
+        chunks = torch.frombuffer(bytearray(row), dtype=torch.int16 if wide else torch.uint8)
+        if wide:
+            chunks = chunks.to(torch.int32) & 0xFFFF
+        per = chunks.numel()
+        if out.numel() != world * per:
+            raise RuntimeError(f"gradbus: a ride segment of {out.numel()} elements for {world} rows of {per}")
+        rank = dist.get_rank(self.process_group)
+        out.zero_()
+        out[rank * per : (rank + 1) * per].copy_(chunks.to(out.dtype))
+        self.path = "ride"
+        self._pending = _Pending("ride", [], [out], row, layout, world)
+        return self._pending
+
+    def _begin(self, buckets: Optional[int]) -> Tuple[int, bytes, List[Layout], int]:
+        """The start of an agreement: (buckets, this rank's row, the layout, the world size); the
+        update's records are cleared for the next backward."""
+        if self._pending is not None:
+            raise RuntimeError(
+                "gradbus.torch.Guard: a second backward before the verdict on the first "
+                "(hint: call opt.step() or guard.verdict() after every backward; gradient accumulation "
+                "runs its inner steps under ddp.no_sync())"
+            )
+        n = max(self._cells, default=-1) + 1 if buckets is None else buckets
+        if sorted(self._cells) != list(range(n)):
+            raise RuntimeError(f"gradbus: buckets {sorted(self._cells)} seen before the last bucket #{n - 1}")
+        row = self._row(n).encode()
+        layout = [self._layout[b] for b in range(n)]
         self.buckets = n
         self._cells, self._layout, self._loss = {}, {}, None
+        return n, row, layout, dist.get_world_size(self.process_group)
 
     # --- inside ------------------------------------------------------------------------------------
 
@@ -523,6 +570,8 @@ class GuardCore:
             if d is not None:
                 return d
             _, parts = self._gather(p.row, async_op=False)
+        if p.path == "ride":
+            parts = list(_unride(parts[0]).chunk(p.world))
         self.tabled += 1
         rows = [_as_bytes(t) for t in parts]
         self._rows = (rows, len(p.layout))

@@ -90,8 +90,18 @@ class Guard(GuardCore):
         per-rank table on every update). The verdicts and reports are the same on every path.
     """
 
+    RIDES = True
+
     def __init__(self, policy: str = "abort", names: Any = None, run_dir: Optional[str] = None, process_group: Any = None, **kwargs: Any):
         super().__init__(policy, self._names(names), run_dir, process_group, **kwargs)
+
+    def rides(self, world: int) -> bool:
+        """Whether the rows ride the last bucket's all-reduce (no collective of the guard's): with
+        `agreement="ride"`, and with "auto" at 2 ranks, where a sum's order of additions cannot
+        change a bit (a + b = b + a). At 3 ranks and more an all-reduce's order of additions may
+        depend on its length (gloo's and NCCL's rings cut it in chunks), so the appended rows could
+        change the gradients' last bits against plain DDP: "auto" takes the cost model's path there."""
+        return self.agreement == "ride" or self.agreement == "auto" and world == 2
 
     @staticmethod
     def _names(names: Any) -> Dict[int, Tuple[torch.Tensor, str]]:
@@ -127,39 +137,60 @@ class Guard(GuardCore):
 
 def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: tally the bucket's local health, then all-reduce it as DDP does
-    without a hook (mean over ranks); at the last bucket, start the agreement.
+    without a hook (mean over ranks); at the last bucket, start the agreement - or, where the rows
+    ride it (`Guard.rides`), append every rank's row to the last bucket's all-reduce.
     Register with `ddp.register_comm_hook(guard, gradbus.torch.allreduce_hook)`."""
     guard._tally_bucket(bucket)
     pg = guard.process_group
     buf = bucket.buffer()
+    world = dist.get_world_size(pg)
     # Scale then sum, as DDP's built-in reduction does (a multiply by 1/world: the Python
     # default_hooks.allreduce_hook divides instead, which differs in the last bit when the world size
     # is not a power of two), so that a guarded clean run is bitwise the run without any hook.
-    buf.mul_(1.0 / dist.get_world_size(pg))
-    fut = dist.all_reduce(buf, group=pg, async_op=True).get_future().then(lambda f: f.value()[0])
-    if bucket.is_last():
-        guard.exchange(bucket.index() + 1)
-    return fut
+    if not (bucket.is_last() and guard.rides(world)):
+        buf.mul_(1.0 / world)
+        fut = dist.all_reduce(buf, group=pg, async_op=True).get_future().then(lambda f: f.value()[0])
+        if bucket.is_last():
+            guard.exchange(bucket.index() + 1)
+        return fut
+    n = buf.numel()
+    flat = torch.empty(n + guard.ride_len(bucket.index() + 1, world, buf.dtype), dtype=buf.dtype, device=buf.device)
+    torch.mul(buf, 1.0 / world, out=flat[:n])  # the same product, into the tensor the rows ride
+    pending = guard.ride(bucket.index() + 1, flat[n:])
+    work = dist.all_reduce(flat, group=pg, async_op=True)
+    pending.works.append(work)
+    # DDP copies the returned sum into the gradients (it is not the bucket's own buffer).
+    return work.get_future().then(lambda f: f.value()[0][:n])
 
 
 def _compress_hook(dtype: torch.dtype, guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's `default_hooks._compress_hook` with the guard: the same operations (cast, divide by the
     world size, all-reduce, copy back), so a clean run is bitwise DDP's compression hook; the cast
-    bucket is scanned in its own dtype before the division."""
+    bucket is scanned in its own dtype before the division. Where the rows ride the last bucket
+    (`Guard.rides`), they follow the cast bucket in the same all-reduce."""
     pg = guard.process_group
     buffer = bucket.buffer()
-    compressed = buffer.to(dtype)
+    n = buffer.numel()
+    world = dist.get_world_size(pg)
+    riding = bucket.is_last() and guard.rides(world)
+    extra = guard.ride_len(bucket.index() + 1, world, dtype) if riding else 0
+    flat = torch.empty(n + extra, dtype=dtype, device=buffer.device)
+    compressed = flat[:n]
+    compressed.copy_(buffer)  # the cast, as buffer.to(dtype)
     guard._tally_bucket(bucket, compressed)
-    compressed.div_(dist.get_world_size(pg))
+    compressed.div_(world)
+    pending = guard.ride(bucket.index() + 1, flat[n:]) if riding else None
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(fut.value()[0])
+        buffer.copy_(fut.value()[0][:n])
         return buffer
 
-    fut = dist.all_reduce(compressed, group=pg, async_op=True).get_future().then(decompress)
-    if bucket.is_last():
+    work = dist.all_reduce(flat, group=pg, async_op=True)
+    if pending is not None:
+        pending.works.append(work)
+    elif bucket.is_last():
         guard.exchange(bucket.index() + 1)
-    return fut
+    return work.get_future().then(decompress)
 
 
 def fp16_compress_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -1,15 +1,15 @@
 //! `gradbus._core`: the runtime's own health scan, agreement, verdict and spike detector, bound for
 //! Python.
 //!
-//! The Python side (`gradbus/torch.py`) owns only the plumbing of a PyTorch DDP communication hook:
-//! which memory to scan, which small tensors to all-reduce or all-gather, which parameter sits at
-//! which offset of a DDP bucket. Every number that decides something comes from here, i.e. from
-//! gradbus-kernels' `health_scan` and gradbus-collectives' `Summary` / `decide` / `History` /
-//! `Report` / `SpikeDetector`, the very code the Rust runtime runs; nothing of it is re-implemented in
-//! Python.
+//! The Python side (`gradbus/guard.py` and its framework adapters) owns only the plumbing: which
+//! memory to scan, which small tensors to all-reduce or all-gather, which parameter sits at which
+//! offset of a bucket. Every number that decides something comes from here, i.e. from
+//! gradbus-kernels' `health_scan` and gradbus-collectives' row codec (`wire`), `Summary`, `Judge`
+//! (`decide`, the history, the spike detectors) and `Report`, the very code the Rust runtime runs;
+//! nothing of it is re-implemented in Python.
 //!
-//! The agreement is the runtime's (`docs/agreement.md`): each rank turns its row (`row_len` words) into
-//! its contribution to the O(buckets) `Summary` (`contribute`); the ranks all-reduce its words (SUM,
+//! The agreement is the runtime's (`docs/agreement.md`): each rank encodes its row (`encode_row`:
+//! the runtime's row codec, `shape`) and turns it into its contribution to the O(buckets) `Summary` (`contribute`); the ranks all-reduce its words (SUM,
 //! MAX); when the summary shows no anomaly every rank decides from it (`decide_summary`), otherwise
 //! the ranks all-gather their rows and decide from the full table (`decide_table`), which names the
 //! rank, bucket, parameter and element.
@@ -24,22 +24,16 @@
 //! reduce" - which for DDP's mean is also "after it" (|sum g/N| <= max |g|: a sum of finite
 //! gradients scaled first cannot overflow).
 
+use gradbus_collectives::agreement::Calibration;
+use gradbus_collectives::wire::{table_of, RowShape, CELL};
 use gradbus_collectives::{
-    decide, Action, Bucket, Classification, HealthTable, History, Layout, LocalReport, Policy, Slot, SpikeDetector,
-    StepId, Summary, ValueNames,
+    Bucket, HealthTable, Judge, Layout, LocalReport, LossScale, OnSpike, Policy, Slot, StepId, Summary, ValueNames,
+    Watched,
 };
 use gradbus_kernels::{health_scan, Checksum, Health};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
-
-/// f64 words per bucket in a rank's row: NaN count, Inf count, sum of squares, index of the first
-/// non-finite element in the bucket (-1: none).
-pub const CELL: usize = 4;
-
-/// Words after the cells in a rank's row: its loss (f64), its loss scale (f64; 0: no scaler), its
-/// replica checksum (u64 bits; 0 on updates without a replica check).
-pub const EXTRA: usize = 3;
+use pyo3::types::{PyBytes, PyDict};
 
 /// The guard's values in the agreement (`LocalReport::values`, by name): the rank's local sum of
 /// squares over every bucket (the gradient norm of spike detection), and its loss scale (which every
@@ -50,9 +44,11 @@ fn values() -> ValueNames {
     ValueNames::new(&VALUES)
 }
 
-/// Words of one rank's row for `buckets` buckets: `CELL` per bucket, then `EXTRA`.
-fn row_len(buckets: usize) -> usize {
-    buckets * CELL + EXTRA
+/// The shape of the guard's row (`gradbus_collectives::wire`, the runtime's one row codec): no
+/// header, the local health per bucket, no reduced health (see the module doc), the report of
+/// `VALUES`.
+fn shape(buckets: usize) -> RowShape {
+    RowShape { head: 0, buckets, reduced: false, values: VALUES.len() }
 }
 
 /// Little-endian 8-byte words of a byte string (a row, a gathered table, all-reduced words).
@@ -71,28 +67,28 @@ fn to_bytes(w: impl IntoIterator<Item = u64>) -> Vec<u8> {
 /// the unsigned order onto the signed one, and flipping it back after the all-reduce restores it.
 const FLIP: u64 = 1 << 63;
 
-/// One rank's row, decoded: its health per bucket and its report.
-fn decode_row(row: &[u64], buckets: usize, rank: usize) -> Result<(Vec<Health>, LocalReport), String> {
-    let count = |x: f64, what: &str, bucket: usize| -> Result<u64, String> {
+/// One bucket's cell as the Python side holds it - (nan, inf, sumsq, first_bad or -1) as floats,
+/// from the Rust scan or torch ops - as the runtime's `Health`, its counts checked.
+fn cell_health(c: [f64; 4], bucket: usize) -> Result<Health, String> {
+    let count = |x: f64, what: &str| -> Result<u64, String> {
         if x.is_finite() && x >= 0.0 && x.fract() == 0.0 {
             Ok(x as u64)
         } else {
-            Err(format!("health row of rank {rank}: bucket #{bucket}: {what} is {x}, not a count"))
+            Err(format!("health row: bucket #{bucket}: {what} is {x}, not a count"))
         }
     };
-    let f = |i: usize| f64::from_bits(row[i]);
-    let mut local = Vec::with_capacity(buckets);
-    let mut sumsq = 0.0;
-    for b in 0..buckets {
-        let c = b * CELL;
-        let first_bad = if f(c + 3) < 0.0 { None } else { Some(count(f(c + 3), "first_bad", b)?) };
-        local.push(Health { nan: count(f(c), "nan", b)?, inf: count(f(c + 1), "inf", b)?, sumsq: f(c + 2), first_bad });
-        sumsq += f(c + 2);
+    let first_bad = if c[3] < 0.0 { None } else { Some(count(c[3], "first_bad")?) };
+    Ok(Health { nan: count(c[0], "nan")?, inf: count(c[1], "inf")?, sumsq: c[2], first_bad })
+}
+
+/// One rank's row, decoded: its health per bucket and its report.
+fn decode_row(row: &[u64], buckets: usize) -> Result<(Vec<Health>, LocalReport), String> {
+    let s = shape(buckets);
+    if row.len() != s.len() {
+        return Err(format!("health row has {} words, expected {} for {buckets} buckets", row.len(), s.len()));
     }
-    let e = buckets * CELL;
-    // In the order of `VALUES`.
-    let values = vec![sumsq, f(e + 1)];
-    Ok((local, LocalReport { loss: f(e), values, replica: row[e + 2] }))
+    let v = s.decode(row);
+    Ok(((0..buckets).map(|b| v.local(b)).collect(), v.report()))
 }
 
 /// The hook's neutral reduced health (see the module doc): the same on every rank and both paths.
@@ -100,26 +96,18 @@ fn neutral(buckets: usize) -> Vec<Health> {
     vec![Health::default(); buckets]
 }
 
-/// The gathered table (`world` rows of `row_len(buckets)` words) as the runtime's `HealthTable`.
+/// The gathered table (`world` rows of `shape(buckets)`) as the runtime's `HealthTable`.
 fn decode_table(table: &[u64], world: usize, buckets: usize) -> Result<HealthTable, String> {
-    let n = row_len(buckets);
+    let n = shape(buckets).len();
     if world == 0 || table.len() != world * n {
         return Err(format!(
-            "health table has {} words, expected {world} ranks x ({buckets} buckets x {CELL} + {EXTRA}) = {} (hint: every rank must run the same DDP model with the same buckets)",
+            "health table has {} words, expected {world} ranks x {n} words ({buckets} buckets) = {} (hint: every rank must run the same DDP model with the same buckets)",
             table.len(),
             world * n
         ));
     }
-    let mut local = vec![Health::default(); world * buckets];
-    let mut reports = Vec::with_capacity(world);
-    for rank in 0..world {
-        let (cells, report) = decode_row(&table[rank * n..(rank + 1) * n], buckets, rank)?;
-        for (b, h) in cells.into_iter().enumerate() {
-            local[b * world + rank] = h;
-        }
-        reports.push(report);
-    }
-    Ok(HealthTable::detailed(world, &values(), local, neutral(buckets), reports, None))
+    let rows = shape(buckets).rows(table)?;
+    Ok(table_of(&rows, &values(), neutral(buckets), None))
 }
 
 /// A `Layout` over DDP's buckets: bucket `b` is a contiguous range of a virtual flat buffer (buckets
@@ -195,9 +183,47 @@ fn checksum_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<u64> {
     }))
 }
 
-/// This rank's contribution to the summary, from its row (`row_len(buckets)`
-/// little-endian words): (SUM words, MAX words), each as little-endian int64 bytes for
-/// `torch.distributed.all_reduce` (SUM, resp. MAX with the top bit flipped, see `FLIP`).
+/// This rank's row (`shape(buckets)`'s words, as little-endian bytes) from its cells (per bucket:
+/// nan, inf, sumsq, first_bad or -1, as floats), its loss, its loss scale (0: no scaler) and its
+/// replica checksum (0: not checked this update). The row's sum of squares (a value of the
+/// agreement) is the cells' in bucket order.
+#[pyfunction]
+fn encode_row<'py>(
+    py: Python<'py>,
+    cells: Vec<[f64; 4]>,
+    loss: f64,
+    loss_scale: f64,
+    replica: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let local = cells.iter().enumerate().map(|(b, &c)| cell_health(c, b)).collect::<Result<Vec<_>, _>>();
+    let local = local.map_err(PyValueError::new_err)?;
+    let sumsq = local.iter().map(|h| h.sumsq).sum();
+    // In the order of `VALUES`.
+    let report = LocalReport { loss, values: vec![sumsq, loss_scale], replica };
+    Ok(PyBytes::new(py, &to_bytes(shape(local.len()).encode(&[], &local, None, &report))))
+}
+
+/// A row of `encode_row`, decoded: (cells as `encode_row` takes them, loss, loss scale, replica).
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+#[pyo3(name = "decode_row")]
+fn decode_row_py(row: &[u8], buckets: usize) -> PyResult<(Vec<(f64, f64, f64, f64)>, f64, f64, u64)> {
+    let w = words(row, "health row").map_err(PyValueError::new_err)?;
+    let (local, report) = decode_row(&w, buckets).map_err(PyValueError::new_err)?;
+    let cells =
+        local.iter().map(|h| (h.nan as f64, h.inf as f64, h.sumsq, h.first_bad.map_or(-1.0, |i| i as f64))).collect();
+    Ok((cells, report.loss, report.values[1], report.replica))
+}
+
+/// Words of one rank's row over `buckets` buckets.
+#[pyfunction]
+fn row_words(buckets: usize) -> usize {
+    shape(buckets).len()
+}
+
+/// This rank's contribution to the summary, from its row (`encode_row`'s bytes): (SUM words, MAX
+/// words), each as little-endian int64 bytes for `torch.distributed.all_reduce` (SUM, resp. MAX with
+/// the top bit flipped, see `FLIP`).
 #[pyfunction]
 fn contribute<'py>(
     py: Python<'py>,
@@ -205,40 +231,46 @@ fn contribute<'py>(
     buckets: usize,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
     let w = words(row, "health row").map_err(PyValueError::new_err)?;
-    if w.len() != row_len(buckets) {
-        return Err(PyValueError::new_err(format!(
-            "health row has {} words, expected {buckets} buckets x {CELL} + {EXTRA} = {}",
-            w.len(),
-            row_len(buckets)
-        )));
-    }
-    let (local, report) = decode_row(&w, buckets, 0).map_err(PyValueError::new_err)?;
+    let (local, report) = decode_row(&w, buckets).map_err(PyValueError::new_err)?;
     let s = Summary::of_rank(&values(), &local, Some(&neutral(buckets)), &report);
     let max = s.max_words().into_iter().map(|x| x ^ FLIP);
     Ok((PyBytes::new(py, &to_bytes(s.sum_words())), PyBytes::new(py, &to_bytes(max))))
 }
 
-/// (SUM words, MAX words) of a summary for `buckets` buckets: the lengths `contribute` returns.
 /// The agreement path the runtime's cost model (`AgreementPath::cheaper`) picks for `world` ranks and
-/// `buckets` buckets with the guard's values: "table" or "summary". A function of numbers every rank
-/// has alike, so every rank picks the same path.
+/// `buckets` buckets with the guard's row (`shape`) and the MPI constants (not yet gloo's): "table" or "summary". A
+/// function of numbers every rank has alike, so every rank picks the same path.
 #[pyfunction]
 fn cheaper_path(world: usize, buckets: usize) -> &'static str {
-    gradbus_collectives::AgreementPath::cheaper(world, buckets, VALUES.len()).name()
+    gradbus_collectives::AgreementPath::cheaper(world, shape(buckets), Calibration::MPI).name()
 }
 
+/// The runtime's cost model (`gradbus_collectives::agreement::cost`) of the guard's agreement among
+/// `world` ranks over `buckets` buckets with the constants `cheaper_path` uses: a dict of its bytes and exchanges
+/// (`row_bytes`: the row codec's length; `table_bytes`, `summary_bytes`, `summary_bytes_in`,
+/// `rounds`) and modelled times (`table_us`, `summary_us`), for the benchmark that calibrates it.
+#[pyfunction]
+fn agreement_cost(py: Python<'_>, world: usize, buckets: usize) -> PyResult<Bound<'_, PyDict>> {
+    let c = gradbus_collectives::agreement::cost(world, shape(buckets), Calibration::MPI);
+    let d = PyDict::new(py);
+    for (k, v) in [
+        ("row_bytes", c.row_bytes),
+        ("table_bytes", c.table_bytes),
+        ("summary_bytes", c.summary_bytes),
+        ("summary_bytes_in", c.summary_bytes_in),
+        ("rounds", c.rounds),
+    ] {
+        d.set_item(k, v)?;
+    }
+    d.set_item("table_us", c.table_us())?;
+    d.set_item("summary_us", c.summary_us())?;
+    Ok(d)
+}
+
+/// (SUM words, MAX words) of a summary for `buckets` buckets: the lengths `contribute` returns.
 #[pyfunction]
 fn summary_words(buckets: usize) -> (usize, usize) {
     (Summary::sum_len(buckets, VALUES.len()), Summary::max_len(buckets, VALUES.len()))
-}
-
-fn action_name(a: Action) -> &'static str {
-    match a {
-        Action::Proceed => "proceed",
-        Action::Skip => "skip",
-        Action::Rerun => "rerun",
-        Action::Abort => "abort",
-    }
 }
 
 /// What every rank concludes about one update (the same on every rank).
@@ -266,8 +298,9 @@ struct Decision {
     summary: bool,
 }
 
-/// One rank's side of the agreement: the policy, the history every rank keeps identically, and the
-/// spike detectors of the runtime (llm.c's rolling z-score and Megatron's 10x rule).
+/// One rank's side of the agreement: the policy, and the runtime's judge (`gradbus_collectives::Judge`:
+/// the history every rank keeps identically and the spike detectors, llm.c's rolling z-score and
+/// Megatron's 10x rule).
 #[pyclass(module = "gradbus._core")]
 struct Agreement {
     policy: Policy,
@@ -276,11 +309,9 @@ struct Agreement {
     window: u32,
     /// An overflow at a loss scale at or below this aborts.
     min_scale: f64,
-    history: History,
-    /// Loss and gradient-norm detectors, when spike detection is on.
-    spikes: Option<[SpikeDetector; 2]>,
-    /// Skip a proceeding update that is a spike (on every rank: the detectors see the same values).
-    spike_skip: bool,
+    judge: Judge,
+    /// What a spike of the agreed loss or gradient norm does (detection off without `spike`).
+    on_spike: OnSpike,
 }
 
 impl Agreement {
@@ -320,36 +351,19 @@ impl Agreement {
             out.replicas = t.reports.iter().map(|r| r.replica).collect();
             return Ok(out);
         }
-        let l = ddp_layout(layout);
         let at = StepId { step, minibatch: 0, attempt };
-        // With a loss scaler every non-finite update is an overflow of the scale: skipped (no
-        // bound on skips in a row: the floor bounds them), within the skip fraction of the window.
-        let scaled = Policy::Skip { max_consecutive: u32::MAX, max_fraction: self.max_fraction, window: self.window };
-        let policy = if scale > 0.0 { &scaled } else { &self.policy };
-        let mut verdict = decide(t, &l, policy, &self.history, at);
-        if scale > 0.0 && verdict.action == Action::Skip {
-            if scale <= self.min_scale {
-                verdict.action = Action::Abort;
-            }
-            if let Some(r) = &mut verdict.report {
-                r.verdict = verdict.action;
-                r.classification = Some(Classification::LossScale);
-            }
-        }
-        if verdict.action == Action::Proceed {
-            if let Some(ds) = &mut self.spikes {
-                for ((d, x), name) in ds.iter_mut().zip([out.loss, out.grad_norm]).zip(["loss", "grad norm"]) {
-                    if let Some(s) = d.observe(x) {
-                        out.spike.get_or_insert(format!("{name} spike {x:.4} ({})", s.rules()));
-                    }
-                }
-                if out.spike.is_some() && self.spike_skip {
-                    verdict.action = Action::Skip;
-                }
-            }
-        }
-        self.history.record(t, &verdict);
-        out.action = action_name(verdict.action).into();
+        let watched = Watched { loss: out.loss, grad_norm: out.grad_norm };
+        // With a loss scaler every non-finite update is an overflow of the scale.
+        let scaler = (scale > 0.0).then_some(LossScale {
+            scale,
+            floor: self.min_scale,
+            max_fraction: self.max_fraction,
+            window: self.window,
+        });
+        let (verdict, spike) =
+            self.judge.judge(t, &ddp_layout(layout), &self.policy, at, watched, self.on_spike, scaler);
+        out.action = verdict.action.as_str().into();
+        out.spike = spike;
         out.report = verdict.report.as_ref().map(gradbus_artifacts::report_text);
         Ok(out)
     }
@@ -394,17 +408,15 @@ impl Agreement {
                 )))
             }
         };
-        let (spikes, spike_skip) = match spike {
-            None => (None, false),
-            Some(s @ ("warn" | "skip")) => {
-                let d = SpikeDetector::new(spike_window, z_limit);
-                (Some([d.clone(), d]), s == "skip")
-            }
+        let on_spike = match spike {
+            None => OnSpike::Off,
+            Some("warn") => OnSpike::Warn,
+            Some("skip") => OnSpike::Skip,
             Some(other) => {
                 return Err(PyValueError::new_err(format!("spike {other:?}: expected None, \"warn\" or \"skip\"")))
             }
         };
-        Ok(Agreement { policy, max_fraction, window, min_scale, history: History::default(), spikes, spike_skip })
+        Ok(Agreement { policy, max_fraction, window, min_scale, judge: Judge::new(spike_window, z_limit), on_spike })
     }
 
     /// The decision from the all-reduced summary (`sum`, `max`: the element-wise SUM and MAX of every
@@ -462,25 +474,25 @@ impl Agreement {
     /// Updates skipped so far.
     #[getter]
     fn skipped(&self) -> u64 {
-        self.history.skipped
+        self.judge.history.skipped
     }
 
     /// Skips in a row up to now.
     #[getter]
     fn consecutive_skips(&self) -> u32 {
-        self.history.consecutive_skips
+        self.judge.history.consecutive_skips
     }
 
     /// Ranks classified suspect after a transient fault (rerun policy).
     #[getter]
     fn suspects(&self) -> Vec<usize> {
-        self.history.suspects.clone()
+        self.judge.history.suspects.clone()
     }
 
     /// Skip flags of the most recent updates, newest last.
     #[getter]
     fn recent_skips(&self) -> Vec<bool> {
-        self.history.recent.iter().copied().collect()
+        self.judge.history.recent.iter().copied().collect()
     }
 }
 
@@ -491,12 +503,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // levels), not a panic inside the first scan.
     gradbus_kernels::simd::from_env().map_err(|e| PyValueError::new_err(e.to_string()))?;
     m.add("CELL", CELL)?;
-    m.add("EXTRA", EXTRA)?;
     m.add_function(wrap_pyfunction!(scan_f32, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_row, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_row_py, m)?)?;
+    m.add_function(wrap_pyfunction!(row_words, m)?)?;
     m.add_function(wrap_pyfunction!(contribute, m)?)?;
     m.add_function(wrap_pyfunction!(summary_words, m)?)?;
     m.add_function(wrap_pyfunction!(cheaper_path, m)?)?;
+    m.add_function(wrap_pyfunction!(agreement_cost, m)?)?;
     m.add_class::<Agreement>()?;
     m.add_class::<Decision>()?;
     Ok(())

@@ -66,9 +66,8 @@ def main():
             cells = [(0.0, 0.0, (rng.next() / (1 << 53)) * 10.0 ** (step == 30), -1.0) for _ in layout]
             if step % 7 == 3 and k == world - 1:
                 cells[1] = (1.0, 0.0, 2.0, 17.0)
-            flat = [x for c in cells for x in c]
             loss = (rng.next() / (1 << 53)) * 3.0 ** (step == 20)
-            rows.append(struct.pack(f"<{len(flat) + 2}dQ", *flat, loss, 0.0, 0))
+            rows.append(gradbus.encode_row(cells, loss, 0.0, 0))
         parts = [gradbus.contribute(r, len(layout)) for r in rows]
         s = [sum(c) for c in zip(*(struct.unpack(f"<{n_sum}q", p[0]) for p in parts))]
         s = [((x + (1 << 63)) % (1 << 64)) - (1 << 63) for x in s]  # int64 wrapping, as the collective

@@ -62,9 +62,8 @@ LAYOUT = [[("head.weight", 40), ("head.bias", 8)], [("mid.weight", 100)]]
 
 
 def row(cells, loss=0.5, scale=0.0, replica=0):
-    """One rank's row as the guard builds it: CELL float64 per bucket, loss, loss scale, replica."""
-    flat = [x for c in cells for x in c]
-    return struct.pack(f"<{len(flat) + 2}dQ", *flat, loss, scale, replica)
+    """One rank's row as the guard builds it: the runtime's row codec (`_core.encode_row`)."""
+    return gradbus.encode_row(cells, loss, scale, replica)
 
 
 def allreduce(rows, buckets):
@@ -96,6 +95,17 @@ def same(d, e):
     def key(x):
         return (x.action, x.report, x.spike, x.loss.hex(), x.grad_norm.hex(), x.loss_scale.hex(), x.diverged)
     return key(d) == key(e)
+
+
+def test_a_row_decodes_to_what_the_guard_encoded():
+    # The runtime's row codec, both ways: cells as floats (counts, sum of squares, first bad or -1),
+    # loss, loss scale, replica; 4 words per bucket, then the report (loss, 2 values, replica).
+    cells = [(0.0, 0.0, 1.5, -1.0), (3.0, 2.0, 0.25, 17.0)]
+    r = row(cells, loss=-0.75, scale=1024.0, replica=0xFEDCBA9876543210)
+    assert len(r) == 8 * gradbus.row_words(2) == 8 * (2 * gradbus.CELL + 4)
+    assert gradbus.decode_row(r, 2) == (cells, -0.75, 1024.0, 0xFEDCBA9876543210)
+    with pytest.raises(ValueError, match="health row has 12 words, expected 8 for 1 buckets"):
+        gradbus.decode_row(r, 1)
 
 
 def test_agreement_names_rank_bucket_param_and_element():
@@ -178,10 +188,10 @@ def test_ranks_with_different_loss_scales_stop_with_a_hint():
 
 def test_agreement_rejects_a_table_of_the_wrong_shape_and_bad_counts():
     a = gradbus.Agreement("skip")
-    with pytest.raises(ValueError, match="expected 2 ranks x \\(2 buckets x 4 \\+ 3\\)"):
+    with pytest.raises(ValueError, match="expected 2 ranks x 12 words \\(2 buckets\\)"):
         a.decide_table(bytes(8 * 9), 2, LAYOUT, 0, 0)
-    with pytest.raises(ValueError, match="rank 0: bucket #1: nan is -1"):
-        a.decide_table(row([OK, (-1.0, 0.0, 0.0, -1.0)]), 1, LAYOUT, 0, 0)
+    with pytest.raises(ValueError, match="bucket #1: nan is -1"):
+        row([OK, (-1.0, 0.0, 0.0, -1.0)])
     with pytest.raises(ValueError, match="expected .* for 2 buckets"):
         a.decide_summary(b"", b"", 1, LAYOUT, 0, 0)
     with pytest.raises(ValueError, match="min_scale 0"):
@@ -205,6 +215,14 @@ def test_agreement_rejects_a_table_of_the_wrong_shape_and_bad_counts():
 def test_bad_guard_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Guard(**kwargs)
+
+
+def test_only_the_ddp_hook_lets_the_rows_ride_a_gradient_all_reduce():
+    from gradbus.guard import BucketGuard
+
+    assert Guard(agreement="ride").agreement == "ride"
+    with pytest.raises(ValueError, match="agreement 'ride': expected one of \\('auto', 'summary', 'table'\\)"):
+        BucketGuard("gradbus.megatron", [[("w", 4)]], "abort", None, None, agreement="ride")
 
 
 def test_verdict_without_a_backward_says_how_to_register_the_hook():

@@ -44,6 +44,26 @@ def test_clean_run_is_plain_ddp_bitwise(tmp_path):
     assert not (tmp_path / "run" / "report.json").exists()
 
 
+@pytest.mark.parametrize("hook", [None, "fp16_compress", "bf16_compress"])
+def test_at_two_ranks_the_rows_ride_the_last_buckets_all_reduce_and_the_run_is_ddps_bitwise(tmp_path, hook):
+    # agreement="auto" at 2 ranks: every rank's row rides the last bucket's all-reduce (no collective
+    # of the guard's), in 16-bit chunks of float32 or 8-bit chunks of the compressed bucket; the
+    # gradients are DDP's (or its compression hook's) to the bit, and every update's rows (here each
+    # rank's loss) reach every rank.
+    case = {"steps": 4, "hook": hook}
+    plain = run(2, dict(case, guard=None), str(tmp_path / "plain"))
+    guarded = run(2, dict(case, guard={"policy": "abort", "replica_every": 1}), str(tmp_path / "guarded"))
+    for r in range(2):
+        g, p = guarded[r], plain[r]
+        assert g["error"] is None and g["verdicts"] == ["proceed"] * 4
+        assert g["paths"] == ["ride"] * 4 and g["tabled"] == 4, (g["paths"], g["tabled"])
+        assert g["losses"] == p["losses"]
+        for s, (a, b) in enumerate(zip(p["snapshots"], g["snapshots"])):
+            assert same_state(a, b), f"rank {r}: weights or Adam state differ from plain DDP before update {s}"
+        assert g["row_losses"] == [[guarded[k]["losses"][s] for k in range(2)] for s in range(4)]
+    assert max(guarded[0]["buckets"]) >= 2, guarded[0]["buckets"]
+
+
 @pytest.mark.parametrize(
     "plant,scan,agreement",
     [
@@ -53,8 +73,10 @@ def test_clean_run_is_plain_ddp_bitwise(tmp_path):
         ({"rank": 0, "step": 3, "param": "head.weight", "element": 4095, "value": "-inf"}, "torch", "summary"),
         # The table on every update (the guard before the summary): the same report.
         ({"rank": 1, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"}, "auto", "table"),
+        # The rows riding the last bucket's all-reduce (forced at 3 ranks): the same report.
+        ({"rank": 2, "step": 1, "param": "inp.bias", "element": 7, "value": "inf"}, "auto", "ride"),
     ],
-    ids=["nan-mid-rank1", "inf-first-layer-rank2", "neg-inf-head-rank0-torch-scan", "nan-mid-rank1-table"],
+    ids=["nan-mid-rank1", "inf-first-layer-rank2", "neg-inf-head-rank0-torch-scan", "nan-mid-rank1-table", "inf-rank2-ride"],
 )
 def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path, plant, scan, agreement):
     run_dir = tmp_path / "run"

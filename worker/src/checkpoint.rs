@@ -66,13 +66,13 @@ pub(crate) fn save(
     faults: &FaultPlan,
 ) -> Result<(), WorkerError> {
     let dir = checkpoint_dir(run_dir).join(format!("step-{:06}", s.step));
-    let h = &s.judge.history;
+    let h = &s.judge.verdicts.history;
     let meta = CheckpointMeta {
         step: s.step,
         adam_t: s.adam_t,
         config_hash,
         layout_hash: layout.hash(),
-        spikes: s.judge.spikes.clone(),
+        spikes: s.judge.verdicts.spikes.clone(),
         forecast: s.judge.forecast.clone(),
         warnings: s.judge.warnings,
         history: SavedHistory {
@@ -132,11 +132,11 @@ pub(crate) fn restore(
         }
     }
     let mut judge = Judge::new(cfg);
-    judge.history.consecutive_skips = meta.history.consecutive_skips;
-    judge.history.skipped = meta.history.skipped;
-    judge.history.recent = meta.history.recent.clone();
-    judge.history.suspects = meta.history.suspects.clone();
-    judge.spikes = meta.spikes.clone();
+    judge.verdicts.history.consecutive_skips = meta.history.consecutive_skips;
+    judge.verdicts.history.skipped = meta.history.skipped;
+    judge.verdicts.history.recent = meta.history.recent.clone();
+    judge.verdicts.history.suspects = meta.history.suspects.clone();
+    judge.verdicts.spikes = meta.spikes.clone();
     judge.forecast = meta.forecast.clone();
     judge.warnings = meta.warnings;
     if rank == 0 {

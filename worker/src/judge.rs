@@ -1,14 +1,14 @@
-//! The agreement's memory: the verdict history, the spike detectors of the agreed loss and gradient
-//! norm, and the headroom forecast and its warnings - everything that turns an agreed table into a
-//! verdict and a warning.
+//! The worker's judge: the collectives' `Judge` (the verdict history and the spike detectors of
+//! the agreed loss and gradient norm, the one judge the PyTorch guard shares) under the run's
+//! config, plus the headroom forecast and its warnings - everything that turns an agreed table into
+//! a verdict and a warning.
 //!
 //! Invariant: it is fed only agreed numbers (the table and its [`Agreed`] values), in update order,
 //! so every rank holds the same state and reaches the same verdict and warnings; a checkpoint saves
 //! it whole.
 
 use gradbus_collectives::forecast::{Alert, Forecast, Outlook, Rule, DEFAULT_WINDOW};
-use gradbus_collectives::spikes::SpikeDetector;
-use gradbus_collectives::{decide, Action, HealthTable, History, Layout, StepId, Verdict};
+use gradbus_collectives::{Action, HealthTable, Layout, OnSpike, StepId, Verdict, Watched};
 
 use crate::config::Config;
 use crate::loss::EXP_OVERFLOW;
@@ -18,10 +18,8 @@ use crate::update::Agreed;
 /// rank).
 #[derive(Clone, Debug)]
 pub struct Judge {
-    /// Verdict history (skips, suspects).
-    pub history: History,
-    /// Spike detectors of the agreed loss and gradient norm (in that order).
-    pub spikes: [SpikeDetector; 2],
+    /// Verdict history and spike detectors.
+    pub verdicts: gradbus_collectives::Judge,
     /// The trend of the agreed largest log-ratio fed to an exp of the loss, one value per update.
     pub forecast: Forecast,
     /// Updates that warned (`warn.*`: the headroom, or the forecast, under its threshold).
@@ -42,26 +40,21 @@ pub struct Judged {
 impl Judge {
     /// Empty history, detectors and forecast for `cfg`'s spike settings.
     pub fn new(cfg: &Config) -> Judge {
-        let detector = || SpikeDetector::new(cfg.spike.window, cfg.spike.z_limit);
         Judge {
-            history: History::default(),
-            spikes: [detector(), detector()],
+            verdicts: gradbus_collectives::Judge::new(cfg.spike.window, cfg.spike.z_limit),
             forecast: Forecast::new(DEFAULT_WINDOW),
             warnings: 0,
         }
     }
 
-    /// The verdict on one agreed update: `decide` from the table and the history; a proceeding
-    /// update whose agreed loss or gradient norm spikes is skipped when `spike.skip` says so. The
-    /// verdict is recorded; the update's largest log-ratio feeds the forecast (once per update: not
-    /// on an attempt that is rerun) and a warning is counted when `warn.*` says so.
+    /// The verdict on one agreed update: the collectives' judge under `cfg`'s policy (a proceeding
+    /// update whose agreed loss or gradient norm spikes is skipped when `spike.skip` says so),
+    /// recorded in its history; the update's largest log-ratio feeds the forecast (once per update:
+    /// not on an attempt that is rerun) and a warning is counted when `warn.*` says so.
     pub fn judge(&mut self, table: &HealthTable, agreed: &Agreed, layout: &Layout, cfg: &Config, at: StepId) -> Judged {
-        let mut verdict = decide(table, layout, &cfg.policy(), &self.history, at);
-        let spike = if verdict.action == Action::Proceed { self.spike(agreed) } else { None };
-        if spike.is_some() && cfg.spike.skip {
-            verdict.action = Action::Skip;
-        }
-        self.history.record(table, &verdict);
+        let on_spike = if cfg.spike.skip { OnSpike::Skip } else { OnSpike::Warn };
+        let watched = Watched { loss: agreed.loss, grad_norm: agreed.grad_norm };
+        let (verdict, spike) = self.verdicts.judge(table, layout, &cfg.policy(), at, watched, on_spike, None);
         let mut warning = None;
         if verdict.action != Action::Rerun {
             let limit = EXP_OVERFLOW as f64;
@@ -79,17 +72,5 @@ impl Judge {
             }
         }
         Judged { verdict, spike, warning }
-    }
-
-    /// Feed the agreed loss and gradient norm of a proceeding update to the spike detectors; the
-    /// spike, described, if either is one.
-    fn spike(&mut self, agreed: &Agreed) -> Option<String> {
-        let mut found = None;
-        for ((d, x), name) in self.spikes.iter_mut().zip([agreed.loss, agreed.grad_norm]).zip(["loss", "grad norm"]) {
-            if let Some(s) = d.observe(x) {
-                found.get_or_insert(format!("{name} spike {x:.4} ({})", s.rules()));
-            }
-        }
-        found
     }
 }

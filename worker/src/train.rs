@@ -177,7 +177,7 @@ impl<B: BusBackend> Trainer<B> {
             "step {} done: {} updates, loss {loss:.4}, reward {reward:.3}, grad norm {norm:.4}, {} skipped in total",
             self.step,
             self.cfg.rl.epochs * self.cfg.rl.minibatches,
-            self.judge.history.skipped
+            self.judge.verdicts.history.skipped
         )
     }
 
@@ -260,7 +260,7 @@ impl<B: BusBackend> Trainer<B> {
                 action: verdict.action,
                 spike: spike.as_deref(),
                 lr,
-                skipped: self.judge.history.skipped,
+                skipped: self.judge.verdicts.history.skipped,
                 checksum: self.policy.checksum(),
                 start,
             };
@@ -269,7 +269,7 @@ impl<B: BusBackend> Trainer<B> {
                 step: self.step,
                 loss: agreed.loss as f32,
                 grad_norm: agreed.grad_norm as f32,
-                skipped: self.judge.history.skipped as u32,
+                skipped: self.judge.verdicts.history.skipped as u32,
                 warnings: self.judge.warnings,
             });
             self.last = Some(agreed);

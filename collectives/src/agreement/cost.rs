@@ -1,24 +1,37 @@
 //! The agreement's cost model: bytes, exchanges and modelled time of one agreement on both paths,
 //! and the measured times the agreement benchmark prints beside them (docs/agreement.md).
 
-use super::{LocalReport, Summary};
+use super::{AgreementPath, Summary};
+use crate::wire::RowShape;
 
-/// The time model's constants, calibrated on the development machine (2 cores, Open MPI 4.1 over
-/// shared memory; `scripts/agreement-cost.py` on `gradbus worker --bench-allreduce --agreement`, the
-/// run in docs/agreement.md): one exchange's latency and the cost of a byte moved into a rank (from
-/// the 2-rank all-gathers), and the CPU cost per byte of reading the gathered rows into the table
-/// and of writing and reading the summary's words (from every row's CPU-only timings). A real
-/// network has a larger latency (which favours the table: one collective instead of two) and a
-/// larger cost per byte (which favours the summary); `GRADBUS_AGREEMENT` overrides the choice.
-pub mod model {
+/// The time model's constants for one kind of collective: one exchange's latency, the cost of a
+/// byte moved into a rank, and the CPU cost per byte of reading the gathered rows into the table and
+/// of writing and reading the summary's words. A real network has a larger latency (which favours
+/// the table: one collective instead of two) and a larger cost per byte (which favours the summary);
+/// `GRADBUS_AGREEMENT` (the runtime) and `agreement=` (the PyTorch guard) override the choice.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Calibration {
     /// Latency of one exchange (microseconds).
-    pub const ALPHA_US: f64 = 0.63;
+    pub alpha_us: f64,
     /// Transfer cost of a byte into a rank (microseconds).
-    pub const BETA_US_PER_BYTE: f64 = 0.0818e-3;
+    pub beta_us_per_byte: f64,
     /// Table path: reading the gathered rows into the table, per byte of all rows (microseconds).
-    pub const TABLE_CPU_US_PER_BYTE: f64 = 0.1165e-3;
+    pub table_cpu_us_per_byte: f64,
     /// Summary path: writing and reading the summary's words, per byte of one summary (microseconds).
-    pub const SUMMARY_CPU_US_PER_BYTE: f64 = 0.5336e-3;
+    pub summary_cpu_us_per_byte: f64,
+}
+
+impl Calibration {
+    /// Open MPI 4.1 over shared memory on the development machine (2 cores;
+    /// `scripts/agreement-cost.py` on `gradbus worker --bench-allreduce --agreement`, the run in
+    /// docs/agreement.md): the latency and the cost of a byte from the 2-rank all-gathers, the CPU
+    /// costs from every row's CPU-only timings.
+    pub const MPI: Calibration = Calibration {
+        alpha_us: 0.63,
+        beta_us_per_byte: 0.0818e-3,
+        table_cpu_us_per_byte: 0.1165e-3,
+        summary_cpu_us_per_byte: 0.5336e-3,
+    };
 }
 
 /// Bytes, exchanges and modelled time of one agreement, per rank, on both paths (docs/agreement.md).
@@ -30,8 +43,7 @@ pub struct Cost {
     pub buckets: usize,
     /// Workload values each rank reports (`ValueNames::len`).
     pub values: usize,
-    /// Table path: one rank's row (op hash, reducer flag, 4 words of local and of reduced health
-    /// per bucket, the report).
+    /// Table path: one rank's row (`RowShape::bytes`, the codec's length).
     pub row_bytes: usize,
     /// Table path: bytes every rank ends up holding (world x row), all of which crossed to it but
     /// its own row.
@@ -46,22 +58,37 @@ pub struct Cost {
     /// Latency terms of one collective: ceil(log2 world) exchanges. The table path is one
     /// collective, the summary path two (sums, maxima); the failure path pays both paths.
     pub rounds: usize,
+    /// The constants of the collectives' time.
+    #[serde(skip)]
+    pub calibration: Calibration,
 }
 
 impl Cost {
     /// The table path's modelled time (microseconds): one all-gather, then the rows read.
     pub fn table_us(&self) -> f64 {
-        self.rounds as f64 * model::ALPHA_US
-            + (self.table_bytes - self.row_bytes) as f64 * model::BETA_US_PER_BYTE
-            + self.table_bytes as f64 * model::TABLE_CPU_US_PER_BYTE
+        let c = &self.calibration;
+        self.rounds as f64 * c.alpha_us
+            + (self.table_bytes - self.row_bytes) as f64 * c.beta_us_per_byte
+            + self.table_bytes as f64 * c.table_cpu_us_per_byte
+    }
+
+    /// The cheaper path by this model (a tie goes to the table, which needs no second collective
+    /// on an anomaly).
+    pub fn cheaper(&self) -> AgreementPath {
+        if self.summary_us() < self.table_us() {
+            AgreementPath::Summary
+        } else {
+            AgreementPath::Table
+        }
     }
 
     /// The summary path's modelled time on a healthy update (microseconds): two all-reduces, and
     /// the words written and read.
     pub fn summary_us(&self) -> f64 {
-        2.0 * self.rounds as f64 * model::ALPHA_US
-            + self.summary_bytes_in as f64 * model::BETA_US_PER_BYTE
-            + self.summary_bytes as f64 * model::SUMMARY_CPU_US_PER_BYTE
+        let c = &self.calibration;
+        2.0 * self.rounds as f64 * c.alpha_us
+            + self.summary_bytes_in as f64 * c.beta_us_per_byte
+            + self.summary_bytes as f64 * c.summary_cpu_us_per_byte
     }
 }
 
@@ -81,9 +108,11 @@ pub struct Times {
     pub summary_cpu_us: f64,
 }
 
-/// The cost model of one agreement of `values` workload values.
-pub fn cost(world: usize, buckets: usize, values: usize) -> Cost {
-    let row_bytes = 8 * (2 + 8 * buckets + LocalReport::words(values));
+/// The cost model of one agreement among `world` ranks whose rows have the shape `row` (its bucket
+/// and value counts size the summary too), with the collectives' constants `calibration`.
+pub fn cost(world: usize, row: RowShape, calibration: Calibration) -> Cost {
+    let (buckets, values) = (row.buckets, row.values);
+    let row_bytes = row.bytes();
     let summary_bytes = 8 * (Summary::sum_len(buckets, values) + Summary::max_len(buckets, values));
     let rounds = world.next_power_of_two().trailing_zeros() as usize;
     Cost {
@@ -95,5 +124,6 @@ pub fn cost(world: usize, buckets: usize, values: usize) -> Cost {
         summary_bytes,
         summary_bytes_in: rounds * summary_bytes,
         rounds,
+        calibration,
     }
 }

@@ -44,7 +44,7 @@ use crate::layout::Fnv;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 pub(crate) use codec::NONE;
 pub(crate) use codec::{health_of, health_words};
-pub use cost::{cost, model, Cost, Times};
+pub use cost::{cost, Calibration, Cost, Times};
 pub use exact::{Agreed, ExactSum, Stat, LIMBS};
 pub use path::AgreementPath;
 
@@ -317,6 +317,7 @@ impl Summary {
 pub(crate) mod tests {
     use super::*;
     use crate::layout::{Layout, ParamSpec};
+    use crate::wire::RowShape;
     use gradbus_kernels::rng::Rng;
 
     /// Shewchuk's exact partials with a correctly rounded result (Python's `math.fsum`): an
@@ -640,12 +641,13 @@ pub(crate) mod tests {
 
     #[test]
     fn the_summary_does_not_grow_with_the_world_and_the_table_does() {
-        let (a, b) = (cost(8, 100, 5), cost(16384, 100, 5));
+        let mpi = |w, b, v| cost(w, RowShape::mpi(b, v), Calibration::MPI);
+        let (a, b) = (mpi(8, 100, 5), mpi(16384, 100, 5));
         assert_eq!(a.summary_bytes, b.summary_bytes);
         assert_eq!(b.table_bytes, 2048 * a.table_bytes);
         assert_eq!((a.rounds, b.rounds), (3, 14));
-        assert_eq!(cost(1, 7, 5).rounds, 0);
-        let c = cost(8, 100, 7);
+        assert_eq!(mpi(1, 7, 5).rounds, 0);
+        let c = mpi(8, 100, 7);
         assert_eq!(c.row_bytes - a.row_bytes, 16, "2 more values, 2 more words");
         assert_eq!(c.summary_bytes - a.summary_bytes, 2 * 8 * 73, "2 more values, 2 more stats of 73 words");
     }
@@ -659,13 +661,13 @@ pub(crate) mod tests {
     fn the_model_chooses_the_table_for_small_worlds_and_the_summary_at_scale() {
         for values in [0, 5, 100] {
             for buckets in [1, 7, 100, 1750] {
-                let at = |world| AgreementPath::cheaper(world, buckets, values);
+                let at = |world| AgreementPath::cheaper(world, RowShape::mpi(buckets, values), Calibration::MPI);
                 let case = format!("{buckets} buckets, {values} values");
                 assert_eq!(at(1), AgreementPath::Table, "1 rank, {case}");
                 assert_eq!(at(2), AgreementPath::Table, "2 ranks, {case}");
                 assert_eq!(at(16384), AgreementPath::Summary, "16k ranks, {case}");
                 for world in 1..=8192 {
-                    let c = cost(world, buckets, values);
+                    let c = cost(world, RowShape::mpi(buckets, values), Calibration::MPI);
                     assert_eq!(at(world) == AgreementPath::Summary, c.summary_us() < c.table_us());
                     if at(world) == AgreementPath::Summary {
                         assert_eq!(at(2 * world), AgreementPath::Summary, "{world} ranks, {case}");
@@ -680,11 +682,11 @@ pub(crate) mod tests {
     /// ranks take the summary with no value and the table with 100).
     #[test]
     fn the_models_choice_depends_on_the_value_count() {
-        assert_eq!(AgreementPath::cheaper(64, 7, 0), AgreementPath::Summary);
-        assert_eq!(AgreementPath::cheaper(64, 7, 100), AgreementPath::Table);
+        let cheaper = |w, b, v| AgreementPath::cheaper(w, RowShape::mpi(b, v), Calibration::MPI);
+        assert_eq!(cheaper(64, 7, 0), AgreementPath::Summary);
+        assert_eq!(cheaper(64, 7, 100), AgreementPath::Table);
         for buckets in [1, 7, 30, 100, 300, 1750] {
-            let crossover =
-                |values| (1..=1 << 16).find(|&w| AgreementPath::cheaper(w, buckets, values) == AgreementPath::Summary);
+            let crossover = |values| (1..=1 << 16).find(|&w| cheaper(w, buckets, values) == AgreementPath::Summary);
             let xs: Vec<usize> =
                 [0, 1, 5, 20, 100].map(|v| crossover(v).expect("the summary wins by 64k ranks")).to_vec();
             assert!(

@@ -2,7 +2,8 @@
 //! `GRADBUS_AGREEMENT` or chosen by the cost model. Every rank must choose alike (the choice is a
 //! pure function of what the ranks check at open).
 
-use super::{cost, ValueNames};
+use super::{cost, Calibration, ValueNames};
+use crate::wire::RowShape;
 
 /// Which way the agreement goes: the O(buckets) summary with the table only on an anomaly, or
 /// always the full table. Over MPI the cost model (`Cost`) chooses, for the world size, bucket
@@ -54,23 +55,20 @@ impl AgreementPath {
         }
     }
 
-    /// The path the cost model says is cheaper for `world` ranks, `buckets` buckets and `values`
-    /// workload values (a tie goes to the table, which needs no second collective on an anomaly).
-    pub fn cheaper(world: usize, buckets: usize, values: usize) -> AgreementPath {
-        let c = cost(world, buckets, values);
-        if c.summary_us() < c.table_us() {
-            AgreementPath::Summary
-        } else {
-            AgreementPath::Table
-        }
+    /// The path the cost model says is cheaper for `world` ranks exchanging rows of the shape `row`
+    /// over collectives of the constants `calibration` (a tie goes to the table, which needs no
+    /// second collective on an anomaly).
+    pub fn cheaper(world: usize, row: RowShape, calibration: Calibration) -> AgreementPath {
+        cost(world, row, calibration).cheaper()
     }
 
     /// The path of an MPI agreement among `world` ranks over `buckets` buckets with the workload
-    /// values `values`: `GRADBUS_AGREEMENT` if set, else the cost model's choice. A pure function of
-    /// the three, which every rank shares (the world size, layout and value names are checked at
-    /// open: ranks that differ in any of them are refused there whatever path they chose), so every
-    /// rank chooses alike.
+    /// values `values`: `GRADBUS_AGREEMENT` if set, else the cost model's choice for MPI's row
+    /// (`RowShape::mpi`) and constants. A pure function of the three, which every rank shares (the
+    /// world size, layout and value names are checked at open: ranks that differ in any of them are
+    /// refused there whatever path they chose), so every rank chooses alike.
     pub fn choose(world: usize, buckets: usize, values: &ValueNames) -> Result<AgreementPath, crate::Error> {
-        Ok(AgreementPath::from_env()?.unwrap_or_else(|| AgreementPath::cheaper(world, buckets, values.len())))
+        let row = RowShape::mpi(buckets, values.len());
+        Ok(AgreementPath::from_env()?.unwrap_or_else(|| AgreementPath::cheaper(world, row, Calibration::MPI)))
     }
 }
