@@ -17,12 +17,14 @@ ways from round to round; that fraction does not. A benchmark: asserts nothing.
   --framework fsdp       FSDP2: a GPT-like stack of fully_shard'ed blocks; torch Adam
   --framework ddp        plain DDP with gradbus.torch's hook vs DDP's built-in all-reduce (what the
                          Hugging Face adapter runs: gradbus.hf registers that hook)
+  --framework deepspeed  DeepSpeed ZeRO (`--zero`, default 2; `--precision`, default fp32) on its CPU
+                         accelerator, torch Adam, the same stack; gradbus.deepspeed.guard vs none
 
 The model: `--layers` blocks of width `--width`; `--tokens` tokens per rank per update (the guard's
 scan is linear in the parameters, the update's compute in parameters x tokens).
 
-Usage: frameworks_cost.py --framework megatron|fsdp|ddp [--width 256] [--layers 4] [--tokens 512]
-                          [--iters 10] [--rounds 5]
+Usage: frameworks_cost.py --framework megatron|fsdp|ddp|deepspeed [--width 256] [--layers 4]
+                          [--tokens 512] [--iters 10] [--rounds 5] [--zero 2] [--precision fp32]
 """
 
 import argparse
@@ -133,6 +135,25 @@ def build(a, guarded):
             opt.step()
 
         return step, sum(p.numel() for p in net.parameters()) * dist.get_world_size()
+    if a.framework == "deepspeed":
+        import deepspeed
+        import gradbus.deepspeed as gds
+        from deepspeed_guard import ds_config
+
+        net = stack(a)
+        cfg = ds_config(a.zero, a.precision)
+        cfg.pop("scheduler")
+        engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+        if guarded:
+            timed(gds.guard(engine, policy="skip"))
+        xd = x.to(next(engine.module.parameters()).dtype)
+
+        def step():
+            loss = engine(xd).float().square().mean()
+            engine.backward(loss)
+            engine.step()
+
+        return step, sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())  # ZeRO 3: the full size
     # megatron
     import gradbus.megatron as gm
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -167,7 +188,7 @@ def build(a, guarded):
 
 
 def worker(rank, world, port, a):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     if a.framework == "megatron":
@@ -176,6 +197,14 @@ def worker(rank, world, port, a):
 
         parallel_state.initialize_model_parallel(1, 1)
         cpu_stand_ins()
+    if a.framework == "deepspeed":
+        import deepspeed
+        from deepspeed_guard import cpu_fp16
+
+        # DeepSpeed's CPU accelerator builds its shm op with ninja from the venv's bin/.
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        deepspeed.init_distributed(dist_backend="gloo")
+        cpu_fp16()
     steps = {}
     for kind in ("plain", "guarded"):
         steps[kind], params = build(a, kind == "guarded")
@@ -208,13 +237,15 @@ def worker(rank, world, port, a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--framework", choices=["megatron", "fsdp", "ddp"], required=True)
+    ap.add_argument("--framework", choices=["megatron", "fsdp", "ddp", "deepspeed"], required=True)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--zero", type=int, choices=[1, 2, 3], default=2, help="deepspeed: the ZeRO stage")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="deepspeed: the precision")
     a = ap.parse_args()
     from ddp_case import free_port
 

@@ -149,18 +149,37 @@ def _torch_health(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([nan.double(), (nbad - nan).double(), sumsq, first.double()])
 
 
+_WIDEN = 1 << 20
+"""Elements of a bf16/fp16 CPU buffer widened to float32 at a time for the Rust scan (4 MiB)."""
+
+
 def health(flat: torch.Tensor, scan: str = "auto") -> Cell:
-    """The local health of one flat gradient buffer, read in place (no copy): the Rust scan's
-    (nan, inf, sumsq, first_bad) for contiguous float32 CPU memory with `scan` "auto", else the same
-    four fields as a float64 tensor computed with torch ops on the buffer's device (any dtype, CUDA
-    included). The caller guarantees that nothing writes `flat` during the call (a framework hands
-    the buffer over before its reduction starts)."""
-    if scan == "auto" and flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous():
+    """The local health of one flat gradient buffer: the Rust scan's (nan, inf, sumsq, first_bad)
+    for contiguous float32 CPU memory with `scan` "auto" (read in place, no copy) and for contiguous
+    bfloat16/float16 CPU memory (widened to float32 a chunk at a time: exact, NaN stays NaN and Inf
+    Inf), else the same four fields as a float64 tensor computed with torch ops on the buffer's
+    device (CUDA, float64, or `scan` "torch"). The caller guarantees that nothing writes `flat`
+    during the call (a framework hands the buffer over before its reduction starts)."""
+    if scan != "auto" or flat.device.type != "cpu" or not flat.is_contiguous():
+        return _torch_health(flat)
+    if flat.dtype == torch.float32:
         # Zero-copy: the Rust scan reads the buffer's memory in place. `flat` is a live reference
         # for the whole call, contiguous float32 on the CPU, and not written meanwhile (see above).
         nan, inf, sumsq, first = _core.scan_f32(flat.data_ptr(), flat.numel())
         return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
-    return _torch_health(flat)
+    if flat.dtype not in (torch.bfloat16, torch.float16):
+        return _torch_health(flat)
+    # torch's CPU ops are slow on half types: 3.16M bf16 elements took 101 ms with `_torch_health`
+    # and 0.8 ms widened and Rust-scanned (AMD EPYC, one thread; DeepSpeed ZeRO bf16 buckets).
+    nan = inf = 0
+    sumsq, first = 0.0, None
+    for s in range(0, flat.numel(), _WIDEN):
+        chunk = flat[s : s + _WIDEN].float()  # a new contiguous float32 tensor, referenced during the scan
+        n, i, q, f = _core.scan_f32(chunk.data_ptr(), chunk.numel())
+        nan, inf, sumsq = nan + n, inf + i, sumsq + q
+        if first is None and f is not None:
+            first = s + f
+    return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
 
 
 # --- the replica checksum --------------------------------------------------------------------------

@@ -247,6 +247,21 @@ def test_torch_scan_counts_in_the_buckets_own_dtype(dtype):
         assert _torch_health(big).tolist()[1::2] == [1.0, 1.0], "70000 overflows fp16: Inf at element 1"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_cpu_buckets_are_widened_chunk_by_chunk_for_the_rust_scan(dtype, monkeypatch):
+    # bf16/fp16 CPU buckets (DeepSpeed's, Megatron's bf16 grads): widened to float32 a chunk at a time
+    # and Rust-scanned; the counts and the first element across chunk boundaries are the torch scan's.
+    from gradbus import guard as core
+
+    monkeypatch.setattr(core, "_WIDEN", 1000)
+    x = planted(3500, [(2500, float("nan")), (1200, float("inf")), (1201, float("-inf")), (3499, float("nan"))]).to(dtype)
+    nan, inf, sumsq, first = core.health(x)
+    assert (nan, inf, first) == (2, 2, 1200) == tuple(_torch_health(x).tolist()[i] for i in (0, 1, 3))
+    finite = x[torch.isfinite(x)].double()
+    assert sumsq == pytest.approx(float((finite * finite).sum()), rel=1e-12), "the finite elements' squares"
+    assert core.health(x[:1000])[3] == -1.0 and core.health(x, scan="torch")[3].item() == 1200
+
+
 def test_spike_skip_skips_an_agreed_loss_spike_with_the_runtime_detector():
     a = gradbus.Agreement("abort", spike="skip", spike_window=4, z_limit=3.0)
     actions = []
