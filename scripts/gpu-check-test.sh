@@ -13,13 +13,13 @@
 #      steps 10, 20 and 40 fail, each saying why.
 #   3. no GPU listed, the real steps: exit 3, every row NOT CHECKED.
 #   4. the CPU stand-in (--stand-in, or all: the default): every real step with GPU_CHECK_DEVICE=cpu
-#      - gradbus runs with device = "cpu", gpu_check.py and megatron_check.py with --cpu, and for
+#      - gradbus runs with device = "cpu", gpu_check.py, megatron_check.py, deepspeed_check.py with --cpu, and for
 #      the GPU test binaries stand-ins that print what they print on a GPU (their own test lists).
 #      Every step passes (benchmarks: passed or TARGET MISSED: a CPU's speed says nothing).
 #
 # Usage: scripts/gpu-check-test.sh [--verdicts | --stand-in]   (default: both)
 # Needs: cargo (it builds the `cuda` test binaries and target/release/gradbus if missing); a python
-# with torch, gradbus and megatron-core: GPU_CHECK_PYTHON, default target/pyvenv-clean/bin/python
+# with torch, gradbus, megatron-core and deepspeed: GPU_CHECK_PYTHON, default target/pyvenv-clean/bin/python
 # (python/test.sh makes it), and the gradbus wheel in target/pywheels. Exit 0 all as expected, 1 not.
 set -euo pipefail
 cd "$(dirname "$0")/.."

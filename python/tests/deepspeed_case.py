@@ -142,7 +142,9 @@ def worker(rank: int, world: int, port: int, job: tuple, outdir: str) -> None:
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     if device == "cuda":
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        torch.use_deterministic_algorithms(True)  # the bitwise checks compare two runs
+        # The bitwise checks compare two runs; an op without a deterministic kernel warns (and the
+        # GPU check's control run shows whether two unguarded runs agree) rather than stopping it.
+        torch.use_deterministic_algorithms(True, warn_only=True)
         torch.cuda.set_device(0)
     else:
         os.environ["DS_ACCELERATOR"] = "cpu"
