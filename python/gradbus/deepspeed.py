@@ -204,8 +204,14 @@ def guard(engine: Any, policy: str = "abort", run_dir: Any = None, **kwargs: Any
             "the guard's exchange runs over the data-parallel group, so ranks of other data-parallel groups "
             "would not share the verdict (hint: data parallelism only, see docs/deepspeed.md)",
         )
-    g = Guard(engine, policy, run_dir, **kwargs)
     stage3 = isinstance(opt, DeepSpeedZeroOptimizer_Stage3)
+    if stage3 and kwargs.get("replica_every"):
+        _refuse(
+            "replica_every with ZeRO 3",
+            "each rank holds only its partition of the weights, so there are no replicas to compare "
+            "(hint: ZeRO 1 or 2, where every rank holds the whole model)",
+        )
+    g = Guard(engine, policy, run_dir, **kwargs)
     _wrap_reduce(opt, g, stage3)
     _wrap_step(opt, g)
     backward = engine.backward

@@ -12,6 +12,8 @@ A case is a dict:
   gas        gradient accumulation steps (default 1)
   guard      None (DeepSpeed alone) or gradbus.deepspeed.guard keyword arguments
   plants     [{"rank", "step", "param", "element", "value": "nan"|"inf"|float, "micro": 0}]
+  diverge    {"rank", "step", "param", "element", "delta"}: add delta to one weight of the model on
+             one rank before that update (ZeRO 1/2: a replica that differs)
   ds         extra DeepSpeed config, merged key by key into the sections (e.g.
              {"zero_optimization": {"reduce_bucket_size": 3000}, "bf16": {"check_grad_overflow": False}})
 
@@ -102,6 +104,10 @@ def one_case(rank: int, case: dict) -> dict:
         params = dict(engine.module.named_parameters())
         gas = case.get("gas", 1)
         for step in range(case.get("steps", 4)):
+            d = case.get("diverge")
+            if d is not None and (d["rank"], d["step"]) == (rank, step):
+                with torch.no_grad():
+                    params[d["param"]].view(-1)[d["element"]] += d["delta"]
             out["snapshots"].append(snapshot(engine))
             for micro in range(gas):
                 handles = [

@@ -74,6 +74,10 @@ OTHER = {
     "skip-budget": case(2, "bf16", {"policy": "skip", "max_consecutive": 2},
                         plants=[plant(1, s, "layers.1.linear2.weight", 3) for s in range(STEPS)]),
     "skip-budget-plain": case(2, "bf16", plants=[plant(1, s, "layers.1.linear2.weight", 3) for s in range(STEPS)]),
+    # The replica check: every update, rank 1's copy of one weight nudged before update 2.
+    "replicas": case(1, "fp32", {"policy": "abort", "replica_every": 1},
+                     diverge={"rank": 1, "step": 2, "param": "norm.weight", "element": 3, "delta": 1e-3}),
+    "replicas-z3-refused": case(3, "fp32", {"policy": "abort", "replica_every": 1}, steps=1),
 }
 
 CASES = {**CLEAN, **{k: c for k, (c, _) in ABORTS.items()}, **SKIPS, **BF16_INF, **FP16, **OTHER}
@@ -236,3 +240,18 @@ def test_skips_are_bounded_where_deepspeed_skips_without_end(results):
     for r in res["skip-budget"]:
         assert r["skipped_steps"] == [1, 2] and r["skipped"] == 2 and [a for a, _, _ in r["skips"]] == ["skip", "skip"]
     assert json.loads((root / "skip-budget" / "report.json").read_text())["verdict"] == "abort"
+
+
+def test_replica_check_names_the_rank_whose_weights_differ(results):
+    """replica_every=1 on ZeRO 1 (every rank holds the whole model): updates 0 and 1 pass the check, a
+    weight nudged on rank 1 before update 2 stops every rank with ReplicasDiverged naming rank 1;
+    with ZeRO 3 (partitions, no replicas) the keyword is refused."""
+    res, root = results
+    errors = {r["error"] for r in res["replicas"]}
+    assert len(errors) == 1 and None not in errors, errors
+    msg = errors.pop()
+    assert msg.startswith("ReplicasDiverged: gradbus: replicas differ at step 2: rank(s) [1]"), msg
+    assert all(r["skipped_steps"] == [0, 0] for r in res["replicas"])
+    assert json.loads((root / "replicas" / "replicas.json").read_text())["ranks"] == [1]
+    for r in res["replicas-z3-refused"]:
+        assert r["error"].startswith("NotImplementedError: gradbus.deepspeed: replica_every with ZeRO 3"), r["error"]
