@@ -66,6 +66,8 @@ declare -A SKIP=(
   ["scripts/gpu-check.sh"]="needs an NVIDIA GPU with its driver (CI has none)"
   ["scripts/gpu-check.sh --prepare target/gpu-check"]="builds test binaries for the GPU machine only; scripts/test.sh builds and runs the same cuda test targets here (their GPU parts print SKIPPED)"
   ["bash target/gpu-check/gpu-check.sh --prebuilt target/gpu-check"]="needs an NVIDIA GPU and the bundle of --prepare"
+  # docs/deepspeed.md
+  ["DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8 ninja"]="python/test.sh installs the same pins with --no-deps (python/requirements-frameworks.txt); in its venv, whose torch went in without its GPU-only dependencies, this command would pull in triton and cuda-bindings (pip install --dry-run says so)"
   # docs/pytorch.md
   ["python/build-wheels.sh dist"]="scripts/test.sh builds both wheels this way and tests them (python/test.sh: x86_64 with torch; python/aarch64-check.sh: aarch64 under qemu)"
   # docs/agreement.md (benchmarks)
@@ -126,7 +128,6 @@ NEEDS_TRL=(
 # Commands that also need deepspeed (and ninja) in that venv (python/requirements-frameworks.txt);
 # skipped without it, as python/tests/test_deepspeed.py is.
 NEEDS_DEEPSPEED=(
-  "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8 ninja"
   "torchrun --standalone --nproc-per-node 2 python/examples/deepspeed_guard.py --policy abort --plant 1:2:layers.0.linear1.weight:77"
   "torchrun --standalone --nproc-per-node 2 python/examples/deepspeed_guard.py --no-bf16-check --policy none --plant 1:2:layers.0.linear1.weight:77"
   "torchrun --standalone --nproc-per-node 2 python/examples/deepspeed_guard.py --no-bf16-check --policy skip --plant 1:2:layers.0.linear1.weight:77"
