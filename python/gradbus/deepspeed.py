@@ -128,14 +128,16 @@ class Guard(GuardCore):
         self._loss_n = 0
         self._skip: Any = None  # the verdict of the step in progress, when it is not "proceed"
 
-    def _check_bucket(self, grads: List[torch.Tensor], params: List[torch.Tensor]) -> None:
-        """Record the health of one bucket's gradients (in DeepSpeed's order), before its reduce."""
+    def name(self, param: Any, fallback: str) -> str:
+        """The parameter's name in `engine.module`, else `fallback` (a name DeepSpeed's numbering
+        gives alike on every rank)."""
+        known = self._params.get(id(param))
+        return fallback if known is None else known[1]
+
+    def _check_bucket(self, grads: List[torch.Tensor], names: List[str]) -> None:
+        """Record the health of one bucket's gradients (in DeepSpeed's order, named), before its reduce."""
         for flat, idx in _spans(grads):
-            entries = []
-            for k in idx:
-                known = self._params.get(id(params[k]))
-                entries.append((known[1] if known is not None else f"param{id(params[k]):x}", grads[k].numel()))
-            self.record(self._next, entries, self.health(flat))
+            self.record(self._next, [(names[k], grads[k].numel()) for k in idx], self.health(flat))
             self._next += 1
 
     def _backward(self, loss: Any) -> None:
@@ -238,7 +240,7 @@ def _wrap_reduce(opt: Any, g: Guard, stage3: bool) -> None:
                 # reduce-scatter runs after this returns (and which DeepSpeed synchronizes at the end
                 # of every backward, before the exchange reads the cells).
                 with get_accelerator().stream(opt.reduce_and_partition_stream):
-                    g._check_bucket([p.grad for p in bucket.params], list(bucket.params))
+                    g._check_bucket([p.grad for p in bucket.params], [g.name(p, f"ds_id{p.ds_id}") for p in bucket.params])
             reduce(comm_dtype)
 
         setattr(opt, name, guarded_reduce)
@@ -252,8 +254,8 @@ def _wrap_reduce(opt: Any, g: Guard, stage3: bool) -> None:
         for dt in [comm_dtype] if comm_dtype is not None else sort_dtypes(opt.ipg_buckets.keys()):
             bucket = opt.ipg_buckets[dt]
             if bucket.params:
-                params = [opt.bit16_groups[i][j] for i, j, _ in bucket.params]
-                g._check_bucket(list(bucket.grads), params)
+                names = [g.name(opt.bit16_groups[i][j], f"group{i}.param{j}") for i, j, _ in bucket.params]
+                g._check_bucket(list(bucket.grads), names)
         reduce(comm_dtype)
 
     opt.reduce_ipg_grads = guarded_reduce_ipg_grads
