@@ -203,6 +203,7 @@ else
   echo "nvidia-smi: not found"
 fi
 echo "GPUs listed by nvidia-smi: $gpus"
+echo "bundle: $bundle ($(du -sb "$bundle" | cut -f1) bytes)"
 # A device file without nvidia-smi is a GPU that the check must not call absent.
 devs=$(ls "${GPU_CHECK_DEV:-/dev}"/nvidia[0-9]* 2>/dev/null | wc -l || true)
 if [ "$gpus" = 0 ] && [ "$devs" -gt 0 ]; then
