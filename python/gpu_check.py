@@ -15,9 +15,10 @@ Checks, each a real job on GPU 0 (python/tests/ddp_case.py, fsdp_case.py), run a
      time per update with CUDA synchronised, alternated rounds (measured alone, after the checks):
      a benchmark with the target guard/hook <= 1.02 (2% of an update).
 
-Output: a line per check as it ends, then the step contract's lines of scripts/gpu-check.sh - a
-`ROW` per check, `CHECKS n` (the checks that passed), `TARGET` for the overhead - and a last line.
-Exit 0 every check passed (a missed target is gpu-check.sh's to judge), 1 a check failed, 3 no GPU.
+Output: the step contract's lines of scripts/gpu-check.sh - a `ROW` per check as it ends (so that a
+run killed over its budget still shows what passed), then the overhead's `ROW` and `TARGET`, and
+`CHECKS n` (the checks that passed) - and a last line. Exit 0 every check passed (a missed target is
+gpu-check.sh's to judge), 1 a check failed or did not end by --deadline, 3 no GPU.
 
 Usage:
   gpu_check.py                 on a machine with a GPU
@@ -30,6 +31,7 @@ from anywhere: ddp_case is imported from this file's tests/ folder.
 
 import argparse
 import concurrent.futures
+import multiprocessing
 import os
 import socket
 import statistics
@@ -109,6 +111,11 @@ class NotRun(Exception):
     """The framework alone cannot run the check's setting here: the check is NOT RUN (said)."""
 
 
+# On a GPU, FSDP2's process group gives up after this (a gloo collective on CUDA tensors that never
+# returns is then an error, and the check NOT RUN, before the step's budget ends).
+FSDP_GPU_TIMEOUT_S = 20
+
+
 def fsdp_alone(base, tmp):
     """FSDP2 without the guard at 2 ranks (every rank's result). On a GPU, where it fails, NotRun with
     its error (torch's own limits: gloo with FSDP2's CUDA tensors has not been tried); on the CPU it
@@ -159,6 +166,7 @@ def checks(cpu):
     dev = "cpu" if cpu else "cuda"
     one = {"steps": 4, "device": dev, "backend": "gloo" if cpu else "nccl"}
     two = {"steps": 4, "device": dev, "backend": "gloo"}
+    fsdp = dict(two, timeout_s=120 if cpu else FSDP_GPU_TIMEOUT_S)
     label1 = "world 1, " + ("gloo (--cpu)" if cpu else "NCCL")
     label2 = "2 ranks, one " + ("CPU (--cpu)" if cpu else "GPU") + ", gloo"
     return [
@@ -169,9 +177,9 @@ def checks(cpu):
         (f"{label2}: clean run", lambda t: clean(2, two, t)),
         (f"{label2}: planted NaN", lambda t: planted(2, two, t)),
         (f"{label2}: skip", lambda t: skip(2, two, t)),
-        (f"FSDP2, {label2}: clean run", lambda t: fsdp_clean(two, t)),
-        (f"FSDP2, {label2}: planted NaN", lambda t: fsdp_planted(two, t)),
-        (f"FSDP2, {label2}: skip", lambda t: fsdp_skip(two, t)),
+        (f"FSDP2, {label2}: clean run", lambda t: fsdp_clean(fsdp, t)),
+        (f"FSDP2, {label2}: planted NaN", lambda t: fsdp_planted(fsdp, t)),
+        (f"FSDP2, {label2}: skip", lambda t: fsdp_skip(fsdp, t)),
     ]
 
 
@@ -190,14 +198,24 @@ def attempt(name, check):
         return name, False, f"FAILED: {type(e).__name__}: {first}"[:200]
 
 
-def run_all(named, jobs):
-    """Every check, `jobs` at a time (each is processes of its own); results in the given order."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(attempt, name, check) for name, check in named]
-        for f in concurrent.futures.as_completed(futures):
+def run_all(named, jobs, deadline=None):
+    """Every check, `jobs` at a time (each is processes of its own), a ROW printed as each ends;
+    results in the given order. A check still running `deadline` seconds from now is FAILED (its
+    thread is left behind: the caller must end the process)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+    futures = {pool.submit(attempt, name, check): name for name, check in named}
+    done = set()
+    try:
+        for f in concurrent.futures.as_completed(futures, timeout=deadline):
             name, _, detail = f.result()
-            print(f"{name}: {detail}", flush=True)
-        return [f.result() for f in futures]
+            print(f"ROW python guard: {name} | {detail}", flush=True)
+            done.add(f)
+    except concurrent.futures.TimeoutError:
+        for f, name in futures.items():
+            if f not in done:
+                print(f"ROW python guard: {name} | FAILED: not ended within {deadline:g} s", flush=True)
+    pool.shutdown(wait=False, cancel_futures=True)
+    return [f.result() if f in done else (name, False, "FAILED: not ended") for f, name in futures.items()]
 
 
 def summarize(hook_ms, guard_ms):
@@ -270,7 +288,8 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--jobs", type=int, help="checks run at a time (default: the CPUs / 2, at most 10)")
+    ap.add_argument("--jobs", type=int, help="checks run at a time (default: the CPUs, at most 10: all of them at once on the GPU machine)")
+    ap.add_argument("--deadline", type=float, help="seconds the checks may take before the overhead (default: no limit)")
     a = ap.parse_args()
     if not a.cpu and not torch.cuda.is_available():
         print("SKIPPED: no CUDA device for the python guard GPU check (torch.cuda.is_available() is False); nothing was checked")
@@ -279,32 +298,32 @@ def main():
 
     where = "CPU (--cpu)" if a.cpu else torch.cuda.get_device_name(0)
     print(f"python guard GPU check on {where}: torch {torch.__version__}, gradbus {gradbus.__file__}", flush=True)
-    jobs = a.jobs or max(1, min(10, (os.cpu_count() or 2) // 2))
-    results = run_all(checks(a.cpu), jobs)
-    rows = [(name, detail) for name, _, detail in results]
+    jobs = a.jobs or max(1, min(10, os.cpu_count() or 1))
+    results = run_all(checks(a.cpu), jobs, a.deadline)
     passed = sum(ok is True for _, ok, _ in results)
     failed = any(ok is False for _, ok, _ in results)
+    if any(detail == "FAILED: not ended" for _, _, detail in results):
+        # A check's processes still run (a collective that never returns): end them and here; the
+        # rows said it.
+        for p in multiprocessing.active_children():
+            p.kill()
+        print(f"CHECKS {passed}")
+        print("python guard GPU check: FAILED", flush=True)
+        os._exit(1)
     params_m = a.params_m or (2.0 if a.cpu else 100.0)
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
-    target = None
     try:
         n, hook_ms, guard_ms = overhead(device, "gloo" if a.cpu else "nccl", params_m, a.batch, a.iters, a.rounds)
         hook, guard, ratio, lo, hi = summarize(hook_ms, guard_ms)
-        name = f"overhead, {n / 1e6:.1f}M params, batch {a.batch}"
-        rows.append((name, f"allreduce_hook {hook:.2f} ms, guard {guard:.2f} ms per update: guard/hook {ratio:.4f} "
-                           f"(rounds {lo:.4f}..{hi:.4f}; target <= {OVERHEAD_TARGET})"))
-        target = (f"python guard / allreduce_hook time per update, {n / 1e6:.1f}M params", ratio)
+        print(f"ROW python guard: overhead, {n / 1e6:.1f}M params, batch {a.batch} | allreduce_hook {hook:.2f} ms, "
+              f"guard {guard:.2f} ms per update: guard/hook {ratio:.4f} (rounds {lo:.4f}..{hi:.4f}; target <= {OVERHEAD_TARGET})")
+        print(f"TARGET python guard / allreduce_hook time per update, {n / 1e6:.1f}M params | {ratio:.4f} | <= {OVERHEAD_TARGET}")
         passed += 1
     except Exception as e:
         traceback.print_exc()
-        rows.append(("overhead", f"FAILED: {type(e).__name__}: {e}"[:200]))
+        print(f"ROW python guard: overhead | FAILED: {type(e).__name__}: {e}"[:240])
         failed = True
-    print("\n== python guard GPU check summary")
-    for name, result in rows:
-        print(f"ROW python guard: {name} | {result}")
     print(f"CHECKS {passed}")
-    if target is not None:
-        print(f"TARGET {target[0]} | {target[1]:.4f} | <= {OVERHEAD_TARGET}")
     print("python guard GPU check:", "FAILED" if failed else "all checks passed")
     return 1 if failed else 0
 

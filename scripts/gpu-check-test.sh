@@ -61,7 +61,8 @@ run_check() {
   local b=$1 n=$2
   shift 2
   set +e
-  out=$(env PATH="$tmp/smi$n:$PATH" GPU_CHECK_DEV="$tmp/nodev" TMPDIR="$tmp" "$@" bash "$b/gpu-check.sh" --prebuilt "$b" 2>&1)
+  # A driver that hangs must not hang CI: an hour is far past every budget here.
+  out=$(env PATH="$tmp/smi$n:$PATH" GPU_CHECK_DEV="$tmp/nodev" TMPDIR="$tmp" "$@" timeout 3600 bash "$b/gpu-check.sh" --prebuilt "$b" 2>&1)
   rc=$?
   set -e
 }
@@ -217,7 +218,7 @@ verdicts() {
   step "$s/30-noheader" 10 1 "echo 'CHECKS 5'"
   sed -i '/^# floor/d' "$s/30-noheader"
   step "$s/40-badtarget" 10 1 "echo 'CHECKS 1'; echo 'TARGET speed | fast | >= 2'"
-  step "$s/50-norunbit" 10 1 "echo 'CHECKS 1'"
+  step "$s/50-norunbit" 10 1 "tail -f /dev/null & echo \$! >\"\$GPU_CHECK_LOGS/left\"; echo 'CHECKS 1'"
   chmod -x "$s/50-norunbit"
   step "$s/60-two" 10 1 "echo 'CHECKS 1'" 2
   rebundle
@@ -238,6 +239,13 @@ verdicts() {
     kill "$child"
   else
     ok "a step over its budget is killed with its children"
+  fi
+  child=$(cat "$tmp"/gpu-check.*/left 2>/dev/null || true)
+  if [ -z "$child" ] || ps -o stat= -p "$child" | grep -qv '^Z'; then
+    no "a child that a passed step left running is still there (${child:-no pid})"
+    [ -z "$child" ] || kill "$child"
+  else
+    ok "a child that a passed step left running is killed after it"
   fi
   run_check "$v" 1 GPU_CHECK_ONLY=60
   expect "only steps that need more GPUs than listed: nothing ran, exit 1" 1 "FAILED: no step ran"

@@ -24,8 +24,9 @@
 # The step contract (a new check is a new file in gpu-check.d/; `common.sh` has the helpers):
 #   name    NN-word (two digits first): run in name order with `bash` (a lost run bit changes
 #           nothing), in the bundle's folder, with GPU_CHECK_BUNDLE, GPU_CHECK_LOGS, GPU_CHECK_PYTHON,
-#           GPU_CHECK_GPUS (GPUs listed) and GPU_CHECK_DEVICE (cuda; cpu only in the CPU stand-in run
-#           of scripts/gpu-check-test.sh, which also scales the budgets: GPU_CHECK_BUDGET_SCALE) set
+#           GPU_CHECK_GPUS (GPUs listed), GPU_CHECK_STEP_BUDGET (its budget, s) and GPU_CHECK_DEVICE
+#           (cuda; cpu only in the CPU stand-in run of scripts/gpu-check-test.sh, which also scales the
+#           budgets: GPU_CHECK_BUDGET_SCALE) set
 #   header  # check: <what it checks, one line>
 #           # budget: <seconds>  its wall-clock limit: over it the step and its children are killed
 #                                and the step is FAILED
@@ -58,7 +59,8 @@ case "${1:-}" in
     dir=${2:?"$1 needs a folder"}
     ;;
   -h | --help)
-    sed -n '2,45p' "$0"
+    sed -n '2,/^set -euo/p' "$0" | sed '$d'
+
     exit 0
     ;;
   *)
@@ -301,12 +303,21 @@ for step in "${selected[@]}"; do
   log="$logs/$name.log"
   t0=$(date +%s)
   set +e
-  # timeout signals the step's whole process group (ranks and children included), then SIGKILLs it.
-  (cd "$bundle" && timeout --kill-after=5 "$budget" bash "$step") 2>&1 | tee "$log"
-  rc=${PIPESTATUS[0]}
+  # timeout (exec'd: the subshell's pid) runs the step in a process group of its own, its pid, and
+  # past the budget signals the whole group (ranks and children included), then SIGKILLs it. The
+  # output goes to the log, shown as it grows: no pipe that a child left behind could hold open.
+  (cd "$bundle" && GPU_CHECK_STEP_BUDGET=$budget exec timeout --kill-after=5 "$budget" bash "$step") >"$log" 2>&1 &
+  pid=$!
+  tail -n +1 -f --pid=$pid "$log" &
+  shown=$!
+  wait $pid
+  rc=$?
+  wait $shown
   set -e
   secs=$(($(date +%s) - t0))
-  # Anything of the step still running (a rank that left its group) names the step's logs folder.
+  # Anything of the step still running: its process group (a child it left behind), and anything
+  # naming the step's logs folder (a rank in a group of its own).
+  kill -9 -- "-$pid" 2>/dev/null || true
   pgrep -f -- "$logs/" | grep -vx "$$" | xargs -r kill -9 2>/dev/null || true
   grep -a '^ROW ' "$log" | sed 's/^ROW //' >>"$logs/rows" || true
   made=$({ grep -a '^CHECKS [0-9][0-9]*$' "$log" || true; } | awk '{ s += $2 } END { print s + 0 }')

@@ -16,9 +16,9 @@ Transformer Engine:
           parameters, GPT-2 small's shape), bf16, 8 x 1024 tokens per update: a benchmark with the
           target guarded/unguarded <= 1.02 (a TARGET line: scripts/gpu-check.sh judges it)
 
-Prints one line per check, then the step contract's lines of scripts/gpu-check.sh (a ROW per check,
-CHECKS n, the TARGET); exit 0 all passed, 1 a check failed or was inconclusive, 3 no CUDA device
-(SKIPPED). `--cpu` runs the same checks on the CPU over gloo, with the stand-ins of
+Prints the step contract's lines of scripts/gpu-check.sh: a ROW as each check ends (its detail
+before it), the cost's TARGET, and CHECKS n at the end; exit 0 all passed, 1 a check failed or was
+inconclusive, 3 no CUDA device (SKIPPED). `--cpu` runs the same checks on the CPU over gloo, with the stand-ins of
 python/examples/megatron_guard.py and its stand-in optimizer (this script's whole logic; CI runs it).
 """
 
@@ -263,26 +263,27 @@ def main() -> int:
     if not a.cpu:
         checks.append(("clean bf16", lambda: check_clean(env, True)))
     checks.append(("cost", lambda: check_cost(env, a)))
-    rows, made, target = [], 0, None
+    statuses, made = [], 0
     for name, f in checks:
         try:
             ok, detail = f()
         except Exception:
             ok, detail = False, traceback.format_exc()
+        target = None
         if name == "cost" and ok:
             target, detail = detail
         # INCONCLUSIVE (Megatron's own runs differ) shows nothing about the guard: not a pass.
         status = {True: "PASS", False: "FAIL", None: "INCONCLUSIVE"}[ok]
-        print(f"{status:12} {name}: {detail}", flush=True)
-        rows.append((name, status, detail.splitlines()[-1] if detail else ""))
+        print(detail, flush=True)
+        # The row as each check ends: a run killed over its budget still shows what passed.
+        print(f"ROW megatron: {name} | {status}: {detail.splitlines()[-1] if detail else ''}"[:240], flush=True)
+        if target is not None:
+            print(f"TARGET megatron guarded / unguarded time per update | {target:.4f} | <= {COST_TARGET}", flush=True)
+        statuses.append(status)
         made += ok is True
     dist.destroy_process_group()
-    for name, status, detail in rows:
-        print(f"ROW megatron: {name} | {status}: {detail}"[:240])
     print(f"CHECKS {made}")
-    if target is not None:
-        print(f"TARGET megatron guarded / unguarded time per update | {target:.4f} | <= {COST_TARGET}")
-    return 0 if all(s == "PASS" for _, s, _ in rows) else 1
+    return 0 if all(s == "PASS" for s in statuses) else 1
 
 
 if __name__ == "__main__":

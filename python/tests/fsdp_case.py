@@ -8,7 +8,7 @@ A case is a dict:
   guard   None (FSDP2 alone) or gradbus.fsdp.Guard keyword arguments
   plants  [{"rank", "step", "param", "element", "value": "nan"|"inf"|"-inf"}]
   device  "cpu" (default) or "cuda" (every rank on GPU 0: python/gpu_check.py); backend: "gloo"
-          (default) or "nccl"
+          (default) or "nccl"; timeout_s: the process group's timeout (default 120)
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
     device = torch.device(case.get("device", "cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group(case.get("backend", "gloo"), rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    timeout = timedelta(seconds=case.get("timeout_s", 120))
+    dist.init_process_group(case.get("backend", "gloo"), rank=rank, world_size=world, timeout=timeout)
     out = {"losses": [], "verdicts": [], "snapshots": [], "error": None, "report": None}
     try:
         mesh = init_device_mesh(device.type, (world,))

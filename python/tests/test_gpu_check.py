@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -36,6 +37,20 @@ def test_the_overhead_is_the_median_of_the_rounds_paired_ratios():
         gc.summarize([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="unpaired"):
         gc.summarize([], [])
+
+
+def test_each_check_prints_its_row_as_it_ends_and_one_past_the_deadline_fails(capsys):
+    gc = load()
+    stop = threading.Event()
+    try:
+        res = gc.run_all([("quick", lambda t: "done"), ("stuck", lambda t: stop.wait(60) and "late")], jobs=2, deadline=1)
+    finally:
+        stop.set()
+    assert res == [("quick", True, res[0][2]), ("stuck", False, "FAILED: not ended")], res
+    assert res[0][2].startswith("ok: done (")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("ROW python guard: quick | ok: done"), out
+    assert out[1] == "ROW python guard: stuck | FAILED: not ended within 1 s", out
 
 
 def test_a_check_that_fails_is_a_failed_row(tmp_path):
