@@ -47,8 +47,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # The most a run may take (the device run's lease); --prepare refuses steps whose budgets add up to
 # more than it less the setup's share.
-LIMIT_S=420
-SETUP_S=30
+LIMIT_S=360
+SETUP_S=25
 
 mode=build
 dir=""
