@@ -8,15 +8,16 @@ alternating the paths, and rank 0 prints microseconds per update - wall time, an
 time (process time, which a busy machine disturbs less) - the medians of the rounds, and the wall
 ratio. A benchmark: asserts nothing.
 
-Then it fits the runtime's cost model (collectives/src/agreement/cost.rs, `Calibration`) to these
-times: the latency of one exchange (alpha), the cost of a byte moved into a rank (beta) and each
-path's CPU cost per byte, by least squares over every row, with the model's bytes and exchanges
-from the native core (`_core.agreement_cost`: the row codec's length, the summary's words), and
-prints them as `Calibration::GLOO` takes them:
+Then it fits the runtime's cost model (collectives/src/agreement/cost.rs, `Calibration`) to the
+2-rank times (see `fit`): the latency of one exchange (alpha), the cost of a byte moved into a rank
+(beta) and the summary's CPU cost per byte, with the model's bytes and exchanges from the native
+core (`_core.agreement_cost`: the row codec's length, the summary's words), and prints them as
+`Calibration::GLOO` takes them:
   table path:   T = r alpha + (W - 1) row beta + W row cpu_table         (one all-gather)
   summary path: T = 2 r alpha + r S beta + S cpu_summary                 (two all-reduces)
 
 Usage: exchange.py [--world 2,4,8] [--buckets 7,100] [--iters 200] [--rounds 5]
+       (the fit: --world 2 --buckets 1,7,30,100)
 """
 
 import argparse
@@ -104,28 +105,29 @@ def main():
 
 
 def fit(rows):
-    """Least squares of the model's four constants (all >= 0) over the measured rows (wall times)."""
-    import numpy as np
-
-    a, y = [], []
+    """The model's constants from the 2-rank rows (2 processes on 2 cores: the only world this
+    machine runs without oversubscription, as for MPI's calibration): the table path's intercept and
+    slope over the bucket counts give alpha and beta (its CPU per byte folded into beta), then the
+    summary path's CPU per byte by least squares through the origin on what alpha and beta leave of
+    its times. Rows of other worlds are printed beside the model's times, not fitted."""
+    two = [(c, tw, sw) for c, tw, sw in rows if c["rounds"] == 1]
+    if len({c["row_bytes"] for c, _, _ in two}) < 2:
+        print("fit: needs 2-rank rows of at least two bucket counts")
+        return
+    xs = [c["table_bytes"] - c["row_bytes"] for c, _, _ in two]
+    ys = [tw for _, tw, _ in two]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    beta = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
+    alpha = my - beta * mx
+    left = [(c["summary_bytes"], sw - 2 * alpha - c["summary_bytes_in"] * beta) for c, _, sw in two]
+    cpu_summary = max(0.0, sum(s * r for s, r in left) / sum(s * s for s, _ in left))
+    print(f"fitted on {len(two)} 2-rank rows: alpha_us: {alpha:.4g}, beta_us_per_byte: {beta:.4g}, "
+          f"table_cpu_us_per_byte: 0, summary_cpu_us_per_byte: {cpu_summary:.4g}")
     for c, tw, sw in rows:
         r = c["rounds"]
-        a.append([r, c["table_bytes"] - c["row_bytes"], c["table_bytes"], 0.0])
-        y.append(tw)
-        a.append([2 * r, c["summary_bytes_in"], 0.0, c["summary_bytes"]])
-        y.append(sw)
-    a, y = np.array(a, dtype=float), np.array(y, dtype=float)
-    free = [0, 1, 2, 3]
-    while True:  # drop a constant the fit makes negative, and fit again without it
-        x = np.zeros(4)
-        x[free] = np.linalg.lstsq(a[:, free], y, rcond=None)[0]
-        if (x >= 0).all():
-            break
-        free.remove(int(np.argmin(x)))
-    names = ["alpha_us", "beta_us_per_byte", "table_cpu_us_per_byte", "summary_cpu_us_per_byte"]
-    print("fitted: " + ", ".join(f"{n}: {v:.4g}" for n, v in zip(names, x)))
-    model = a @ x
-    print("model us per row (table, summary): " + "; ".join(f"{model[i]:.0f}, {model[i + 1]:.0f}" for i in range(0, len(model), 2)))
+        mt = r * alpha + (c["table_bytes"] - c["row_bytes"]) * beta
+        ms = 2 * r * alpha + c["summary_bytes_in"] * beta + c["summary_bytes"] * cpu_summary
+        print(f"  {r} rounds, row {c['row_bytes']} B: table {tw:.0f} us (model {mt:.0f}), summary {sw:.0f} us (model {ms:.0f})")
 
 
 if __name__ == "__main__":

@@ -280,6 +280,12 @@ def _as_bytes(t: torch.Tensor) -> bytes:
     return struct.pack(f"<{len(words)}q", *words)
 
 
+def _in_place(seg: torch.Tensor) -> bool:
+    """Whether the native core reads and writes a ride segment in place: contiguous float32 or
+    float64 on the CPU (16-bit chunks); others (CUDA, float16, bfloat16) go through torch ops."""
+    return seg.device.type == "cpu" and seg.dtype in (torch.float32, torch.float64) and seg.is_contiguous()
+
+
 def _unride(seg: torch.Tensor) -> torch.Tensor:
     """The int64 words of a summed ride segment (`GuardCore.ride`): every element is a 16-bit
     (float32, float64) or 8-bit (float16, bfloat16) chunk of the rows' little-endian bytes, exact."""
@@ -393,6 +399,10 @@ class GuardCore:
         self._layout: Dict[int, Layout] = {}
         self._loss: Any = None
         self._pending: Optional[_Pending] = None
+        self._last_layout: Optional[List[Layout]] = None
+        self._world: Optional[int] = None
+        self._rank: Optional[int] = None
+        self._ride_buffer: Optional[torch.Tensor] = None
         self._verdicts = 0
 
     # --- called by the user ------------------------------------------------------------------------
@@ -473,6 +483,20 @@ class GuardCore:
         table path, or an anomaly of the summary); None otherwise."""
         return None if self._rows is None else [Row.decode(r, self._rows[1]) for r in self._rows[0]]
 
+    @property
+    def world(self) -> int:
+        """The process group's size (asked once: it does not change)."""
+        if self._world is None:
+            self._world = dist.get_world_size(self.process_group)
+        return self._world
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the process group (asked once)."""
+        if self._rank is None:
+            self._rank = dist.get_rank(self.process_group)
+        return self._rank
+
     # --- called by the adapters --------------------------------------------------------------------
 
     def health(self, flat: torch.Tensor) -> Cell:
@@ -512,6 +536,15 @@ class GuardCore:
         16-bit chunks in float32 and float64, 8-bit chunks in float16 and bfloat16."""
         return world * _core.row_words(buckets) * (4 if dtype in (torch.float32, torch.float64) else 8)
 
+    def ride_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of `numel` elements for the all-reduce the rows ride, kept from one update to the
+        next while its size, dtype and device stay (the framework has read the previous update's sum
+        out of it by then: DDP before backward returns)."""
+        b = self._ride_buffer
+        if b is None or b.numel() != numel or b.dtype != dtype or b.device != device:
+            b = self._ride_buffer = torch.empty(numel, dtype=dtype, device=device)
+        return b
+
     def ride(self, buckets: int, out: torch.Tensor) -> _Pending:
         """Start the agreement over buckets 0..buckets-1 with every rank's row riding a sum
         all-reduce the caller runs anyway (the DDP hook: its last bucket's): fills `out`
@@ -521,16 +554,21 @@ class GuardCore:
         work to the returned record's `works`; `verdict` decodes `out` once it has completed. No
         collective of its own."""
         n, row, layout, world = self._begin(buckets)
-        wide = out.dtype in (torch.float32, torch.float64)
-        chunks = torch.frombuffer(bytearray(row), dtype=torch.int16 if wide else torch.uint8)
-        if wide:
-            chunks = chunks.to(torch.int32) & 0xFFFF
-        per = chunks.numel()
-        if out.numel() != world * per:
-            raise RuntimeError(f"gradbus: a ride segment of {out.numel()} elements for {world} rows of {per}")
-        rank = dist.get_rank(self.process_group)
-        out.zero_()
-        out[rank * per : (rank + 1) * per].copy_(chunks.to(out.dtype))
+        rank = self.rank
+        if _in_place(out):
+            # Rust writes the segment into `out`'s memory: a live contiguous CPU tensor that no
+            # collective reads yet.
+            _core.ride_fill(out.data_ptr(), out.numel(), out.element_size(), row, rank, world)
+        else:
+            wide = out.dtype in (torch.float32, torch.float64)
+            chunks = torch.frombuffer(bytearray(row), dtype=torch.int16 if wide else torch.uint8)
+            if wide:
+                chunks = chunks.to(torch.int32) & 0xFFFF
+            per = chunks.numel()
+            if out.numel() != world * per:
+                raise RuntimeError(f"gradbus: a ride segment of {out.numel()} elements for {world} rows of {per}")
+            out.zero_()
+            out[rank * per : (rank + 1) * per].copy_(chunks.to(out.dtype))
         self.path = "ride"
         self._pending = _Pending("ride", [], [out], row, layout, world)
         return self._pending
@@ -549,9 +587,12 @@ class GuardCore:
             raise RuntimeError(f"gradbus: buckets {sorted(self._cells)} seen before the last bucket #{n - 1}")
         row = self._row(n).encode()
         layout = [self._layout[b] for b in range(n)]
+        if layout == self._last_layout:
+            layout = self._last_layout  # the same object: the native core converts it once
+        self._last_layout = layout
         self.buckets = n
         self._cells, self._layout, self._loss = {}, {}, None
-        return n, row, layout, dist.get_world_size(self.process_group)
+        return n, row, layout, self.world
 
     # --- inside ------------------------------------------------------------------------------------
 
@@ -574,7 +615,7 @@ class GuardCore:
     def _gather(self, row: bytes, async_op: bool) -> Tuple[Any, List[torch.Tensor]]:
         """All-gather every rank's row (int64 words: the bits travel unchanged)."""
         t = torch.frombuffer(bytearray(row), dtype=torch.int64).to(self._device())
-        outs = [torch.empty_like(t) for _ in range(dist.get_world_size(self.process_group))]
+        outs = [torch.empty_like(t) for _ in range(self.world)]
         return dist.all_gather(outs, t, group=self.process_group, async_op=async_op), outs
 
     def _finish(self, p: _Pending) -> Any:
@@ -589,10 +630,15 @@ class GuardCore:
             if d is not None:
                 return d
             _, parts = self._gather(p.row, async_op=False)
-        if p.path == "ride":
-            parts = list(_unride(parts[0]).chunk(p.world))
         self.tabled += 1
-        rows = [_as_bytes(t) for t in parts]
+        if p.path == "ride":
+            seg = parts[0]
+            # The all-reduce has completed (DDP waited for it before backward returned; `works` too).
+            table = _core.ride_rows(seg.data_ptr(), seg.numel(), seg.element_size()) if _in_place(seg) else _as_bytes(_unride(seg))
+            size = len(table) // p.world
+            rows = [table[k * size : (k + 1) * size] for k in range(p.world)]
+        else:
+            rows = [_as_bytes(t) for t in parts]
         self._rows = (rows, len(p.layout))
         return self._agreement.decide_table(b"".join(rows), p.world, p.layout, self.step, self.attempt)
 

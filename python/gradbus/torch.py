@@ -40,7 +40,7 @@ would touch them on "proceed" and on a loss-scale skip; every rank issues the sa
 same order (one all-reduce per bucket, two per backward, and an all-gather on every rank or none).
 """
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,9 @@ class Guard(GuardCore):
 
     def __init__(self, policy: str = "abort", names: Any = None, run_dir: Optional[str] = None, process_group: Any = None, **kwargs: Any):
         super().__init__(policy, self._names(names), run_dir, process_group, **kwargs)
+        # (bucket index, parameter ids) -> ([(name, numel), ...], total): keyed by the ids of the
+        # parameters, which `_params` (or DDP) keeps alive.
+        self._bucket_layouts: Dict[Tuple[int, ...], Tuple[List[Tuple[str, int]], int]] = {}
 
     def rides(self, world: int) -> bool:
         """Whether the rows ride the last bucket's all-reduce (no collective of the guard's): with
@@ -116,15 +119,22 @@ class Guard(GuardCore):
 
     def _tally_bucket(self, bucket: dist.GradBucket, buf: Optional[torch.Tensor] = None) -> None:
         """Record the health of one bucket before its all-reduce (of `buf`, the tensor that is
-        reduced, when it is not the bucket's buffer: a compressed copy) and its parameter layout."""
+        reduced, when it is not the bucket's buffer: a compressed copy) and its parameter layout
+        (built once per bucket and set of parameters: DDP rebuilds its buckets once, early)."""
         buf = bucket.buffer() if buf is None else buf
         b = bucket.index()
-        entries = []
-        total = 0
-        for j, p in enumerate(bucket.parameters()):
-            known = self._params.get(id(p))
-            entries.append((known[1] if known is not None else f"bucket{b}.param{j}", p.numel()))
-            total += p.numel()
+        params = bucket.parameters()
+        key = (b, *map(id, params))
+        known = self._bucket_layouts.get(key)
+        if known is None:
+            if len(self._bucket_layouts) > 4096:
+                self._bucket_layouts.clear()
+            entries = []
+            for j, p in enumerate(params):
+                named = self._params.get(id(p))
+                entries.append((named[1] if named is not None else f"bucket{b}.param{j}", p.numel()))
+            known = self._bucket_layouts[key] = (entries, sum(n for _, n in entries))
+        entries, total = known
         if total != buf.numel():
             raise RuntimeError(
                 f"gradbus: DDP bucket #{b} holds {buf.numel()} elements but its parameters {total} "
@@ -143,7 +153,7 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
     guard._tally_bucket(bucket)
     pg = guard.process_group
     buf = bucket.buffer()
-    world = dist.get_world_size(pg)
+    world = guard.world
     # Scale then sum, as DDP's built-in reduction does (a multiply by 1/world: the Python
     # default_hooks.allreduce_hook divides instead, which differs in the last bit when the world size
     # is not a power of two), so that a guarded clean run is bitwise the run without any hook.
@@ -154,7 +164,7 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
             guard.exchange(bucket.index() + 1)
         return fut
     n = buf.numel()
-    flat = torch.empty(n + guard.ride_len(bucket.index() + 1, world, buf.dtype), dtype=buf.dtype, device=buf.device)
+    flat = guard.ride_buffer(n + guard.ride_len(bucket.index() + 1, world, buf.dtype), buf.dtype, buf.device)
     torch.mul(buf, 1.0 / world, out=flat[:n])  # the same product, into the tensor the rows ride
     pending = guard.ride(bucket.index() + 1, flat[n:])
     work = dist.all_reduce(flat, group=pg, async_op=True)
@@ -171,10 +181,10 @@ def _compress_hook(dtype: torch.dtype, guard: Guard, bucket: dist.GradBucket) ->
     pg = guard.process_group
     buffer = bucket.buffer()
     n = buffer.numel()
-    world = dist.get_world_size(pg)
+    world = guard.world
     riding = bucket.is_last() and guard.rides(world)
     extra = guard.ride_len(bucket.index() + 1, world, dtype) if riding else 0
-    flat = torch.empty(n + extra, dtype=dtype, device=buffer.device)
+    flat = guard.ride_buffer(n + extra, dtype, buffer.device) if riding else torch.empty(n, dtype=dtype, device=buffer.device)
     compressed = flat[:n]
     compressed.copy_(buffer)  # the cast, as buffer.to(dtype)
     guard._tally_bucket(bucket, compressed)

@@ -31,6 +31,8 @@ use gradbus_collectives::{
     Watched,
 };
 use gradbus_kernels::{health_scan, Checksum, Health};
+use std::sync::Arc;
+
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -221,6 +223,106 @@ fn row_words(buckets: usize) -> usize {
     shape(buckets).len()
 }
 
+/// A float element type of a ride segment whose 16-bit chunks it holds exactly (f32, f64).
+trait Chunk: Copy {
+    fn from_chunk(c: u16) -> Self;
+    fn to_chunk(self) -> Option<u16>;
+}
+
+impl Chunk for f32 {
+    fn from_chunk(c: u16) -> f32 {
+        c as f32
+    }
+    fn to_chunk(self) -> Option<u16> {
+        (self >= 0.0 && self <= 65535.0 && self.fract() == 0.0).then_some(self as u16)
+    }
+}
+
+impl Chunk for f64 {
+    fn from_chunk(c: u16) -> f64 {
+        c as f64
+    }
+    fn to_chunk(self) -> Option<u16> {
+        (self >= 0.0 && self <= 65535.0 && self.fract() == 0.0).then_some(self as u16)
+    }
+}
+
+fn fill_ride<T: Chunk>(out: &mut [T], row: &[u8], rank: usize) {
+    let per = row.len() / 2;
+    out.fill(T::from_chunk(0));
+    for (o, c) in out[rank * per..(rank + 1) * per].iter_mut().zip(row.chunks_exact(2)) {
+        *o = T::from_chunk(u16::from_le_bytes([c[0], c[1]]));
+    }
+}
+
+fn ride_bytes<T: Chunk + std::fmt::Display>(seg: &[T]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(2 * seg.len());
+    for (i, &x) in seg.iter().enumerate() {
+        let c = x.to_chunk().ok_or_else(|| {
+            format!("ride segment element {i} is {x}, not a 16-bit chunk (hint: every rank must run the same guard with the same buckets)")
+        })?;
+        out.extend(c.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// The address, element count and element size of a ride segment, checked: a non-null address
+/// aligned for its element type, f32 or f64.
+fn ride_slice_args(ptr: usize, itemsize: usize) -> PyResult<()> {
+    if !matches!(itemsize, 4 | 8) || ptr == 0 || ptr % itemsize != 0 {
+        return Err(PyValueError::new_err(format!(
+            "ride segment at {ptr:#x} of {itemsize}-byte elements: expected an aligned float32 or float64 CPU tensor"
+        )));
+    }
+    Ok(())
+}
+
+/// Write the ride segment of this rank (`GuardCore.ride`) into `numel` elements of float32
+/// (`itemsize` 4) or float64 (8) at `ptr` (a contiguous CPU tensor's `data_ptr()`): `world` slots
+/// of the row's 16-bit little-endian chunks (`row`: `encode_row`'s bytes), this rank's row in slot
+/// `rank`, zeros in the others. The caller guarantees a live contiguous CPU tensor of `numel`
+/// elements of that size that nothing else reads or writes during the call (it is filled before
+/// its all-reduce starts).
+#[pyfunction]
+fn ride_fill(ptr: usize, numel: usize, itemsize: usize, row: &[u8], rank: usize, world: usize) -> PyResult<()> {
+    ride_slice_args(ptr, itemsize)?;
+    if row.len() % 8 != 0 || rank >= world || numel != world * row.len() / 2 {
+        return Err(PyValueError::new_err(format!(
+            "ride segment of {numel} elements for rank {rank} of {world} and a row of {} bytes (expected {} elements)",
+            row.len(),
+            world * row.len() / 2
+        )));
+    }
+    // SAFETY: `ptr` is non-null and aligned for the element type (checked above); the caller
+    // guarantees `numel` initialised elements of a live contiguous CPU tensor of that type that
+    // nothing else touches during the call. The slice does not outlive the call.
+    unsafe {
+        match itemsize {
+            4 => fill_ride(std::slice::from_raw_parts_mut(ptr as *mut f32, numel), row, rank),
+            _ => fill_ride(std::slice::from_raw_parts_mut(ptr as *mut f64, numel), row, rank),
+        }
+    }
+    Ok(())
+}
+
+/// Every rank's row from a summed ride segment of `numel` float32 or float64 elements at `ptr`
+/// (see `ride_fill`): the rows' bytes, back to back in rank order, as `decide_table` takes them.
+/// Every element must be a 16-bit chunk (an integer in 0..=65535), else a `ValueError` naming it.
+/// The caller guarantees, as for `ride_fill`, a live contiguous CPU tensor that nothing writes
+/// during the call (its all-reduce has completed).
+#[pyfunction]
+fn ride_rows<'py>(py: Python<'py>, ptr: usize, numel: usize, itemsize: usize) -> PyResult<Bound<'py, PyBytes>> {
+    ride_slice_args(ptr, itemsize)?;
+    // SAFETY: as in `ride_fill`; only read, and the slice does not outlive the call.
+    let bytes = unsafe {
+        match itemsize {
+            4 => ride_bytes(std::slice::from_raw_parts(ptr as *const f32, numel)),
+            _ => ride_bytes(std::slice::from_raw_parts(ptr as *const f64, numel)),
+        }
+    };
+    Ok(PyBytes::new(py, &bytes.map_err(PyValueError::new_err)?))
+}
+
 /// This rank's contribution to the summary, from its row (`encode_row`'s bytes): (SUM words, MAX
 /// words), each as little-endian int64 bytes for `torch.distributed.all_reduce` (SUM, resp. MAX with
 /// the top bit flipped, see `FLIP`).
@@ -237,21 +339,23 @@ fn contribute<'py>(
     Ok((PyBytes::new(py, &to_bytes(s.sum_words())), PyBytes::new(py, &to_bytes(max))))
 }
 
-/// The agreement path the runtime's cost model (`AgreementPath::cheaper`) picks for `world` ranks and
-/// `buckets` buckets with the guard's row (`shape`) and the MPI constants (not yet gloo's): "table" or "summary". A
-/// function of numbers every rank has alike, so every rank picks the same path.
+/// The agreement path the runtime's cost model (`AgreementPath::cheaper`) picks for `world` ranks
+/// and `buckets` buckets with the guard's row (`shape`) and gloo's constants (`Calibration::GLOO`):
+/// "table" or "summary". A function of numbers every rank has alike, so every rank picks the same
+/// path.
 #[pyfunction]
 fn cheaper_path(world: usize, buckets: usize) -> &'static str {
-    gradbus_collectives::AgreementPath::cheaper(world, shape(buckets), Calibration::MPI).name()
+    gradbus_collectives::AgreementPath::cheaper(world, shape(buckets), Calibration::GLOO).name()
 }
 
 /// The runtime's cost model (`gradbus_collectives::agreement::cost`) of the guard's agreement among
-/// `world` ranks over `buckets` buckets with the constants `cheaper_path` uses: a dict of its bytes and exchanges
-/// (`row_bytes`: the row codec's length; `table_bytes`, `summary_bytes`, `summary_bytes_in`,
-/// `rounds`) and modelled times (`table_us`, `summary_us`), for the benchmark that calibrates it.
+/// `world` ranks over `buckets` buckets with the constants `cheaper_path` uses: a dict of its bytes
+/// and exchanges (`row_bytes`: the row codec's length; `table_bytes`, `summary_bytes`,
+/// `summary_bytes_in`, `rounds`) and modelled times (`table_us`, `summary_us`), for the benchmark
+/// that calibrates it.
 #[pyfunction]
 fn agreement_cost(py: Python<'_>, world: usize, buckets: usize) -> PyResult<Bound<'_, PyDict>> {
-    let c = gradbus_collectives::agreement::cost(world, shape(buckets), Calibration::MPI);
+    let c = gradbus_collectives::agreement::cost(world, shape(buckets), Calibration::GLOO);
     let d = PyDict::new(py);
     for (k, v) in [
         ("row_bytes", c.row_bytes),
@@ -312,17 +416,29 @@ struct Agreement {
     judge: Judge,
     /// What a spike of the agreed loss or gradient norm does (detection off without `spike`).
     on_spike: OnSpike,
+    /// The last layout object passed in and its `Layout`: the guard passes the same list object
+    /// while its buckets do not change, and it is converted once (see `layout`).
+    layout: Option<(Py<PyAny>, Arc<Layout>)>,
 }
 
 impl Agreement {
+    /// The `Layout` of the Python layout `obj` (`[[(name, numel), ...], ...]` per bucket), converted
+    /// when `obj` is not the object of the previous call (the caller never mutates a layout it
+    /// passed: a changed layout is a new list).
+    fn layout(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<Arc<Layout>> {
+        match &self.layout {
+            Some((o, l)) if o.bind(obj.py()).is(obj) => Ok(l.clone()),
+            _ => {
+                let buckets: Vec<Vec<(String, usize)>> = obj.extract()?;
+                let l = Arc::new(ddp_layout(&buckets));
+                self.layout = Some((obj.clone().unbind(), l.clone()));
+                Ok(l)
+            }
+        }
+    }
+
     /// The verdict from an agreed table (either path); records it in the history.
-    fn judge(
-        &mut self,
-        t: &HealthTable,
-        layout: &[Vec<(String, usize)>],
-        step: u64,
-        attempt: u32,
-    ) -> PyResult<Decision> {
+    fn judge(&mut self, t: &HealthTable, layout: &Layout, step: u64, attempt: u32) -> PyResult<Decision> {
         let scales = t.value("loss_scale");
         if scales.min().to_bits() != scales.max().to_bits() {
             return Err(PyRuntimeError::new_err(format!(
@@ -360,8 +476,7 @@ impl Agreement {
             max_fraction: self.max_fraction,
             window: self.window,
         });
-        let (verdict, spike) =
-            self.judge.judge(t, &ddp_layout(layout), &self.policy, at, watched, self.on_spike, scaler);
+        let (verdict, spike) = self.judge.judge(t, layout, &self.policy, at, watched, self.on_spike, scaler);
         out.action = verdict.action.as_str().into();
         out.spike = spike;
         out.report = verdict.report.as_ref().map(gradbus_artifacts::report_text);
@@ -416,7 +531,15 @@ impl Agreement {
                 return Err(PyValueError::new_err(format!("spike {other:?}: expected None, \"warn\" or \"skip\"")))
             }
         };
-        Ok(Agreement { policy, max_fraction, window, min_scale, judge: Judge::new(spike_window, z_limit), on_spike })
+        Ok(Agreement {
+            policy,
+            max_fraction,
+            window,
+            min_scale,
+            judge: Judge::new(spike_window, z_limit),
+            on_spike,
+            layout: None,
+        })
     }
 
     /// The decision from the all-reduced summary (`sum`, `max`: the element-wise SUM and MAX of every
@@ -428,11 +551,12 @@ impl Agreement {
         sum: &[u8],
         max: &[u8],
         world: usize,
-        layout: Vec<Vec<(String, usize)>>,
+        layout: &Bound<'_, PyAny>,
         step: u64,
         attempt: u32,
     ) -> PyResult<Option<Decision>> {
-        let buckets = layout.len();
+        let layout = self.layout(layout)?;
+        let buckets = layout.buckets.len();
         let (s, m) = (
             words(sum, "summary").map_err(PyValueError::new_err)?,
             words(max, "summary").map_err(PyValueError::new_err)?,
@@ -462,12 +586,13 @@ impl Agreement {
         &mut self,
         table: &[u8],
         world: usize,
-        layout: Vec<Vec<(String, usize)>>,
+        layout: &Bound<'_, PyAny>,
         step: u64,
         attempt: u32,
     ) -> PyResult<Decision> {
+        let layout = self.layout(layout)?;
         let w = words(table, "health table").map_err(PyValueError::new_err)?;
-        let t = decode_table(&w, world, layout.len()).map_err(PyValueError::new_err)?;
+        let t = decode_table(&w, world, layout.buckets.len()).map_err(PyValueError::new_err)?;
         self.judge(&t, &layout, step, attempt)
     }
 
@@ -508,6 +633,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_row, m)?)?;
     m.add_function(wrap_pyfunction!(decode_row_py, m)?)?;
     m.add_function(wrap_pyfunction!(row_words, m)?)?;
+    m.add_function(wrap_pyfunction!(ride_fill, m)?)?;
+    m.add_function(wrap_pyfunction!(ride_rows, m)?)?;
     m.add_function(wrap_pyfunction!(contribute, m)?)?;
     m.add_function(wrap_pyfunction!(summary_words, m)?)?;
     m.add_function(wrap_pyfunction!(cheaper_path, m)?)?;

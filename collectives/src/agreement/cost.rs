@@ -32,6 +32,21 @@ impl Calibration {
         table_cpu_us_per_byte: 0.1165e-3,
         summary_cpu_us_per_byte: 0.5336e-3,
     };
+
+    /// torch.distributed over gloo (TCP on one machine) as the PyTorch guard runs its two paths, its
+    /// Python side included (one all-gather of int64 rows; two all-reduces of the summary's words):
+    /// `python/bench/exchange.py`'s fit of the 2-rank rows of its run on the quiet development
+    /// machine (2 cores, docs/benchmarks.md "The PyTorch guard's agreement"): the table path's
+    /// intercept (617 us: one gloo collective's fixed cost, Python's included) and slope over the
+    /// bucket counts, the summary's CPU per byte from what those leave of its times. gloo's
+    /// collectives are rings (W - 1 steps, not the model's log2 W), so at large worlds both paths'
+    /// latency is underestimated, the summary's (two collectives) twice as much (docs/agreement.md).
+    pub const GLOO: Calibration = Calibration {
+        alpha_us: 616.6,
+        beta_us_per_byte: 0.0164,
+        table_cpu_us_per_byte: 0.0,
+        summary_cpu_us_per_byte: 0.0373,
+    };
 }
 
 /// Bytes, exchanges and modelled time of one agreement, per rank, on both paths (docs/agreement.md).

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""The guard's agreement paths on a small DDP update, against PyTorch's own hook: W processes over
+gloo on the CPU train the same small MLP (`--width`, 3 layers: ~100K parameters at 256, the GRPO
+twin's tiny size, one DDP bucket) with PyTorch's Python `default_hooks.allreduce_hook` and with the
+gradbus guard on each agreement path (`ride`: the rows in the last bucket's all-reduce, the default
+at 2 ranks; `table`: one all-gather; `summary`: two all-reduces), alternated in rounds of `--iters`
+updates (forward, backward, step). Rank 0 prints per update the wall time and its process's CPU
+time (its own and its gloo threads': a busy machine disturbs it less than the wall), the medians of
+the rounds, and each against the hook's. A benchmark: asserts nothing.
+
+Usage: paths.py [--world 2] [--width 256] [--iters 200] [--rounds 7]
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+PATHS = ("ride", "table", "summary")
+
+
+def worker(rank, world, port, width, iters, rounds, q):
+    import gradbus.torch as gbt
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def build(agreement):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, width),
+                                  torch.nn.GELU(), torch.nn.Linear(width, 64))
+        ddp = DDP(net)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+        if agreement is None:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            return ddp, opt, None
+        g = gbt.Guard(policy="skip", names=net, agreement=agreement)
+        ddp.register_comm_hook(g, gbt.allreduce_hook)
+        return ddp, gbt.GuardedOptimizer(opt, g), g
+
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
+    variants = {"allreduce_hook": build(None), **{p: build(p) for p in PATHS}}
+
+    def update(ddp, opt, g):
+        opt.zero_grad()
+        loss = ddp(x).square().mean()
+        loss.backward() if g is None else g.backward(loss)
+        opt.step()
+
+    for v in variants.values():
+        for _ in range(10):  # DDP's bucket rebuild, allocations
+            update(*v)
+    wall = {k: [] for k in variants}
+    cpu = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, v in variants.items():
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(iters):
+                update(*v)
+            wall[k].append((time.perf_counter() - t0) * 1e6 / iters)
+            cpu[k].append((time.process_time() - c0) * 1e6 / iters)
+    if rank == 0:
+        q.put(({k: statistics.median(w) for k, w in wall.items()}, {k: statistics.median(c) for k, c in cpu.items()},
+               sum(p.numel() for p in variants["ride"][0].parameters()), variants["ride"][2].path))
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=7)
+    a = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, q), nprocs=a.world, join=True,
+                       start_method="spawn")
+    wall, cpu, params, path = q.get()
+    print(f"{a.world} ranks, {params} parameters, {a.iters} updates x {a.rounds} rounds; us per update, medians of the rounds")
+    print(f"{'variant':>15} {'wall us':>9} {'vs hook':>8} {'CPU us':>9} {'vs hook':>8}")
+    for k in wall:
+        print(f"{k:>15} {wall[k]:>9.1f} {wall[k] / wall['allreduce_hook']:>8.3f} {cpu[k]:>9.1f} "
+              f"{cpu[k] / cpu['allreduce_hook']:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
