@@ -11,29 +11,27 @@ pub mod agreement;
 pub mod bench;
 pub mod bench_agreement;
 pub mod forecast;
+pub mod grads;
 pub mod judge;
 pub mod layout;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
-pub mod overlap;
 pub mod shm;
 pub mod spikes;
-pub mod staged;
 pub mod transport;
 pub mod verdict;
 pub mod wire;
 
 pub use agreement::{AgreementPath, Anomaly, ExactSum, LocalReport, Stat, Summary, ValueNames};
 pub use forecast::{Alert, Forecast, Outlook, Rule};
+pub use grads::{backward_and_reduce, BusBackend, GradBus, GradMut, GradSlots, HostBus, ParamGrads};
 pub use judge::{Judge, LossScale, OnSpike, Watched};
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
-pub use overlap::{backward_and_reduce, BusBackend, GradMut, ParamGrads};
-pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, RankStatus, ShmBus};
+pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, Progress, RankStatus, ShmBus};
 pub use spikes::{Spike, SpikeDetector};
-pub use staged::{staged_backward_and_reduce, staged_reduced_grads, Staged, StagedSlots};
-pub use transport::{AlignedBuf, Progress, Solo, Transport};
+pub use transport::{AlignedBuf, Solo, Transport};
 pub use verdict::{
     decide, Action, Cause, Classification, HealthTable, History, Policy, RankHealth, Report, StepId, Verdict,
 };

@@ -64,8 +64,9 @@ use gradbus_kernels::{health_scan, Health};
 
 use crate::agreement::{AgreementPath, LocalReport, Summary, Times, ValueNames};
 use crate::layout::{Fnv, Layout};
+use crate::shm::ProgressWriter;
 use crate::shm::{BusConfig, ShmBus};
-use crate::transport::{Progress, Transport};
+use crate::transport::Transport;
 use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
@@ -571,6 +572,16 @@ impl HierTransport {
         })
     }
 
+    /// This rank's progress cell in its node's segment (`ShmBus::progress_writer`).
+    pub fn progress_writer(&self) -> Result<ProgressWriter, Error> {
+        self.bus.progress_writer()
+    }
+
+    /// Call `hook` inside every node reduce (`ShmBus::set_inside_reduce_hook`).
+    pub fn set_inside_reduce_hook(&mut self, hook: Box<dyn FnMut(StepId, usize) + Send + Sync>) {
+        self.bus.set_inside_reduce_hook(hook)
+    }
+
     fn step(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
         self.bus.reduce_bucket_to(at, bucket, 0)?;
         if let Some(leaders) = &self.core.comms().leaders {
@@ -636,9 +647,6 @@ unsafe impl Transport for HierTransport {
             self.core.failed = true;
         }
         r
-    }
-    fn publish(&mut self, progress: Progress) {
-        self.bus.publish(progress);
     }
     fn mark_failed(&mut self) {
         self.core.failed = true;

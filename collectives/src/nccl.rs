@@ -37,7 +37,7 @@
 //!   so a CPU replay cannot compare this transport's sums bitwise.
 //! - Two ways in. A CPU workload writes `grads()`, a host buffer staged through the device per
 //!   bucket (one copy in, one out). The CUDA backend writes the device buffer itself
-//!   (`device_grads`, through `BusBackend for Gpu`): its buckets are scanned and all-reduced where
+//!   (`device_grads`, through `grads::GpuBus::Nccl`): its buckets are scanned and all-reduced where
 //!   they are, and only the health rows cross to the host. All-reduces are deferred to `agree` (one
 //!   group launch per update); launching each bucket's all-reduce as soon as it is ready, to
 //!   overlap backward, is the next step.
@@ -320,9 +320,9 @@ unsafe impl Transport for NcclTransport {
         self.local.fill(Health::default());
         Ok(table)
     }
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
-    }
+    /// No way to wake peers blocked in NCCL (blocking communicator; see the module doc): the
+    /// launcher's supervision tears the job down.
+    fn mark_failed(&mut self) {}
 }
 
 #[cfg(test)]

@@ -15,25 +15,10 @@ use crate::layout::Layout;
 use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
-/// Progress that a rank publishes for the launcher's progress bar.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Progress {
-    /// Optimizer steps completed.
-    pub step: u64,
-    /// Latest loss.
-    pub loss: f32,
-    /// Latest global gradient norm.
-    pub grad_norm: f32,
-    /// Updates skipped so far.
-    pub skipped: u32,
-    /// Updates whose log-ratio headroom to exp overflow fell under the warning margin.
-    pub warnings: u32,
-}
-
 /// A data-parallel gradient transport.
 ///
 /// # Safety
-/// `backward_and_reduce` (overlap.rs) lets backward write into parameter slots of the buffer at
+/// `backward_and_reduce` (grads/host.rs) lets backward write into parameter slots of the buffer at
 /// `grads_ptr` on another thread while `allreduce_bucket` runs, trusting two promises:
 /// - `grads_ptr` returns the same pointer for the transport's lifetime, to `layout().len` valid,
 ///   64-byte aligned f32s, which the transport accesses only inside `grads`, `allreduce_bucket`
@@ -50,7 +35,7 @@ pub unsafe trait Transport {
     /// This rank's flat gradient buffer (for the shared-memory bus it lives in the segment, so
     /// backward writes straight onto the bus): `layout().len` f32s, 64-byte aligned, valid and at
     /// the same address for the transport's lifetime. A raw pointer, so that backward can hold
-    /// views of some parameters while `allreduce_bucket` works on others (`overlap`).
+    /// views of some parameters while `allreduce_bucket` works on others (`grads/host.rs`).
     fn grads_ptr(&mut self) -> *mut f32;
     /// The whole gradient buffer as one slice.
     fn grads(&mut self) -> &mut [f32] {
@@ -61,7 +46,7 @@ pub unsafe trait Transport {
     }
     /// Sum one bucket over all ranks, in rank order, tallying each rank's local health on the way.
     /// Touches only the bucket's range of this rank's buffer, and makes no borrow of the rest of
-    /// it: backward may be writing there (`overlap`).
+    /// it: backward may be writing there (`grads/host.rs`).
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error>;
     /// After the last bucket: exchange the local reports and return the agreed table - its O(buckets)
     /// summary on a healthy update, the per-rank detail too when the summary shows an anomaly
@@ -72,18 +57,9 @@ pub unsafe trait Transport {
     fn health_chunks(&self) -> usize {
         1
     }
-    /// A hook called inside each bucket reduce, while the peers are in it too (for fault
-    /// injection: a rank killed there dies mid-collective). Transports without a reduce ignore it.
-    fn set_inside_reduce_hook(&mut self, _hook: Box<dyn FnMut(StepId, usize) + Send + Sync>) {}
-    /// Publish progress for the launcher (a no-op where nobody reads it).
-    fn publish(&mut self, _progress: Progress) {}
-    /// Mark this rank as failed so peers stop waiting for it and fail at once (best effort).
-    fn mark_failed(&mut self) {}
-    /// The transport as `Any`, for a device backend that reduces through a transport of its own
-    /// kind (`staged::Staged`, which owns the device copy of the gradients). `None`: a host transport.
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        None
-    }
+    /// Mark this rank as failed so peers stop waiting for it and fail at once (best effort; a
+    /// transport whose peers cannot be told says why it does nothing).
+    fn mark_failed(&mut self);
 }
 
 /// The health of one bucket's elements as a transport that tallies it in `chunks` reducer chunks
@@ -178,4 +154,6 @@ unsafe impl Transport for Solo {
     fn agree(&mut self, _at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
         Ok(HealthTable::detailed(1, &self.values, self.local.clone(), self.local.clone(), vec![local], None))
     }
+    /// No peers to tell.
+    fn mark_failed(&mut self) {}
 }

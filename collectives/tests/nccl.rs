@@ -1,6 +1,6 @@
 //! The device buses: what a device backend's gradients go through on their way to the optimizer.
 //!
-//! - The staged bus (`collectives::staged`: ranks sharing a GPU): each rank's device gradients go to
+//! - The staged bus (`collectives::grads::Staged`: ranks sharing a GPU): each rank's device gradients go to
 //!   the host, are summed there by the shared-memory bus in rank order, and come back. The reduced
 //!   gradients must be, bit for bit, `reference::rank_ordered_sum` of the device gradients as backward
 //!   released them. The same check runs with the CPU as the device on every machine
@@ -20,12 +20,12 @@
 
 use std::time::Duration;
 
+use gradbus_collectives::grads::{GpuBus, GradBus, GradSlots, Staged};
 use gradbus_collectives::nccl::{NcclConfig, NcclTransport};
 use gradbus_collectives::{
-    remove_job_segments, staged_backward_and_reduce, staged_reduced_grads, BusBackend, BusConfig, Error, HealthTable,
-    Layout, LocalReport, ParamSpec, ShmBus, Staged, StagedSlots, StepId, Transport,
+    remove_job_segments, BusConfig, Error, HealthTable, Layout, LocalReport, ParamSpec, ShmBus, StepId, Transport,
 };
-use gradbus_kernels::backend::{Backend, Cpu, GradSlots};
+use gradbus_kernels::backend::{Backend, Cpu};
 use gradbus_kernels::cuda::{self, Gpu};
 use gradbus_kernels::reference::rank_ordered_sum;
 use gradbus_kernels::rng::Rng;
@@ -134,17 +134,6 @@ fn values(seed: u64, rank: usize, layout: &Layout) -> Vec<f32> {
 /// The scale the device applies to the written values (a kernel, so the gradients are the device's).
 const SCALE: f32 = 1.0 / 3.0;
 
-/// A backend whose gradients reach the bus through its `BusBackend` (GPU) or the staged functions (the
-/// CPU as the device, whose own `BusBackend` is the zero-copy path).
-trait DeviceBus: Backend + Sync {
-    /// One update: backward writes `host` into each parameter's device slot (last parameter first)
-    /// and scales it there; `local` receives each slot's device values as backward released it;
-    /// then the bus reduces every bucket.
-    fn update(&self, bus: &mut dyn Transport, at: StepId, host: &[f32], local: &mut [f32]) -> Result<(), Error>;
-    /// The reduced gradients the optimizer reads, downloaded.
-    fn reduced(&self, bus: &mut dyn Transport) -> Vec<f32>;
-}
-
 /// The backward of `update`: every parameter's slot written and scaled on the device, last first.
 fn backward<B: Backend, S: GradSlots<B>>(be: &B, slots: &mut S, layout: &Layout, host: &[f32]) {
     for (p, s) in layout.slots.iter().enumerate().rev() {
@@ -155,31 +144,26 @@ fn backward<B: Backend, S: GradSlots<B>>(be: &B, slots: &mut S, layout: &Layout,
     }
 }
 
-impl DeviceBus for Cpu {
-    fn update(&self, bus: &mut dyn Transport, at: StepId, host: &[f32], local: &mut [f32]) -> Result<(), Error> {
-        let layout = bus.layout().clone();
-        let mut fin = |p: usize, v: &mut [f32]| local[layout.slots[p].range()].copy_from_slice(v);
-        staged_backward_and_reduce(self, bus, at, &mut fin, |g| backward(self, g, &layout, host), &mut |_| {})
-    }
-    fn reduced(&self, bus: &mut dyn Transport) -> Vec<f32> {
-        staged_reduced_grads(self, bus).to_vec()
-    }
+/// One update on `bus`: backward writes `host` into each parameter's device slot (last parameter
+/// first) and scales it there; `local` receives each slot's device values as backward released it;
+/// then the bus reduces every bucket. The same code for every device bus (`GradBus`).
+fn update<B: Backend, G: GradBus<B>>(
+    be: &B,
+    bus: &mut G,
+    at: StepId,
+    host: &[f32],
+    local: &mut [f32],
+) -> Result<(), Error> {
+    let layout = bus.transport().layout().clone();
+    let mut fin =
+        |p: usize, v: B::ViewMut<'_>| local[layout.slots[p].range()].copy_from_slice(&be.to_host(B::reborrow(&v)));
+    bus.backward_and_reduce(be, at, false, &mut fin, |g| backward(be, g, &layout, host), &mut |_| {})
 }
 
-impl DeviceBus for Gpu {
-    fn update(&self, bus: &mut dyn Transport, at: StepId, host: &[f32], local: &mut [f32]) -> Result<(), Error> {
-        let layout = bus.layout().clone();
-        let mut fin = |p: usize, v: cuda::CudaViewMut<'_, f32>| {
-            local[layout.slots[p].range()]
-                .copy_from_slice(&<Gpu as Backend>::to_host(self, <Gpu as Backend>::reborrow(&v)));
-        };
-        let bwd = |g: &mut StagedSlots<'_, Gpu>| backward(self, g, &layout, host);
-        <Gpu as BusBackend>::backward_and_reduce(self, bus, at, false, &mut fin, bwd, &mut |_| {})
-    }
-    fn reduced(&self, bus: &mut dyn Transport) -> Vec<f32> {
-        let v = <Gpu as BusBackend>::reduced_grads(self, bus);
-        <Gpu as Backend>::to_host(self, <Gpu as Backend>::reborrow(&v)).into_owned()
-    }
+/// The reduced gradients the optimizer reads, downloaded.
+fn reduced<B: Backend, G: GradBus<B>>(be: &B, bus: &mut G) -> Vec<f32> {
+    let v = bus.reduced_grads(be);
+    be.to_host(B::reborrow(&v)).into_owned()
 }
 
 /// What one rank saw in one update: its device gradients, its reduced gradients, the agreed table.
@@ -191,10 +175,11 @@ struct Seen {
 
 /// One update `seed` of `world` ranks, each a thread with the backend and transport `open(rank)`
 /// gives (`None`: it skipped). The updates run concurrently, as ranks do.
-fn run_ranks<B, O>(world: usize, seed: u64, open: O) -> Option<Vec<Seen>>
+fn run_ranks<B, G, O>(world: usize, seed: u64, open: O) -> Option<Vec<Seen>>
 where
-    B: DeviceBus,
-    O: Fn(usize) -> Option<(B, Box<dyn Transport>)> + Sync,
+    B: Backend,
+    G: GradBus<B>,
+    O: Fn(usize) -> Option<(B, G)> + Sync,
 {
     let at = StepId { step: seed, minibatch: 0, attempt: 0 };
     let out: Vec<Option<Seen>> = std::thread::scope(|s| {
@@ -203,11 +188,11 @@ where
                 let open = &open;
                 s.spawn(move || {
                     let (be, mut bus) = open(rank)?;
-                    let layout = bus.layout().clone();
+                    let layout = bus.transport().layout().clone();
                     let mut local = vec![f32::NAN; layout.len];
-                    be.update(&mut *bus, at, &values(seed, rank, &layout), &mut local).unwrap();
-                    let table = bus.agree(at, LocalReport::default()).unwrap();
-                    Some(Seen { reduced: be.reduced(&mut *bus), local, table })
+                    update(&be, &mut bus, at, &values(seed, rank, &layout), &mut local).unwrap();
+                    let table = bus.transport_mut().agree(at, LocalReport::default()).unwrap();
+                    Some(Seen { reduced: reduced(&be, &mut bus), local, table })
                 })
             })
             .collect();
@@ -256,7 +241,12 @@ fn check_common(seen: &[Seen], seed: u64, layout: &Layout, what: &str) -> Vec<f3
 /// The staged bus's checks: the reduced gradients are bitwise the rank-order sum of the device
 /// gradients; with 3 ranks the inputs are such that another order gives other bits (so the check
 /// can tell the order).
-fn check_staged<B: DeviceBus>(world: usize, open_be: impl Fn() -> Option<B> + Sync, what: &str) -> bool {
+fn check_staged<B: Backend, G: GradBus<B>>(
+    world: usize,
+    open_be: impl Fn() -> Option<B> + Sync,
+    as_bus: impl Fn(Staged<B>) -> G + Sync,
+    what: &str,
+) -> bool {
     let job = format!("gpucheck-staged-{}-{world}", std::process::id());
     let mut ran = false;
     for seed in [1u64, 2] {
@@ -265,7 +255,7 @@ fn check_staged<B: DeviceBus>(world: usize, open_be: impl Fn() -> Option<B> + Sy
             let mut cfg = BusConfig::new(job.clone(), rank, world, layout());
             cfg.timeout = Duration::from_secs(30);
             let bus = ShmBus::open(cfg).unwrap();
-            let staged: Box<dyn Transport> = Box::new(Staged::new(&be, Box::new(bus)));
+            let staged = as_bus(Staged::new(&be, Box::new(bus)));
             Some((be, staged))
         };
         let Some(seen) = run_ranks(world, seed, open) else { return ran };
@@ -293,7 +283,7 @@ fn check_staged<B: DeviceBus>(world: usize, open_be: impl Fn() -> Option<B> + Sy
 #[test]
 fn staged_ranks_on_the_cpu_reduce_bitwise_the_rank_order_sum_of_their_device_gradients() {
     for world in [2, 3] {
-        assert!(check_staged(world, || Some(Cpu), "staged, the CPU as the device"));
+        assert!(check_staged(world, || Some(Cpu), |s| s, "staged, the CPU as the device"));
     }
 }
 
@@ -305,7 +295,8 @@ fn staged_ranks_sharing_gpu_0_reduce_bitwise_the_rank_order_sum_of_their_device_
         return;
     }
     for world in [2, 3] {
-        assert!(check_staged(world, || Some(Gpu::new(0).unwrap()), "staged, ranks sharing GPU 0"));
+        let gpu0 = || Some(Gpu::new(0).unwrap());
+        assert!(check_staged(world, gpu0, GpuBus::Staged, "staged, ranks sharing GPU 0 (GpuBus::Staged)"));
     }
 }
 
@@ -396,8 +387,7 @@ fn nccl_ranks_on_their_own_gpus_sum_within_the_bound_and_repeat_bitwise() {
                     layout: layout(),
                     ..config(dir.path(), world)
                 };
-                let t: Box<dyn Transport> = Box::new(NcclTransport::open(cfg).unwrap());
-                Some((be, t))
+                Some((be, GpuBus::Nccl(NcclTransport::open(cfg).unwrap())))
             };
             let seen = run_ranks(world, seed, open).expect("no rank skips here");
             let lay = layout();

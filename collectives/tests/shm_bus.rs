@@ -206,8 +206,10 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
         std::fs::write(e.dir.join(format!("cells-{}-{u}.json", e.rank)), serde_json::to_string(&cells).unwrap())
             .unwrap();
     }
-    // Progress: every rank publishes, rank 0 peeks at the segment like the launcher does.
-    bus.publish(Progress { step: 100 + e.rank as u64, loss: 0.25, grad_norm: e.rank as f32, skipped: 1, warnings: 2 });
+    // Progress: every rank publishes through its own mapping of its cell, rank 0 peeks at the
+    // segment like the launcher does.
+    let p = Progress { step: 100 + e.rank as u64, loss: 0.25, grad_norm: e.rank as f32, skipped: 1, warnings: 2 };
+    bus.progress_writer()?.publish(p);
     bus.barrier("published", StepId::default())?;
     if e.rank == 0 {
         let p = read_progress(bus.path()).expect("segment readable");

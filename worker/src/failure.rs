@@ -6,8 +6,9 @@
 
 use std::path::Path;
 
+use gradbus_collectives::grads::FlatGrads;
 use gradbus_collectives::{HealthTable, Layout, Report};
-use gradbus_kernels::backend::{Backend, FlatGrads};
+use gradbus_kernels::backend::Backend;
 
 use crate::config::Config;
 use crate::error::WorkerError;

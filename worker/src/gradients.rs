@@ -4,7 +4,8 @@
 //! Invariant: there is exactly one code path from (weights, mini-batch) to gradients, so a replay of a
 //! failure dump is bit for bit the failing rank's update.
 
-use gradbus_kernels::backend::{Backend, GradSlots};
+use gradbus_collectives::GradSlots;
+use gradbus_kernels::backend::Backend;
 
 use crate::config::Config;
 use crate::loss::{LossBufs, LossInputs, LossStats};

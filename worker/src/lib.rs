@@ -31,18 +31,16 @@ pub mod update;
 
 use std::path::PathBuf;
 
-use gradbus_collectives::{Layout, Solo, Transport};
-
-use crate::update::UpdateValues;
-
-use gradbus_collectives::BusBackend;
+use gradbus_collectives::shm::{ProgressWriter, ShmBus};
+use gradbus_collectives::{BusBackend, GradBus, HostBus, Layout, Solo, StepId, Transport};
 use gradbus_kernels::backend::Cpu;
 
 use crate::config::{Config, Device};
-
 use crate::exit::Code;
+use crate::faults::{FaultPhase, FaultPlan};
 use crate::rank::RankInfo;
-use crate::train::{Outcome, Trainer};
+use crate::train::{Job, Outcome, Trainer};
+use crate::update::UpdateValues;
 
 pub use crate::error::WorkerError;
 
@@ -94,12 +92,47 @@ impl std::fmt::Display for TransportKind {
     }
 }
 
-/// The transport for this rank: solo for a world of one, the shared-memory bus inside a node, MPI
-/// between nodes (feature `mpi`); `GRADBUS_TRANSPORT` = shm | mpi | hier overrides the choice.
-fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result<Box<dyn Transport>, WorkerError> {
+/// A host transport as the wiring opened it, with what the step loop needs of it besides the
+/// collectives: the progress bar's cell where the transport has a shm segment.
+struct HostTransport {
+    transport: Box<dyn Transport>,
+    progress: Option<ProgressWriter>,
+}
+
+impl HostTransport {
+    /// A transport without a progress cell.
+    fn bare(transport: Box<dyn Transport>) -> HostTransport {
+        HostTransport { transport, progress: None }
+    }
+}
+
+/// The fault plan's hook inside a bucket reduce (its `reduce` phase: a rank killed there dies
+/// mid-collective), for the transports that reduce between barriers of their own (the shm bus).
+type ReduceHook = Box<dyn FnMut(StepId, usize) + Send + Sync>;
+
+fn reduce_hook(faults: &FaultPlan) -> Option<ReduceHook> {
+    let plan = faults.clone();
+    faults.has_phase(FaultPhase::Reduce).then(|| -> ReduceHook {
+        Box::new(move |at, bucket| {
+            if bucket == 0 {
+                plan.at_phase(FaultPhase::Reduce, at);
+            }
+        })
+    })
+}
+
+/// The host transport for this rank: solo for a world of one, the shared-memory bus inside a node,
+/// MPI between nodes (feature `mpi`); `GRADBUS_TRANSPORT` = shm | mpi | hier overrides the choice.
+fn transport(
+    info: &RankInfo,
+    cfg: &Config,
+    hash: u64,
+    layout: Layout,
+    faults: &FaultPlan,
+) -> Result<HostTransport, WorkerError> {
     let forced = std::env::var(env::TRANSPORT).ok().filter(|v| !v.is_empty());
     let kind = match forced.as_deref() {
-        None if info.world == 1 => return Ok(Box::new(Solo::new(layout, UpdateValues::names()))),
+        None if info.world == 1 => return Ok(HostTransport::bare(Box::new(Solo::new(layout, UpdateValues::names())))),
         Some(k) => k.parse()?,
         None if info.nodes > 1 && info.local_size == 1 => TransportKind::Mpi,
         None if info.nodes > 1 => TransportKind::Hier,
@@ -124,9 +157,14 @@ fn transport(info: &RankInfo, cfg: &Config, hash: u64, layout: Layout) -> Result
                 info.nodes
             )));
         }
-        return Ok(Box::new(gradbus_collectives::shm::ShmBus::open(bus)?));
+        let mut bus = ShmBus::open(bus)?;
+        if let Some(hook) = reduce_hook(faults) {
+            bus.set_inside_reduce_hook(hook);
+        }
+        let progress = Some(bus.progress_writer()?);
+        return Ok(HostTransport { transport: Box::new(bus), progress });
     }
-    mpi_transport(kind, info, bus)
+    mpi_transport(kind, info, bus, faults)
 }
 
 #[cfg(feature = "mpi")]
@@ -134,13 +172,20 @@ fn mpi_transport(
     kind: TransportKind,
     info: &RankInfo,
     bus: gradbus_collectives::shm::BusConfig,
-) -> Result<Box<dyn Transport>, WorkerError> {
+    faults: &FaultPlan,
+) -> Result<HostTransport, WorkerError> {
     use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
     let expect = Expect { rank: info.rank, world: info.world, source: info.source.into(), timeout: bus.timeout };
-    Ok(match kind {
-        TransportKind::Mpi => Box::new(MpiTransport::open(expect, bus.layout, bus.values, bus.config_hash)?),
-        _ => Box::new(HierTransport::open(expect, bus)?),
-    })
+    if kind == TransportKind::Mpi {
+        let mpi = MpiTransport::open(expect, bus.layout, bus.values, bus.config_hash)?;
+        return Ok(HostTransport::bare(Box::new(mpi)));
+    }
+    let mut hier = HierTransport::open(expect, bus)?;
+    if let Some(hook) = reduce_hook(faults) {
+        hier.set_inside_reduce_hook(hook);
+    }
+    let progress = Some(hier.progress_writer()?);
+    Ok(HostTransport { transport: Box::new(hier), progress })
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -148,7 +193,8 @@ fn mpi_transport(
     kind: TransportKind,
     info: &RankInfo,
     _bus: gradbus_collectives::shm::BusConfig,
-) -> Result<Box<dyn Transport>, WorkerError> {
+    _faults: &FaultPlan,
+) -> Result<HostTransport, WorkerError> {
     Err(WorkerError::Usage(format!(
         "the {kind} transport ({} nodes) needs MPI between nodes (hint: build with `--features mpi`)",
         info.nodes
@@ -184,28 +230,20 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     let _owner = if info.rank == 0 { rundir::claim_as_worker(&run_dir, mode, &info.job_id)? } else { None };
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let hash = config_hash ^ layout.hash();
-    match cfg.device {
+    let faults = FaultPlan::new(&cfg.faults, info.rank)?;
+    let job = Job { cfg, config_hash: hash, config_text: canonical, info, run_dir, faults, resume: args.resume };
+    match job.cfg.device {
         Device::Cpu => {
-            let bus = transport(&info, &cfg, hash, layout)?;
-            train(Cpu, cfg, hash, canonical, info, run_dir, bus, args.resume)
+            let host = transport(&job.info, &job.cfg, hash, layout, &job.faults)?;
+            train(Cpu, HostBus::new(host.transport), host.progress, job)
         }
-        Device::Cuda => train_cuda(cfg, hash, canonical, info, run_dir, layout, args.resume),
+        Device::Cuda => train_cuda(job, layout),
     }
 }
 
-/// The step loop on backend `be` to its end.
-#[allow(clippy::too_many_arguments)]
-fn train<B: BusBackend>(
-    be: B,
-    cfg: Config,
-    hash: u64,
-    canonical: String,
-    info: RankInfo,
-    run_dir: PathBuf,
-    bus: Box<dyn Transport>,
-    resume: bool,
-) -> Result<Code, WorkerError> {
-    let mut trainer = Trainer::new(be, cfg, hash, canonical, info, run_dir, bus, resume)?;
+/// The step loop on backend `be` and its bus to its end.
+fn train<B: BusBackend>(be: B, bus: B::Bus, progress: Option<ProgressWriter>, job: Job) -> Result<Code, WorkerError> {
+    let mut trainer = Trainer::new(be, bus, progress, job)?;
     match trainer.run() {
         Ok(Outcome::Done) => Ok(Code::Done),
         Ok(Outcome::Aborted(report)) => {
@@ -213,7 +251,7 @@ fn train<B: BusBackend>(
             Ok(Code::NonFinite)
         }
         Err(e) => {
-            trainer.bus.mark_failed();
+            trainer.bus.transport_mut().mark_failed();
             Err(e)
         }
     }
@@ -234,56 +272,43 @@ fn gpu_index(info: &RankInfo) -> Result<(usize, bool), WorkerError> {
 }
 
 /// `device = "cuda"`: the step loop on this rank's GPU (the CUDA backend: parameters, gradients, Adam
-/// moments and activations on the device). The gradients: with a GPU per rank and more than one
-/// rank, NCCL over the GPUs (scanned and reduced on the device, only the health rows to the host);
-/// else through the host transport (`gradbus_collectives::Staged`: each bucket to the host, reduced
-/// with the transport's tallies, back to the device). `GRADBUS_TRANSPORT` keeps the host transport.
+/// moments and activations on the device). The gradients' bus (`GpuBus`): with a GPU per rank and
+/// more than one rank, NCCL over the GPUs (scanned and reduced on the device, only the health rows
+/// to the host); else the host transport through `Staged` (each bucket to the host, reduced with
+/// the transport's tallies, back to the device). `GRADBUS_TRANSPORT` keeps the host transport.
 /// Either way the verdicts, reports and dumps are the CPU path's.
 #[cfg(feature = "cuda")]
-#[allow(clippy::too_many_arguments)]
-fn train_cuda(
-    cfg: Config,
-    hash: u64,
-    canonical: String,
-    info: RankInfo,
-    run_dir: PathBuf,
-    layout: Layout,
-    resume: bool,
-) -> Result<Code, WorkerError> {
-    let (ordinal, own) = gpu_index(&info)?;
+fn train_cuda(job: Job, layout: Layout) -> Result<Code, WorkerError> {
+    use gradbus_collectives::grads::{GpuBus, Staged};
+    use gradbus_collectives::nccl::{NcclConfig, NcclTransport};
+    let (cfg, info) = (&job.cfg, &job.info);
+    let (ordinal, own) = gpu_index(info)?;
     let gpu = gradbus_kernels::cuda::Gpu::new(ordinal)
         .map_err(|e| WorkerError::Usage(format!("device = \"cuda\": rank {} on GPU {ordinal}: {e}", info.rank)))?;
     let forced = std::env::var(env::TRANSPORT).ok().is_some_and(|v| !v.is_empty());
-    let bus: Box<dyn Transport> = if info.world > 1 && own && !forced {
-        Box::new(gradbus_collectives::nccl::NcclTransport::open(gradbus_collectives::nccl::NcclConfig {
+    let (bus, progress) = if info.world > 1 && own && !forced {
+        let nccl = NcclTransport::open(NcclConfig {
             rank: info.rank,
             world: info.world,
             device: ordinal,
-            run_dir: run_dir.clone(),
+            run_dir: job.run_dir.clone(),
             job_id: info.job_id.clone(),
             timeout: std::time::Duration::from_secs_f64(cfg.collective_timeout_s),
-            config_hash: hash,
+            config_hash: job.config_hash,
             layout,
             values: UpdateValues::names(),
-        })?)
+        })?;
+        (GpuBus::Nccl(nccl), None)
     } else {
-        Box::new(gradbus_collectives::Staged::new(&gpu, transport(&info, &cfg, hash, layout)?))
+        let host = transport(info, cfg, job.config_hash, layout, &job.faults)?;
+        (GpuBus::Staged(Staged::new(&gpu, host.transport)), host.progress)
     };
-    train(gpu, cfg, hash, canonical, info, run_dir, bus, resume)
+    train(gpu, bus, progress, job)
 }
 
 /// Without the `cuda` feature `Config::check_device` refuses `device = "cuda"` before this.
 #[cfg(not(feature = "cuda"))]
-#[allow(clippy::too_many_arguments)]
-fn train_cuda(
-    _cfg: Config,
-    _hash: u64,
-    _canonical: String,
-    _info: RankInfo,
-    _run_dir: PathBuf,
-    _layout: Layout,
-    _resume: bool,
-) -> Result<Code, WorkerError> {
+fn train_cuda(_job: Job, _layout: Layout) -> Result<Code, WorkerError> {
     Err(WorkerError::Device {
         why: "gradbus was built without the cuda feature".into(),
         hint: "build it with `cargo build --release --features cuda`".into(),

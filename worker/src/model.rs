@@ -15,8 +15,9 @@
 
 use std::ops::Range;
 
+use gradbus_collectives::GradSlots;
 use gradbus_collectives::{Layout, ParamSpec};
-use gradbus_kernels::backend::{Backend, GradSlots};
+use gradbus_kernels::backend::Backend;
 use gradbus_kernels::rng::Rng;
 use serde::{Deserialize, Serialize};
 

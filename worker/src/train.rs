@@ -10,7 +10,7 @@
 //! ```text
 //!  policy.params --forward_backward--> gradients on the bus --agree--> table --Agreed::new--> agreed
 //!  judge.judge(table, agreed) --> verdict --Proceed--> policy.apply(reduced gradients, agreed norm)
-//!  metrics.write(table, agreed, verdict, policy.checksum) ; bus.publish(agreed) ; Abort --> dumps
+//!  metrics.write(table, agreed, verdict, policy.checksum) ; progress.publish(agreed) ; Abort --> dumps
 //! ```
 //!
 //! Invariants: every random draw is a pure function of (seed, purpose, step, rank), and every
@@ -21,14 +21,15 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use gradbus_collectives::{Action, BusBackend, Layout, LocalReport, Progress, Report, StepId, Transport};
+use gradbus_collectives::shm::ProgressWriter;
+use gradbus_collectives::{Action, BusBackend, GradBus, Layout, LocalReport, Progress, Report, StepId};
 use gradbus_kernels::rng::Rng;
 
 use crate::checkpoint;
 use crate::config::Config;
 use crate::error::WorkerError;
 use crate::failure::{describe, trace_failure, write_failure};
-use crate::faults::{FaultPhase, FaultPlan};
+use crate::faults::FaultPlan;
 use crate::gradients::Work;
 use crate::judge::{Judge, Judged};
 use crate::metrics::{MetricsWriter, UpdateRecord};
@@ -51,8 +52,10 @@ pub struct Trainer<B: BusBackend> {
     pub info: RankInfo,
     /// Run directory.
     pub run_dir: PathBuf,
-    /// The transport.
-    pub bus: Box<dyn Transport>,
+    /// Where the gradients go: the backend's bus (`BusBackend::Bus`), and through it the transport.
+    pub bus: B::Bus,
+    /// This rank's cell of the launcher's progress bar, where the bus has one (a shm segment).
+    progress: Option<ProgressWriter>,
     /// Next RL step to run.
     pub step: u64,
     be: B,
@@ -69,6 +72,24 @@ pub struct Trainer<B: BusBackend> {
     last: Option<Agreed>,
 }
 
+/// What one rank runs, besides its backend and its bus.
+pub struct Job {
+    /// The config.
+    pub cfg: Config,
+    /// Its hash, with the layout's folded in (agreed by all ranks through the bus).
+    pub config_hash: u64,
+    /// The canonical config text (replay rebuilds the run from it).
+    pub config_text: String,
+    /// Who this rank is.
+    pub info: RankInfo,
+    /// Run directory.
+    pub run_dir: PathBuf,
+    /// This rank's planned faults.
+    pub faults: FaultPlan,
+    /// Continue from the run directory's latest complete checkpoint.
+    pub resume: bool,
+}
+
 /// How a run ended.
 #[derive(Debug)]
 pub enum Outcome {
@@ -79,29 +100,13 @@ pub enum Outcome {
 }
 
 impl<B: BusBackend> Trainer<B> {
-    /// A fresh trainer at step 0 (or resumed from the latest complete checkpoint in the run dir).
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        be: B,
-        cfg: Config,
-        config_hash: u64,
-        config_text: String,
-        info: RankInfo,
-        run_dir: PathBuf,
-        mut bus: Box<dyn Transport>,
-        resume: bool,
-    ) -> Result<Trainer<B>, WorkerError> {
-        let layout = bus.layout().clone();
+    /// A fresh trainer at step 0 (or resumed from the latest complete checkpoint in the run dir)
+    /// for `job`, on backend `be` and its `bus` (opened with the job's fault hook inside the bucket
+    /// reduce, where the transport has one).
+    pub fn new(be: B, bus: B::Bus, progress: Option<ProgressWriter>, job: Job) -> Result<Trainer<B>, WorkerError> {
+        let Job { cfg, config_hash, config_text, info, run_dir, faults, resume } = job;
+        let layout = bus.transport().layout().clone();
         let gpt = Gpt::new(&cfg.model, &layout);
-        let faults = FaultPlan::new(&cfg.faults, info.rank)?;
-        if faults.has_phase(FaultPhase::Reduce) {
-            let plan = faults.clone();
-            bus.set_inside_reduce_hook(Box::new(move |at, bucket| {
-                if bucket == 0 {
-                    plan.at_phase(FaultPhase::Reduce, at);
-                }
-            }));
-        }
         let mut init = vec![0.0; layout.len];
         gpt.init(&mut init, &mut Rng::new(&[cfg.seed, purpose::INIT]));
         let (mut policy, mut rollout) = (Policy::new(&be, &init, None, 0), RolloutEngine::new(&be, &cfg, &init));
@@ -138,6 +143,7 @@ impl<B: BusBackend> Trainer<B> {
             overlap,
             last: None,
             bus,
+            progress,
             step,
             cfg,
             config_hash,
@@ -148,7 +154,7 @@ impl<B: BusBackend> Trainer<B> {
     }
 
     fn layout(&self) -> &Layout {
-        self.bus.layout()
+        self.bus.transport().layout()
     }
 
     /// Run the remaining steps.
@@ -237,13 +243,14 @@ impl<B: BusBackend> Trainer<B> {
             let (gpt, cfg, faults) = (&self.gpt, &self.cfg, &self.faults);
             let params = &self.policy.params;
             let stats =
-                forward_backward(be, gpt, cfg, params, &mut self.work, &mut *self.bus, faults, self.overlap, mb, at)?;
+                forward_backward(be, gpt, cfg, params, &mut self.work, &mut self.bus, faults, self.overlap, mb, at)?;
             warn_headroom(&stats, cfg.warn.headroom, rank, at);
             let values = UpdateValues::local(mb, &stats).to_report(rank);
-            let table = self.bus.agree(at, LocalReport { loss: stats.loss as f64, values, replica })?;
+            let table = self.bus.transport_mut().agree(at, LocalReport { loss: stats.loss as f64, values, replica })?;
             check_replicas(&table, at)?;
             let agreed = Agreed::new(&table);
-            let Judged { verdict, spike, warning } = self.judge.judge(&table, &agreed, self.bus.layout(), cfg, at);
+            let Judged { verdict, spike, warning } =
+                self.judge.judge(&table, &agreed, self.bus.transport().layout(), cfg, at);
             if let Some(o) = &warning {
                 self.metrics.warn(at, o, agreed.headroom_rank)?;
             }
@@ -252,7 +259,7 @@ impl<B: BusBackend> Trainer<B> {
             }
             let lr = self.policy.lr(&cfg.optim);
             if verdict.action == Action::Proceed {
-                let grads = be.reduced_grads(&mut *self.bus);
+                let grads = self.bus.reduced_grads(be);
                 self.policy.apply(be, grads, agreed.grad_norm, agreed.world, &cfg.optim, lr);
             }
             let record = UpdateRecord {
@@ -265,13 +272,15 @@ impl<B: BusBackend> Trainer<B> {
                 start,
             };
             self.metrics.write(&table, &agreed, &record)?;
-            self.bus.publish(Progress {
-                step: self.step,
-                loss: agreed.loss as f32,
-                grad_norm: agreed.grad_norm as f32,
-                skipped: self.judge.verdicts.history.skipped as u32,
-                warnings: self.judge.warnings,
-            });
+            if let Some(cell) = self.progress.as_mut() {
+                cell.publish(Progress {
+                    step: self.step,
+                    loss: agreed.loss as f32,
+                    grad_norm: agreed.grad_norm as f32,
+                    skipped: self.judge.verdicts.history.skipped as u32,
+                    warnings: self.judge.warnings,
+                });
+            }
             self.last = Some(agreed);
             match verdict.action {
                 Action::Proceed | Action::Skip => return Ok(None),
@@ -279,10 +288,10 @@ impl<B: BusBackend> Trainer<B> {
                 Action::Abort => {
                     let report = verdict.report.expect("an abort carries its report");
                     let params = be.to_host(be.all(&self.policy.params));
-                    let chunks = self.bus.health_chunks();
+                    let chunks = self.bus.transport().health_chunks();
                     write_failure(&self.run_dir, &self.info, &self.config_text, chunks, &params, mb, &table, &report)?;
                     if report.ranks.contains(&rank) {
-                        let (layout, params) = (self.bus.layout(), &self.policy.params);
+                        let (layout, params) = (self.bus.transport().layout(), &self.policy.params);
                         trace_failure(be, gpt, cfg, params, &mut self.work, layout, mb, &report, &self.run_dir, rank)?;
                     }
                     return Ok(Some(report));

@@ -7,7 +7,7 @@
 //! rank has the same table, so every rank computes the same numbers.
 
 use gradbus_collectives::forecast::{ranked, unranked};
-use gradbus_collectives::{BusBackend, HealthTable, StepId, Transport, ValueNames};
+use gradbus_collectives::{BusBackend, GradBus, HealthTable, StepId, ValueNames};
 
 use crate::config::Config;
 use crate::error::WorkerError;
@@ -28,7 +28,7 @@ pub(crate) fn forward_backward<B: BusBackend>(
     cfg: &Config,
     params: &B::Buf,
     work: &mut Work<B>,
-    bus: &mut dyn Transport,
+    bus: &mut B::Bus,
     faults: &FaultPlan,
     overlap: bool,
     mb: &Batch,
@@ -37,9 +37,9 @@ pub(crate) fn forward_backward<B: BusBackend>(
     faults.at_phase(FaultPhase::Forward, at);
     let stats = forward_loss(be, gpt, cfg, params, work, mb, &mut NoProbe);
     faults.at_phase(FaultPhase::Backward, at);
-    let layout = bus.layout().clone();
-    be.backward_and_reduce(
-        bus,
+    let layout = bus.transport().layout().clone();
+    bus.backward_and_reduce(
+        be,
         at,
         overlap,
         &mut |p, grad| faults.poison(be, at, &layout, p, grad),

@@ -12,13 +12,14 @@ use gradbus_kernels::{reduce_in_place, reduce_plain, reduce_to_one, Health};
 use memmap2::MmapRaw;
 
 use super::liveness::{monotonic_ns, self_start_time, thread_cpu_time};
+use super::progress::ProgressWriter;
 use super::segment::{
     attach, check_job_id, create, load_health, store_health, BusConfig, Geometry, HealthCell, RankCell,
 };
 use super::{FAIL_MARKED, ST_ATTACHED, ST_DEPARTED};
 use crate::agreement::{AgreementPath, LocalReport, Summary};
 use crate::layout::{chunk_range, Layout, ALIGN_FLOATS};
-use crate::transport::{Progress, Transport};
+use crate::transport::Transport;
 use crate::verdict::{HealthTable, StepId};
 use crate::Error;
 
@@ -111,6 +112,17 @@ impl ShmBus {
     /// True for the rank that created (and will unlink) the segment.
     pub fn is_creator(&self) -> bool {
         self.creator
+    }
+
+    /// This rank's progress cell, for the launcher's progress bar (a mapping of its own).
+    pub fn progress_writer(&self) -> Result<ProgressWriter, Error> {
+        ProgressWriter::map(&self.file, self.geo.cells + self.cfg.local_rank * size_of::<RankCell>())
+    }
+
+    /// Call `hook` inside every bucket reduce, after every rank entered it and before the sum is
+    /// written (fault injection: a rank killed there dies mid-collective).
+    pub fn set_inside_reduce_hook(&mut self, hook: Box<dyn FnMut(StepId, usize) + Send + Sync>) {
+        self.inside_reduce = Some(hook);
     }
 
     pub(super) fn cell(&self, k: usize) -> &RankCell {
@@ -313,10 +325,6 @@ unsafe impl Transport for ShmBus {
         self.allreduce_bucket_with(at, bucket, true)
     }
 
-    fn set_inside_reduce_hook(&mut self, hook: Box<dyn FnMut(StepId, usize) + Send + Sync>) {
-        self.inside_reduce = Some(hook);
-    }
-
     /// The node's agreement. Every rank reads, per bucket, each reducer's chunk of the reduced
     /// health and its NaN/Inf totals (O(local ranks x buckets) words, not the O(local ranks^2 x
     /// buckets) of the per-rank cells), and every rank's report; only when that summary shows an
@@ -365,20 +373,6 @@ unsafe impl Transport for ShmBus {
         let table = HealthTable::detailed(n, &self.cfg.values, local, reduced, reports, None);
         debug_assert_eq!(table.summary, summary, "both paths agree on the summary");
         Ok(table)
-    }
-
-    fn publish(&mut self, p: Progress) {
-        let c = self.cell(self.cfg.local_rank);
-        let s = c.seq.load(Ordering::Relaxed);
-        c.seq.store(s + 1, Ordering::Relaxed);
-        std::sync::atomic::fence(Ordering::Release);
-        c.step.store(p.step, Ordering::Relaxed);
-        c.loss.store(p.loss.to_bits(), Ordering::Relaxed);
-        c.grad_norm.store(p.grad_norm.to_bits(), Ordering::Relaxed);
-        c.skipped.store(p.skipped, Ordering::Relaxed);
-        c.warnings.store(p.warnings, Ordering::Relaxed);
-        c.seq.store(s + 2, Ordering::Release);
-        c.heartbeat_ns.store(monotonic_ns(), Ordering::Relaxed);
     }
 
     fn mark_failed(&mut self) {

@@ -17,7 +17,7 @@
 //! - Between the two barriers of a bucket reduce, chunk `r` of every slot is touched by rank `r`
 //!   only, and no borrow of that bucket's range is alive on any rank: every rank is inside
 //!   `allreduce_bucket` (which borrows the bus mutably, so no `grads()` borrow is alive), and a
-//!   backward that overlaps the reduce holds views of other buckets only (`overlap.rs`). That is
+//!   backward that overlaps the reduce holds views of other buckets only (`grads/host.rs`). That is
 //!   what makes the raw slices sound.
 //! - A barrier is a per-rank arrival counter: a rank's k-th barrier stores `k`, then waits until
 //!   every counter is `>= k`. Each arrival also records what the rank was doing (phase, step,
@@ -53,7 +53,7 @@ mod segment;
 
 pub use bus::ShmBus;
 pub use liveness::monotonic_ns;
-pub use progress::{read_progress, read_status, remove_job_segments, RankStatus};
+pub use progress::{read_progress, read_status, remove_job_segments, Progress, ProgressWriter, RankStatus};
 pub use segment::BusConfig;
 
 use std::time::Duration;

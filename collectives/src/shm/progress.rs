@@ -1,14 +1,76 @@
-//! What the launcher reads of a segment without attaching: every local rank's progress and status
-//! (seqlocked progress fields, so a read never mixes two publishes), and the sweep that removes a
-//! job's segments after ranks were killed before they could clean up.
+//! The progress bar's side of a segment: a rank's [`ProgressWriter`] (its own cell, published by
+//! the step loop), what the launcher reads without attaching (every local rank's progress and
+//! status; the progress fields are seqlocked, so a read never mixes two publishes), and the sweep
+//! that removes a job's segments after ranks were killed before they could clean up. None of it is
+//! a collective: nothing here waits for a peer.
 
+use std::fs::File;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
+use memmap2::MmapRaw;
+
+use super::liveness::monotonic_ns;
 use super::segment::{Peek, RankCell};
 use super::ST_DEPARTED;
-use crate::transport::Progress;
+use crate::Error;
+
+/// Progress that a rank publishes for the launcher's progress bar.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Progress {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Latest loss.
+    pub loss: f32,
+    /// Latest global gradient norm.
+    pub grad_norm: f32,
+    /// Updates skipped so far.
+    pub skipped: u32,
+    /// Updates whose log-ratio headroom to exp overflow fell under the warning margin.
+    pub warnings: u32,
+}
+
+/// One rank's progress cell in its node's segment, for the launcher's progress bar. It maps the
+/// segment on its own (`ShmBus::progress_writer`), so the step loop publishes without the
+/// transport, and the mapping stays valid after the bus is dropped (and the segment unlinked).
+pub struct ProgressWriter {
+    map: MmapRaw,
+    /// Byte offset of this rank's cell in the mapping.
+    cell: usize,
+}
+
+impl ProgressWriter {
+    /// The cell at byte `cell` of a new mapping of `file`, the segment.
+    pub(super) fn map(file: &File, cell: usize) -> Result<ProgressWriter, Error> {
+        let map = MmapRaw::map_raw(file)
+            .map_err(|source| Error::Io { what: "mapping the bus segment for the progress cell".into(), source })?;
+        assert!(cell % align_of::<RankCell>() == 0 && cell + size_of::<RankCell>() <= map.len(), "cell {cell}");
+        Ok(ProgressWriter { map, cell })
+    }
+
+    fn cell(&self) -> &RankCell {
+        // SAFETY: the cell lies inside the mapping at an offset aligned for `RankCell` (both
+        // checked in `map`); it holds only atomics, valid for any bits, shared with the bus's own
+        // mapping of the same pages and with the launcher's peeks.
+        unsafe { &*self.map.as_ptr().add(self.cell).cast::<RankCell>() }
+    }
+
+    /// Publish `p` (seqlocked: odd while the fields change) and beat the heart.
+    pub fn publish(&mut self, p: Progress) {
+        let c = self.cell();
+        let s = c.seq.load(Ordering::Relaxed);
+        c.seq.store(s + 1, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        c.step.store(p.step, Ordering::Relaxed);
+        c.loss.store(p.loss.to_bits(), Ordering::Relaxed);
+        c.grad_norm.store(p.grad_norm.to_bits(), Ordering::Relaxed);
+        c.skipped.store(p.skipped, Ordering::Relaxed);
+        c.warnings.store(p.warnings, Ordering::Relaxed);
+        c.seq.store(s + 2, Ordering::Release);
+        c.heartbeat_ns.store(monotonic_ns(), Ordering::Relaxed);
+    }
+}
 
 /// Read every local rank's progress from a segment, without attaching (for the launcher's progress
 /// bar). `None` when the segment does not exist or is not initialised yet.

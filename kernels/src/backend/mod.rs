@@ -10,7 +10,8 @@
 //!   that an op returns (a checksum, a health row, loss statistics, sampled tokens).
 //! - Parameters, gradients and Adam moments are ONE flat buffer each; a parameter is a range of it,
 //!   taken with [`Backend::view`] / [`Backend::view_mut`] (or, for gradients while backward goes
-//!   on, through [`GradSlots`], so a bucket can be reduced as soon as its last parameter is final).
+//!   on, through `gradbus_collectives::grads::GradSlots`, so a bucket can be reduced as soon as its
+//!   last parameter is final).
 //! - An op has the arguments and the arithmetic of its `crate::ops` namesake, which is the CPU
 //!   implementation and the definition: a device op that reorders floating-point operations must
 //!   say so where it is defined. Backward ops ACCUMULATE into their gradient outputs.
@@ -315,50 +316,4 @@ pub trait Backend: Sync + Sized + 'static {
     /// The fused health scan of `x` (`health::health_scan`): where a bucket lives, only this
     /// crosses to the host.
     fn health_scan(&self, x: Self::View<'_>) -> Health;
-}
-
-/// The gradient buffer as backward sees it: each parameter's gradient taken once, accumulated
-/// into, and given back as soon as it is final, so whoever owns the buffer can reduce a bucket
-/// while backward goes on (the CPU implementation is `gradbus_collectives::ParamGrads`, which
-/// writes straight into the shared-memory bus).
-pub trait GradSlots<B: Backend> {
-    /// One parameter's gradient while backward holds it.
-    type Slot: Send;
-    /// Parameter `p`'s gradient (forward-order index). Panics when taken twice.
-    fn take(&mut self, p: usize) -> Self::Slot;
-    /// The slot as a view to accumulate into.
-    fn view_mut<'s>(slot: &'s mut Self::Slot) -> B::ViewMut<'s>;
-    /// The slot as a view to read.
-    fn view<'s>(slot: &'s Self::Slot) -> B::View<'s>;
-    /// Give back parameter `p`'s gradient: it is final.
-    fn release(&mut self, p: usize, slot: Self::Slot);
-}
-
-/// [`GradSlots`] over a plain buffer of any backend (the trace's scratch gradients, a replay):
-/// nothing waits for the releases.
-pub struct FlatGrads<'a, B: Backend> {
-    views: Vec<Option<B::ViewMut<'a>>>,
-}
-
-impl<'a, B: Backend> FlatGrads<'a, B> {
-    /// Views of `ranges` (one per parameter, forward order) of `buf`.
-    pub fn new(be: &B, buf: &'a mut B::Buf, ranges: &[Range<usize>]) -> FlatGrads<'a, B> {
-        FlatGrads { views: be.split_mut(buf, ranges).into_iter().map(Some).collect() }
-    }
-}
-
-impl<'a, B: Backend> GradSlots<B> for FlatGrads<'a, B> {
-    type Slot = B::ViewMut<'a>;
-    fn take(&mut self, p: usize) -> B::ViewMut<'a> {
-        self.views[p].take().unwrap_or_else(|| panic!("gradient of parameter {p} taken twice"))
-    }
-    fn view_mut<'s>(slot: &'s mut B::ViewMut<'a>) -> B::ViewMut<'s> {
-        B::reborrow_mut(slot)
-    }
-    fn view<'s>(slot: &'s B::ViewMut<'a>) -> B::View<'s> {
-        B::reborrow(slot)
-    }
-    fn release(&mut self, _p: usize, slot: B::ViewMut<'a>) {
-        drop(slot);
-    }
 }

@@ -1,5 +1,7 @@
-//! Backward and the bucket all-reduces, overlapped: a bucket is all-reduced as soon as backward has
-//! finished every parameter in it, while backward goes on with the earlier layers.
+//! The CPU's bus ([`HostBus`]): backward writes straight into the transport's own gradient buffer
+//! (for the shared-memory bus, this rank's slot of the segment: no copy in), and a bucket is
+//! all-reduced as soon as backward has finished every parameter in it, while backward goes on with
+//! the earlier layers.
 //!
 //! ```text
 //!   backward thread:  head | ln_f | block L-1 ...... | block 0 | embeddings
@@ -26,8 +28,9 @@ use std::ops::{Deref, DerefMut, Range};
 use std::ptr::NonNull;
 use std::sync::mpsc;
 
-use gradbus_kernels::backend::{Backend, Cpu, GradSlots};
+use gradbus_kernels::backend::Cpu;
 
+use super::{BusBackend, GradBus, GradSlots};
 use crate::layout::Layout;
 use crate::transport::Transport;
 use crate::verdict::StepId;
@@ -181,39 +184,25 @@ impl<'a> GradSlots<Cpu> for ParamGrads<'a> {
     }
 }
 
-/// How backend `Self`'s backward reaches a transport's gradient buffer, and its optimizer the
-/// reduced gradients: the step loop's only way to the gradients, for any backend. The CPU's is
-/// zero-copy: backward writes through [`ParamGrads`] straight into the transport's buffer (the
-/// shared-memory segment), overlapped with the bucket reduces by [`backward_and_reduce`]. A device
-/// backend hands backward views of its device gradient buffer and reduces a bucket where it lives
-/// (NCCL), or stages it through pinned host memory onto a host transport, once the bucket's last
-/// view is back.
-pub trait BusBackend: Backend {
-    /// The gradient buffer as backward sees it.
-    type Slots<'g>: GradSlots<Self>;
-    /// Zero the gradients, run `backward` on them and all-reduce every bucket in order (overlapped
-    /// when `overlap`), calling `finalize(p, grad)` on each parameter's final gradient before it
-    /// can be reduced and `after_bucket(b)` after bucket `b`'s reduce.
-    fn backward_and_reduce<F>(
-        &self,
-        bus: &mut dyn Transport,
-        at: StepId,
-        overlap: bool,
-        finalize: &mut (dyn FnMut(usize, Self::ViewMut<'_>) + Send),
-        backward: F,
-        after_bucket: &mut dyn FnMut(usize),
-    ) -> Result<(), Error>
-    where
-        F: FnOnce(&mut Self::Slots<'_>) + Send;
-    /// The transport's reduced gradients (after `agree`), for the optimizer.
-    fn reduced_grads<'a>(&self, bus: &'a mut dyn Transport) -> Self::ViewMut<'a>;
+/// The CPU's bus: any host transport (`Solo`, the shared-memory bus, MPI, hierarchical), whose
+/// own gradient buffer backward writes through [`ParamGrads`], reduced bucket by bucket by
+/// [`backward_and_reduce`].
+pub struct HostBus {
+    transport: Box<dyn Transport>,
 }
 
-impl BusBackend for Cpu {
+impl HostBus {
+    /// The bus over `transport`.
+    pub fn new(transport: Box<dyn Transport>) -> HostBus {
+        HostBus { transport }
+    }
+}
+
+impl GradBus<Cpu> for HostBus {
     type Slots<'g> = ParamGrads<'g>;
     fn backward_and_reduce<F>(
-        &self,
-        bus: &mut dyn Transport,
+        &mut self,
+        _be: &Cpu,
         at: StepId,
         overlap: bool,
         finalize: &mut (dyn FnMut(usize, &mut [f32]) + Send),
@@ -223,11 +212,21 @@ impl BusBackend for Cpu {
     where
         F: FnOnce(&mut ParamGrads<'_>) + Send,
     {
-        backward_and_reduce(bus, at, overlap, finalize, backward, after_bucket)
+        backward_and_reduce(&mut *self.transport, at, overlap, finalize, backward, after_bucket)
     }
-    fn reduced_grads<'a>(&self, bus: &'a mut dyn Transport) -> &'a mut [f32] {
-        bus.grads()
+    fn reduced_grads(&mut self, _be: &Cpu) -> &mut [f32] {
+        self.transport.grads()
     }
+    fn transport(&self) -> &dyn Transport {
+        &*self.transport
+    }
+    fn transport_mut(&mut self) -> &mut dyn Transport {
+        &mut *self.transport
+    }
+}
+
+impl BusBackend for Cpu {
+    type Bus = HostBus;
 }
 
 /// Zero this rank's gradients, run `backward` (which fills them through [`ParamGrads`]) and
@@ -376,6 +375,7 @@ mod tests {
         fn agree(&mut self, at: StepId, local: crate::LocalReport) -> Result<crate::HealthTable, Error> {
             self.solo.agree(at, local)
         }
+        fn mark_failed(&mut self) {}
     }
 
     fn recorder(fail_at: Option<usize>) -> Recorder {
