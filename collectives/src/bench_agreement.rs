@@ -1,5 +1,5 @@
 //! The agreement benchmark: what one update's agreement costs on each path, measured (`rank_main`,
-//! under `mpirun`, feature `mpi`) beside the cost model that chooses the path (`agreement::cost`,
+//! under `mpirun`, feature `mpi`) beside the cost model that chooses the path (`choice::cost`,
 //! `AgreementPath::cheaper`): the table path (an `MPI_Allgather` of one row per rank, the rows read
 //! into the table) against the summary path (two `MPI_Allreduce`s of `Summary` words: integer sums,
 //! maxima; decoded), each also without MPI (its CPU part), for each bucket count asked for and the
@@ -12,7 +12,8 @@
 
 use serde::Serialize;
 
-use crate::agreement::{Cost, Times, ValueNames};
+use crate::agreement::ValueNames;
+use crate::choice::{Cost, Times};
 use crate::Error;
 
 /// Timed rounds per bucket count; the best is reported (a shared machine's interference only
@@ -62,7 +63,7 @@ pub fn rank_main(
     for &b in buckets {
         let times = crate::mpi::bench_agreement(&universe, b, values, 3, iters, ROUNDS);
         let row = crate::wire::RowShape::mpi(b, values.len());
-        rows.push(AgreementRow::new(crate::agreement::cost(np, row, crate::agreement::Calibration::MPI), times));
+        rows.push(AgreementRow::new(crate::choice::cost(np, row, crate::choice::Calibration::MPI), times));
     }
     Ok((rank == 0).then_some(rows))
 }

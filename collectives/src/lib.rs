@@ -10,6 +10,7 @@
 pub mod agreement;
 pub mod bench;
 pub mod bench_agreement;
+pub mod choice;
 pub mod forecast;
 pub mod grads;
 pub mod judge;
@@ -24,7 +25,8 @@ pub mod transport;
 pub mod verdict;
 pub mod wire;
 
-pub use agreement::{AgreementPath, Anomaly, ExactSum, LocalReport, Stat, Summary, ValueNames};
+pub use agreement::{Anomaly, ExactSum, LocalReport, Stat, Summary, ValueNames};
+pub use choice::AgreementPath;
 pub use forecast::{Alert, Forecast, Outlook, Rule};
 pub use grads::{backward_and_reduce, BusBackend, GradBus, GradMut, GradSlots, HostBus, ParamGrads};
 pub use judge::{Judge, LossScale, OnSpike, Watched};

@@ -62,7 +62,8 @@ use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
 use gradbus_kernels::{health_scan, Health};
 
-use crate::agreement::{AgreementPath, LocalReport, Summary, Times, ValueNames};
+use crate::agreement::{LocalReport, Summary, ValueNames};
+use crate::choice::{AgreementPath, Times};
 use crate::layout::{Fnv, Layout};
 use crate::shm::ProgressWriter;
 use crate::shm::{BusConfig, ShmBus};

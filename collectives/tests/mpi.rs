@@ -155,7 +155,7 @@ fn run_child(scenario: &str, dir: &Path, rank: usize) -> Result<(), Error> {
         // (`GB_FORCE=model`) or the other one (`other`); even ones let the model choose.
         "model-path" => {
             let row = gradbus_collectives::wire::RowShape::mpi(layout().buckets.len(), value_names().len());
-            let model = AgreementPath::cheaper(np, row, gradbus_collectives::agreement::Calibration::MPI);
+            let model = AgreementPath::cheaper(np, row, gradbus_collectives::choice::Calibration::MPI);
             if rank % 2 == 1 {
                 let forced = match var("GB_FORCE").as_str() {
                     "model" => model,

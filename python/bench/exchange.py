@@ -8,7 +8,7 @@ alternating the paths, and rank 0 prints microseconds per update - wall time, an
 time (process time, which a busy machine disturbs less) - the medians of the rounds, and the wall
 ratio. A benchmark: asserts nothing.
 
-Then it fits the runtime's cost model (collectives/src/agreement/cost.rs, `Calibration`) to the
+Then it fits the runtime's cost model (collectives/src/choice/cost.rs, `Calibration`) to the
 2-rank times (see `fit`): the latency of one exchange (alpha), the cost of a byte moved into a rank
 (beta) and the summary's CPU cost per byte, with the model's bytes and exchanges from the native
 core (`_core.agreement_cost`: the row codec's length, the summary's words), and prints them as

@@ -24,7 +24,7 @@
 //! reduce" - which for DDP's mean is also "after it" (|sum g/N| <= max |g|: a sum of finite
 //! gradients scaled first cannot overflow).
 
-use gradbus_collectives::agreement::Calibration;
+use gradbus_collectives::choice::Calibration;
 use gradbus_collectives::wire::{table_of, RowShape, CELL};
 use gradbus_collectives::{
     Bucket, HealthTable, Judge, Layout, LocalReport, LossScale, OnSpike, Policy, Slot, StepId, Summary, ValueNames,
@@ -348,14 +348,14 @@ fn cheaper_path(world: usize, buckets: usize) -> &'static str {
     gradbus_collectives::AgreementPath::cheaper(world, shape(buckets), Calibration::GLOO).name()
 }
 
-/// The runtime's cost model (`gradbus_collectives::agreement::cost`) of the guard's agreement among
+/// The runtime's cost model (`gradbus_collectives::choice::cost`) of the guard's agreement among
 /// `world` ranks over `buckets` buckets with the constants `cheaper_path` uses: a dict of its bytes
 /// and exchanges (`row_bytes`: the row codec's length; `table_bytes`, `summary_bytes`,
 /// `summary_bytes_in`, `rounds`) and modelled times (`table_us`, `summary_us`), for the benchmark
 /// that calibrates it.
 #[pyfunction]
 fn agreement_cost(py: Python<'_>, world: usize, buckets: usize) -> PyResult<Bound<'_, PyDict>> {
-    let c = gradbus_collectives::agreement::cost(world, shape(buckets), Calibration::GLOO);
+    let c = gradbus_collectives::choice::cost(world, shape(buckets), Calibration::GLOO);
     let d = PyDict::new(py);
     for (k, v) in [
         ("row_bytes", c.row_bytes),

@@ -24,16 +24,14 @@
 //!
 //! Pure functions, no transport: the PyTorch guard reuses this shape.
 //!
-//! The parts, one concern each: `exact` (the order-free arithmetic: `ExactSum`, `Agreed`, `Stat`),
-//! `codec` (the summary as the words of its all-reduce), `path` (the choice between the summary and
-//! the table) and `cost` (the time model that makes the choice). This module holds what a rank
+//! The parts, one concern each: `exact` (the order-free arithmetic: `ExactSum`, `Agreed`, `Stat`)
+//! and `codec` (the summary as the words of its all-reduce). This module holds what a rank
 //! contributes (`LocalReport`, its values named by `ValueNames`) and what every rank decodes
-//! (`Summary`).
+//! (`Summary`). The choice between the summary and the table, and the cost model that makes it,
+//! are `crate::choice` (above the row codec, whose rows it costs).
 
 mod codec;
-mod cost;
 mod exact;
-mod path;
 
 use std::sync::Arc;
 
@@ -44,9 +42,7 @@ use crate::layout::Fnv;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 pub(crate) use codec::NONE;
 pub(crate) use codec::{health_of, health_words};
-pub use cost::{cost, Calibration, Cost, Times};
 pub use exact::{Agreed, ExactSum, Stat, LIMBS};
-pub use path::AgreementPath;
 
 /// The names of the workload's values (a reward, a KL...) that every rank reports in the
 /// agreement, in the order its words carry them: any number of them, none included (the PyTorch
@@ -317,7 +313,6 @@ impl Summary {
 pub(crate) mod tests {
     use super::*;
     use crate::layout::{Layout, ParamSpec};
-    use crate::wire::RowShape;
     use gradbus_kernels::rng::Rng;
 
     /// Shewchuk's exact partials with a correctly rounded result (Python's `math.fsum`): an
@@ -637,62 +632,5 @@ pub(crate) mod tests {
         a.ops.add(2);
         assert_eq!(a.anomaly(), Some(Anomaly::Collectives));
         assert_eq!(Summary::of_rank(&none, &h, None, &r).anomaly(), Some(Anomaly::Reducers), "no reducer at all");
-    }
-
-    #[test]
-    fn the_summary_does_not_grow_with_the_world_and_the_table_does() {
-        let mpi = |w, b, v| cost(w, RowShape::mpi(b, v), Calibration::MPI);
-        let (a, b) = (mpi(8, 100, 5), mpi(16384, 100, 5));
-        assert_eq!(a.summary_bytes, b.summary_bytes);
-        assert_eq!(b.table_bytes, 2048 * a.table_bytes);
-        assert_eq!((a.rounds, b.rounds), (3, 14));
-        assert_eq!(mpi(1, 7, 5).rounds, 0);
-        let c = mpi(8, 100, 7);
-        assert_eq!(c.row_bytes - a.row_bytes, 16, "2 more values, 2 more words");
-        assert_eq!(c.summary_bytes - a.summary_bytes, 2 * 8 * 73, "2 more values, 2 more stats of 73 words");
-    }
-
-    /// The cost model's choice: the table where the summary is not cheaper (one rank, and small
-    /// worlds: the summary's two collectives and fixed 3.5 KB), the summary at scale (16k ranks move
-    /// 1.8 GB of table into every rank at 1750 buckets), and once the summary wins at some world
-    /// size it wins at twice that size (the table's bytes double, the summary adds one exchange);
-    /// with no workload value, the reference workload's 5 and many.
-    #[test]
-    fn the_model_chooses_the_table_for_small_worlds_and_the_summary_at_scale() {
-        for values in [0, 5, 100] {
-            for buckets in [1, 7, 100, 1750] {
-                let at = |world| AgreementPath::cheaper(world, RowShape::mpi(buckets, values), Calibration::MPI);
-                let case = format!("{buckets} buckets, {values} values");
-                assert_eq!(at(1), AgreementPath::Table, "1 rank, {case}");
-                assert_eq!(at(2), AgreementPath::Table, "2 ranks, {case}");
-                assert_eq!(at(16384), AgreementPath::Summary, "16k ranks, {case}");
-                for world in 1..=8192 {
-                    let c = cost(world, RowShape::mpi(buckets, values), Calibration::MPI);
-                    assert_eq!(at(world) == AgreementPath::Summary, c.summary_us() < c.table_us());
-                    if at(world) == AgreementPath::Summary {
-                        assert_eq!(at(2 * world), AgreementPath::Summary, "{world} ranks, {case}");
-                    }
-                }
-            }
-        }
-    }
-
-    /// The value count is part of the choice: each value adds 73 words to the summary and one word
-    /// to every rank's row, so more values move the crossover to larger worlds (at 7 buckets, 64
-    /// ranks take the summary with no value and the table with 100).
-    #[test]
-    fn the_models_choice_depends_on_the_value_count() {
-        let cheaper = |w, b, v| AgreementPath::cheaper(w, RowShape::mpi(b, v), Calibration::MPI);
-        assert_eq!(cheaper(64, 7, 0), AgreementPath::Summary);
-        assert_eq!(cheaper(64, 7, 100), AgreementPath::Table);
-        for buckets in [1, 7, 30, 100, 300, 1750] {
-            let crossover = |values| (1..=1 << 16).find(|&w| cheaper(w, buckets, values) == AgreementPath::Summary);
-            let xs: Vec<usize> =
-                [0, 1, 5, 20, 100].map(|v| crossover(v).expect("the summary wins by 64k ranks")).to_vec();
-            assert!(
-                xs.windows(2).all(|p| p[0] <= p[1]),
-                "{buckets} buckets: crossovers {xs:?} for 0, 1, 5, 20, 100 values"
-            );
-        }
     }
 }

@@ -17,7 +17,8 @@ use super::segment::{
     attach, check_job_id, create, load_health, store_health, BusConfig, Geometry, HealthCell, RankCell,
 };
 use super::{FAIL_MARKED, ST_ATTACHED, ST_DEPARTED};
-use crate::agreement::{AgreementPath, LocalReport, Summary};
+use crate::agreement::{LocalReport, Summary};
+use crate::choice::AgreementPath;
 use crate::layout::{chunk_range, Layout, ALIGN_FLOATS};
 use crate::transport::Transport;
 use crate::verdict::{HealthTable, StepId};

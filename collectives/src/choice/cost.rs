@@ -1,7 +1,8 @@
 //! The agreement's cost model: bytes, exchanges and modelled time of one agreement on both paths,
 //! and the measured times the agreement benchmark prints beside them (docs/agreement.md).
 
-use super::{AgreementPath, Summary};
+use super::AgreementPath;
+use crate::agreement::Summary;
 use crate::wire::RowShape;
 
 /// The time model's constants for one kind of collective: one exchange's latency, the cost of a
