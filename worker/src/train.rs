@@ -3,14 +3,14 @@
 //! all-reduces, one agreed verdict, and the update - identical on every rank.
 //!
 //! The loop owns its parts and passes each what it needs, so the data flow is visible here and the
-//! parts import nothing of the loop: the [`Policy`] (weights, Adam state, replica checksum, on the
+//! parts import nothing of the loop: the [`TrainState`] (weights, Adam state, replica checksum, on the
 //! backend), the [`RolloutEngine`] (rollout weights, reference, KV cache), the [`Judge`] (verdict
 //! history, spike detectors, warnings) and the [`MetricsWriter`]. Per update:
 //!
 //! ```text
-//!  policy.params --forward_backward--> gradients on the bus --agree--> table --Agreed::new--> agreed
-//!  judge.judge(table, agreed) --> verdict --Proceed--> policy.apply(reduced gradients, agreed norm)
-//!  metrics.write(table, agreed, verdict, policy.checksum) ; progress.publish(agreed) ; Abort --> dumps
+//!  state.params --forward_backward--> gradients on the bus --agree--> table --Agreed::new--> agreed
+//!  judge.judge(table, agreed) --> verdict --Proceed--> state.apply(reduced gradients, agreed norm)
+//!  metrics.write(table, agreed, verdict, state.checksum) ; progress.publish(agreed) ; Abort --> dumps
 //! ```
 //!
 //! Invariants: every random draw is a pure function of (seed, purpose, step, rank), and every
@@ -34,9 +34,9 @@ use crate::gradients::Work;
 use crate::judge::{Judge, Judged};
 use crate::metrics::{MetricsWriter, UpdateRecord};
 use crate::model::Gpt;
-use crate::policy::Policy;
 use crate::rank::RankInfo;
 use crate::rollout::{purpose, RolloutEngine};
+use crate::state::TrainState;
 use crate::task::Batch;
 use crate::update::{check_replicas, forward_backward, warn_headroom, Agreed, UpdateValues};
 
@@ -61,7 +61,7 @@ pub struct Trainer<B: BusBackend> {
     be: B,
     gpt: Gpt,
     work: Work<B>,
-    policy: Policy<B>,
+    state: TrainState<B>,
     rollout: RolloutEngine<B>,
     judge: Judge,
     metrics: MetricsWriter,
@@ -109,11 +109,11 @@ impl<B: BusBackend> Trainer<B> {
         let gpt = Gpt::new(&cfg.model, &layout);
         let mut init = vec![0.0; layout.len];
         gpt.init(&mut init, &mut Rng::new(&[cfg.seed, purpose::INIT]));
-        let (mut policy, mut rollout) = (Policy::new(&be, &init, None, 0), RolloutEngine::new(&be, &cfg, &init));
+        let (mut state, mut rollout) = (TrainState::new(&be, &init, None, 0), RolloutEngine::new(&be, &cfg, &init));
         let (mut judge, mut step) = (Judge::new(&cfg), 0);
         if resume {
             let r = checkpoint::restore(&run_dir, &layout, &cfg, &config_text, &info)?;
-            policy = Policy::new(&be, &r.params, Some((&r.m, &r.v)), r.adam_t);
+            state = TrainState::new(&be, &r.params, Some((&r.m, &r.v)), r.adam_t);
             be.write(be.all_mut(&mut rollout.weights), &r.rollout);
             (judge, step) = (r.judge, r.step);
         }
@@ -135,7 +135,7 @@ impl<B: BusBackend> Trainer<B> {
             be,
             gpt,
             work,
-            policy,
+            state,
             rollout,
             judge,
             metrics,
@@ -189,7 +189,7 @@ impl<B: BusBackend> Trainer<B> {
 
     /// Write the state after `self.step` completed steps (rank 0; replicas are identical).
     fn save_checkpoint(&self) -> Result<(), WorkerError> {
-        let (be, p) = (&self.be, &self.policy);
+        let (be, p) = (&self.be, &self.state);
         let host = |buf| be.to_host(be.all(buf));
         let (params, m, v, rollout) = (host(&p.params), host(&p.m), host(&p.v), host(&self.rollout.weights));
         let state = checkpoint::State {
@@ -211,10 +211,10 @@ impl<B: BusBackend> Trainer<B> {
         let (seed, step, rank) = (self.cfg.seed, self.step, self.info.rank as u64);
         let synced = step % self.cfg.rollout_sync_interval == 0;
         if synced {
-            self.rollout.sync(&self.be, &self.policy.params);
+            self.rollout.sync(&self.be, &self.state.params);
         }
         let (be, gpt, cfg) = (&self.be, &self.gpt, &self.cfg);
-        let batch = self.rollout.batch(be, gpt, cfg, step, rank, synced, &self.policy.params, &mut self.work.acts);
+        let batch = self.rollout.batch(be, gpt, cfg, step, rank, synced, &self.state.params, &mut self.work.acts);
         let rl = self.cfg.rl.clone();
         let per_mb = batch.b / rl.minibatches;
         for epoch in 0..rl.epochs {
@@ -239,9 +239,9 @@ impl<B: BusBackend> Trainer<B> {
         let (be, rank) = (&self.be, self.info.rank);
         loop {
             let start = Instant::now();
-            let replica = self.policy.checksum();
+            let replica = self.state.checksum();
             let (gpt, cfg, faults) = (&self.gpt, &self.cfg, &self.faults);
-            let params = &self.policy.params;
+            let params = &self.state.params;
             let stats =
                 forward_backward(be, gpt, cfg, params, &mut self.work, &mut self.bus, faults, self.overlap, mb, at)?;
             warn_headroom(&stats, cfg.warn.headroom, rank, at);
@@ -257,10 +257,10 @@ impl<B: BusBackend> Trainer<B> {
             if let Some(r) = &verdict.report {
                 log::warn!("rank {rank}: {}", describe(r));
             }
-            let lr = self.policy.lr(&cfg.optim);
+            let lr = self.state.lr(&cfg.optim);
             if verdict.action == Action::Proceed {
                 let grads = self.bus.reduced_grads(be);
-                self.policy.apply(be, grads, agreed.grad_norm, agreed.world, &cfg.optim, lr);
+                self.state.apply(be, grads, agreed.grad_norm, agreed.world, &cfg.optim, lr);
             }
             let record = UpdateRecord {
                 at,
@@ -268,7 +268,7 @@ impl<B: BusBackend> Trainer<B> {
                 spike: spike.as_deref(),
                 lr,
                 skipped: self.judge.verdicts.history.skipped,
-                checksum: self.policy.checksum(),
+                checksum: self.state.checksum(),
                 start,
             };
             self.metrics.write(&table, &agreed, &record)?;
@@ -287,11 +287,11 @@ impl<B: BusBackend> Trainer<B> {
                 Action::Rerun => at.attempt += 1,
                 Action::Abort => {
                     let report = verdict.report.expect("an abort carries its report");
-                    let params = be.to_host(be.all(&self.policy.params));
+                    let params = be.to_host(be.all(&self.state.params));
                     let chunks = self.bus.transport().health_chunks();
                     write_failure(&self.run_dir, &self.info, &self.config_text, chunks, &params, mb, &table, &report)?;
                     if report.ranks.contains(&rank) {
-                        let (layout, params) = (self.bus.transport().layout(), &self.policy.params);
+                        let (layout, params) = (self.bus.transport().layout(), &self.state.params);
                         trace_failure(be, gpt, cfg, params, &mut self.work, layout, mb, &report, &self.run_dir, rank)?;
                     }
                     return Ok(Some(report));

@@ -1,5 +1,6 @@
-//! The policy being trained: its weights, AdamW's moments and step count, and the replica checksum
-//! of the weights, on the backend's device.
+//! The state being trained (the RL policy's weights, AdamW's moments and step count) and the
+//! replica checksum of the weights, on the backend's device. (`Policy`, in gradbus, is the rule for
+//! non-finite gradients: `gradbus_collectives::Policy`.)
 //!
 //! Invariants: the weights, `m` and `v` are one flat buffer each, laid out by the model's `Layout`;
 //! `checksum` is always the replica checksum of `params`, kept by whatever writes them (the init,
@@ -10,7 +11,7 @@ use gradbus_kernels::backend::Backend;
 use crate::config::OptimConfig;
 
 /// Weights and optimizer state of one rank (the same on every rank).
-pub struct Policy<B: Backend> {
+pub struct TrainState<B: Backend> {
     /// The weights.
     pub params: B::Buf,
     /// Adam first moments.
@@ -22,16 +23,16 @@ pub struct Policy<B: Backend> {
     checksum: u64,
 }
 
-impl<B: Backend> Policy<B> {
+impl<B: Backend> TrainState<B> {
     /// Weights from host `params`, moments and step count as given (a fresh start or a checkpoint).
-    pub fn new(be: &B, params: &[f32], m: Option<(&[f32], &[f32])>, adam_t: u64) -> Policy<B> {
+    pub fn new(be: &B, params: &[f32], m: Option<(&[f32], &[f32])>, adam_t: u64) -> TrainState<B> {
         let params = be.upload(params);
         let checksum = be.checksum(be.all(&params));
         let (m, v) = match m {
             Some((m, v)) => (be.upload(m), be.upload(v)),
             None => (be.zeros(be.len(&params)), be.zeros(be.len(&params))),
         };
-        Policy { params, m, v, adam_t, checksum }
+        TrainState { params, m, v, adam_t, checksum }
     }
 
     /// The replica checksum of the weights.
