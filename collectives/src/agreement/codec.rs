@@ -5,7 +5,7 @@
 
 use gradbus_kernels::Health;
 
-use super::{Agreed, ExactSum, Stat, Summary, ValueNames};
+use super::{ExactSum, Shared, Stat, Summary, ValueNames};
 
 impl Summary {
     /// Words of the integer-sum half of the all-reduce: `sum_len(buckets, values)` of them.
@@ -52,19 +52,19 @@ impl Summary {
         s.inf.copy_from_slice(&sum[buckets..2 * buckets]);
         let mut si = sum[2 * buckets..].chunks_exact(3 + ExactSum::WORDS);
         let mut mi = max.chunks_exact(2);
-        let mut agreed = || {
+        let mut shared = || {
             let w = mi.next().expect("max_len words");
-            Agreed { max: w[0], inv_min: w[1] }
+            Shared { max: w[0], inv_min: w[1] }
         };
         for a in s.reduced.iter_mut().flatten() {
-            *a = agreed();
+            *a = shared();
         }
-        s.replica = agreed();
-        s.ops = agreed();
+        s.replica = shared();
+        s.ops = shared();
         let stats: Vec<Stat> = (0..1 + names.len())
             .map(|_| {
                 let w = si.next().expect("sum_len words");
-                let m = agreed();
+                let m = shared();
                 Stat {
                     nan: w[0],
                     pos_inf: w[1],

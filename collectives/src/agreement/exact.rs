@@ -1,5 +1,5 @@
 //! The agreement's order-free arithmetic: an exact sum of f64s (`ExactSum`), a value every
-//! contributor must share (`Agreed`) and one scalar over ranks (`Stat`). Every combination is an
+//! contributor must share (`Shared`) and one scalar over ranks (`Stat`). Every combination is an
 //! integer sum or a maximum, so any reduction tree, in any order, gives the same bits (the
 //! invariants are in the parent module's doc).
 
@@ -145,18 +145,18 @@ impl ExactSum {
 /// A value every contributor must share, combined by maxima: (max, max of the complement). Empty
 /// (nobody contributed) is (0, 0); one or many equal contributions give `value()`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Agreed {
+pub struct Shared {
     pub(super) max: u64,
     pub(super) inv_min: u64,
 }
 
-impl Agreed {
+impl Shared {
     /// Contribute a value.
     pub fn add(&mut self, v: u64) {
         self.max = self.max.max(v);
         self.inv_min = self.inv_min.max(!v);
     }
-    pub(super) fn merge(&mut self, o: &Agreed) {
+    pub(super) fn merge(&mut self, o: &Shared) {
         self.max = self.max.max(o.max);
         self.inv_min = self.inv_min.max(o.inv_min);
     }

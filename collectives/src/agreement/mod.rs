@@ -24,7 +24,7 @@
 //!
 //! Pure functions, no transport: the PyTorch guard reuses this shape.
 //!
-//! The parts, one concern each: `exact` (the order-free arithmetic: `ExactSum`, `Agreed`, `Stat`)
+//! The parts, one concern each: `exact` (the order-free arithmetic: `ExactSum`, `Shared`, `Stat`)
 //! and `codec` (the summary as the words of its all-reduce). This module holds what a rank
 //! contributes (`LocalReport`, its values named by `ValueNames`) and what every rank decodes
 //! (`Summary`). The choice between the summary and the table, and the cost model that makes it,
@@ -42,7 +42,7 @@ use crate::layout::Fnv;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 pub(crate) use codec::NONE;
 pub(crate) use codec::{health_of, health_words};
-pub use exact::{Agreed, ExactSum, Stat, LIMBS};
+pub use exact::{ExactSum, Shared, Stat, LIMBS};
 
 /// The names of the workload's values (a reward, a KL...) that every rank reports in the
 /// agreement, in the order its words carry them: any number of them, none included (the PyTorch
@@ -149,7 +149,7 @@ pub enum Anomaly {
 
 /// The agreed summary of one update (see the module doc): per bucket the NaN and Inf totals of the
 /// ranks' local gradients and the reduced bucket's health; the loss and each workload value (by
-/// name) as a `Stat`; the replica checksum and the collective-sequence hash as `Agreed` values.
+/// name) as a `Stat`; the replica checksum and the collective-sequence hash as `Shared` values.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Summary {
     /// Per bucket: NaN elements over every rank's local gradients.
@@ -157,7 +157,7 @@ pub struct Summary {
     /// Per bucket: Inf elements over every rank's local gradients.
     pub inf: Vec<u64>,
     /// Per bucket: the reduced bucket's health words (every reducer contributes its own).
-    reduced: Vec<[Agreed; 4]>,
+    reduced: Vec<[Shared; 4]>,
     /// The loss over ranks.
     pub loss: Stat,
     /// The workload values' names.
@@ -165,9 +165,9 @@ pub struct Summary {
     /// Each workload value over ranks, in the order of `names`.
     values: Vec<Stat>,
     /// The replicas' parameter checksum.
-    pub replica: Agreed,
+    pub replica: Shared,
     /// The hash of the collectives each rank ran since the last agreement (transports that check it).
-    pub ops: Agreed,
+    pub ops: Shared,
 }
 
 impl Summary {
@@ -176,12 +176,12 @@ impl Summary {
         Summary {
             nan: vec![0; buckets],
             inf: vec![0; buckets],
-            reduced: vec![[Agreed::default(); 4]; buckets],
+            reduced: vec![[Shared::default(); 4]; buckets],
             loss: Stat::default(),
             names: names.clone(),
             values: vec![Stat::default(); names.len()],
-            replica: Agreed::default(),
-            ops: Agreed::default(),
+            replica: Shared::default(),
+            ops: Shared::default(),
         }
     }
 
@@ -243,7 +243,7 @@ impl Summary {
 
     /// Forget the reduced buckets' health (a node summary whose reduce was not the global one).
     pub fn clear_reduced(&mut self) {
-        self.reduced.fill([Agreed::default(); 4]);
+        self.reduced.fill([Shared::default(); 4]);
     }
 
     /// Contribute one rank's report.
