@@ -27,7 +27,7 @@ LIMBS = 68  # ExactSum::WORDS (67 limbs + the count of terms other than -0.0)
 
 
 def row_bytes(b, v):
-    """A rank's row with v workload values (LocalReport::words(v) = 2 + v)."""
+    """A rank's row with v workload values (LocalScalars::words(v) = 2 + v)."""
     return 8 * (2 + 8 * b + 2 + v)
 
 

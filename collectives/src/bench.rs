@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use gradbus_kernels::health_scan;
 use serde::Serialize;
 
-use crate::agreement::LocalReport;
+use crate::agreement::LocalScalars;
 use crate::layout::{Fnv, Layout, ParamSpec};
 use crate::shm::{BusConfig, ShmBus};
 use crate::transport::Transport;
@@ -289,7 +289,7 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
         bus.allreduce_bucket(at, bucket)?;
         let want = (n * (n + 1) / 2) as f32;
         let wrong = bus.grads()[range.clone()].iter().filter(|&&x| x != want).count();
-        let table = bus.agree(at, LocalReport { loss: wrong as f64, ..LocalReport::default() })?;
+        let table = bus.agree(at, LocalScalars { loss: wrong as f64, ..LocalScalars::default() })?;
         #[allow(unused_mut)]
         let mut wrong = table.summary.loss.sum() as u64;
 
@@ -392,7 +392,7 @@ fn time_transport(
     let mut best = f64::INFINITY;
     for _ in 0..ROUNDS {
         t.grads()[range.clone()].fill(fill);
-        t.agree(at, LocalReport::default())?;
+        t.agree(at, LocalScalars::default())?;
         let t0 = Instant::now();
         for _ in 0..args.iters {
             t.allreduce_bucket(at, bucket)?;
@@ -402,7 +402,7 @@ fn time_transport(
     t.grads()[range.clone()].fill(fill);
     t.allreduce_bucket(at, bucket)?;
     let wrong = t.grads()[range].iter().filter(|&&x| x != want).count();
-    let table = t.agree(at, LocalReport { loss: wrong as f64, ..LocalReport::default() })?;
+    let table = t.agree(at, LocalScalars { loss: wrong as f64, ..LocalScalars::default() })?;
     Ok((best, table.summary.loss.sum() as u64))
 }
 

@@ -25,7 +25,7 @@ pub mod transport;
 pub mod verdict;
 pub mod wire;
 
-pub use agreement::{Anomaly, ExactSum, LocalReport, Stat, Summary, ValueNames};
+pub use agreement::{Anomaly, ExactSum, LocalScalars, Stat, Summary, ValueNames};
 pub use choice::AgreementPath;
 pub use forecast::{Alert, Forecast, Outlook, Rule};
 pub use grads::{backward_and_reduce, BusBackend, GradBus, GradMut, GradSlots, HostBus, ParamGrads};

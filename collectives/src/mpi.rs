@@ -15,7 +15,7 @@
 //!      (O(buckets), whatever the world; hier: the leaders contribute their node's summary),
 //!      then, only if it shows an anomaly (non-finite, replicas/reducers/collectives differ):
 //!    table path: ONE MPI_Allgather of a fixed-size row per rank:
-//!      [op hash | local health per bucket | reduced health per bucket | LocalReport]
+//!      [op hash | local health per bucket | reduced health per bucket | LocalScalars]
 //!  every rank builds the HealthTable from the same reduced or gathered bytes: identical tables.
 //! ```
 //!
@@ -62,7 +62,7 @@ use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
 use gradbus_kernels::{health_scan, Health};
 
-use crate::agreement::{LocalReport, Summary, ValueNames};
+use crate::agreement::{LocalScalars, Summary, ValueNames};
 use crate::choice::{AgreementPath, Times};
 use crate::layout::{Fnv, Layout};
 use crate::shm::ProgressWriter;
@@ -229,7 +229,7 @@ fn agree_rows(
     ops: u64,
     local: &[Health],
     reduced: Option<&[Health]>,
-    report: &LocalReport,
+    report: &LocalScalars,
 ) -> Result<HealthTable, Error> {
     let mine = row_words(ops, local, reduced, report);
     let mut all = vec![0u64; comm.size() as usize * mine.len()];
@@ -238,7 +238,7 @@ fn agree_rows(
 }
 
 /// One rank's row of the table path (see `agree_rows`).
-fn row_words(ops: u64, local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Vec<u64> {
+fn row_words(ops: u64, local: &[Health], reduced: Option<&[Health]>, report: &LocalScalars) -> Vec<u64> {
     let shape = RowShape::mpi(local.len(), report.values.len());
     shape.encode(&[ops, reduced.is_some() as u64], local, reduced, report)
 }
@@ -303,7 +303,7 @@ fn agree_world(
     mut contribution: Summary,
     local: impl FnOnce() -> Vec<Health>,
     reduced: Option<&[Health]>,
-    report: &LocalReport,
+    report: &LocalScalars,
 ) -> Result<HealthTable, Error> {
     if path == AgreementPath::Summary {
         contribution.ops.add(ops);
@@ -482,7 +482,7 @@ unsafe impl Transport for MpiTransport {
         fold_op(&mut self.ops, "reduce", at, Some(bucket));
         Ok(())
     }
-    fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
+    fn agree(&mut self, at: StepId, local: LocalScalars) -> Result<HealthTable, Error> {
         fold_op(&mut self.ops, "agree", at, None);
         let ops = std::mem::take(&mut self.ops).0;
         let (l, red) = (&self.local, &self.reduced);
@@ -623,7 +623,7 @@ unsafe impl Transport for HierTransport {
         }
         r
     }
-    fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
+    fn agree(&mut self, at: StepId, local: LocalScalars) -> Result<HealthTable, Error> {
         fold_op(&mut self.ops, "agree", at, None);
         let ops = std::mem::take(&mut self.ops).0;
         let r = (|| {
@@ -706,7 +706,7 @@ pub(crate) fn bench_agreement(
     let world = universe.world();
     let (local, reduced) =
         (vec![Health::default(); buckets], vec![Health { sumsq: 1.5, ..Health::default() }; buckets]);
-    let report = LocalReport { loss: 0.5, values: vec![0.25; values.len()], ..LocalReport::default() };
+    let report = LocalScalars { loss: 0.5, values: vec![0.25; values.len()], ..LocalScalars::default() };
     let ops = 1;
     let contribution = Summary::of_rank(values, &local, Some(&reduced), &report);
     let mine = row_words(ops, &local, Some(&reduced), &report);

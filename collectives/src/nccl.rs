@@ -57,7 +57,7 @@ use cudarc::nccl::{Comm, Id, ReduceOp};
 use gradbus_kernels::cuda::Gpu;
 use gradbus_kernels::Health;
 
-use crate::agreement::{LocalReport, ValueNames};
+use crate::agreement::{LocalScalars, ValueNames};
 use crate::layout::{Fnv, Layout};
 use crate::transport::{AlignedBuf, Transport};
 use crate::verdict::{HealthTable, StepId};
@@ -278,7 +278,7 @@ unsafe impl Transport for NcclTransport {
         self.pending.push(bucket);
         Ok(())
     }
-    fn agree(&mut self, at: StepId, report: LocalReport) -> Result<HealthTable, Error> {
+    fn agree(&mut self, at: StepId, report: LocalScalars) -> Result<HealthTable, Error> {
         fold_op(&mut self.ops, "agree", at, None);
         let ops = std::mem::take(&mut self.ops).0;
         let nb = self.local.len();

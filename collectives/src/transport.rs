@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use gradbus_kernels::{health_scan, Health};
 
-use crate::agreement::{LocalReport, ValueNames};
+use crate::agreement::{LocalScalars, ValueNames};
 use crate::layout::Layout;
 use crate::verdict::{HealthTable, StepId};
 use crate::Error;
@@ -51,7 +51,7 @@ pub unsafe trait Transport {
     /// After the last bucket: exchange the local reports and return the agreed table - its O(buckets)
     /// summary on a healthy update, the per-rank detail too when the summary shows an anomaly
     /// (`agreement`; the same summary either way).
-    fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error>;
+    fn agree(&mut self, at: StepId, local: LocalScalars) -> Result<HealthTable, Error>;
     /// How many chunks a bucket's local health is tallied in (merged in chunk order); `bucket_health`
     /// with this count gives the same bits as the table, which is what lets a replay compare exactly.
     fn health_chunks(&self) -> usize {
@@ -151,7 +151,7 @@ unsafe impl Transport for Solo {
         self.local[bucket] = health_scan(self.grads.range_mut(r));
         Ok(())
     }
-    fn agree(&mut self, _at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
+    fn agree(&mut self, _at: StepId, local: LocalScalars) -> Result<HealthTable, Error> {
         Ok(HealthTable::detailed(1, &self.values, self.local.clone(), self.local.clone(), vec![local], None))
     }
     /// No peers to tell.

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use gradbus_kernels::Health;
 use serde::{Deserialize, Serialize};
 
-use crate::agreement::{LocalReport, Stat, Summary, ValueNames};
+use crate::agreement::{LocalScalars, Stat, Summary, ValueNames};
 use crate::layout::Layout;
 
 /// Which optimizer update a collective belongs to. Never "-1": the worker always knows its step.
@@ -44,7 +44,7 @@ pub struct HealthTable {
     /// Health of each reduced bucket (its sum of squares gives the global norm).
     pub reduced: Vec<Health>,
     /// Each rank's report. Empty unless detailed.
-    pub reports: Vec<LocalReport>,
+    pub reports: Vec<LocalScalars>,
     /// The aggregates every rank decides from.
     pub summary: Summary,
 }
@@ -59,7 +59,7 @@ impl HealthTable {
         names: &ValueNames,
         local: Vec<Health>,
         reduced: Vec<Health>,
-        reports: Vec<LocalReport>,
+        reports: Vec<LocalScalars>,
         ops: Option<u64>,
     ) -> HealthTable {
         let buckets = reduced.len();
@@ -514,7 +514,7 @@ mod tests {
                 h
             })
             .collect();
-        let reports = vec![LocalReport { loss: 0.5, ..LocalReport::default() }; world];
+        let reports = vec![LocalScalars { loss: 0.5, ..LocalScalars::default() }; world];
         HealthTable::detailed(world, &ValueNames::default(), local, reduced, reports, None)
     }
 

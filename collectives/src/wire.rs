@@ -8,7 +8,7 @@
 //!  row = [ head (RowShape::head words, the transport's: op hash, reducer flag, config/layout hashes)
 //!        | local health per bucket (4 words: nan, inf, sumsq bits, first bad or NONE)
 //!        | reduced health per bucket (4 words; only when RowShape::reduced)
-//!        | report (LocalReport: loss bits, one word per value, replica checksum) ]
+//!        | report (LocalScalars: loss bits, one word per value, replica checksum) ]
 //! ```
 //!
 //! Invariants: a row's length is `RowShape::len` (the cost model reads it there); decoding is the
@@ -20,7 +20,7 @@ use gradbus_kernels::Health;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 use crate::agreement::NONE;
 pub(crate) use crate::agreement::{health_of, health_words};
-use crate::agreement::{LocalReport, ValueNames};
+use crate::agreement::{LocalScalars, ValueNames};
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 use crate::layout::Fnv;
 use crate::verdict::HealthTable;
@@ -59,7 +59,7 @@ impl RowShape {
 
     /// Words of one row.
     pub fn len(&self) -> usize {
-        self.head + CELL * self.buckets * (1 + self.reduced as usize) + LocalReport::words(self.values)
+        self.head + CELL * self.buckets * (1 + self.reduced as usize) + LocalScalars::words(self.values)
     }
 
     /// Bytes of one row.
@@ -79,7 +79,13 @@ impl RowShape {
     ///
     /// # Panics
     /// When a part does not fit the shape (a program bug).
-    pub fn encode(&self, head: &[u64], local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Vec<u64> {
+    pub fn encode(
+        &self,
+        head: &[u64],
+        local: &[Health],
+        reduced: Option<&[Health]>,
+        report: &LocalScalars,
+    ) -> Vec<u64> {
         assert_eq!((head.len(), local.len(), report.values.len()), (self.head, self.buckets, self.values));
         let mut w = Vec::with_capacity(self.len());
         w.extend_from_slice(head);
@@ -154,8 +160,8 @@ impl RowView<'_> {
     }
 
     /// The rank's report.
-    pub fn report(&self) -> LocalReport {
-        LocalReport::from_words(self.report)
+    pub fn report(&self) -> LocalScalars {
+        LocalScalars::from_words(self.report)
     }
 }
 
@@ -201,7 +207,7 @@ mod tests {
             for rank in 0..4u64 {
                 let local: Vec<Health> = (0..3).map(|b| health(rank * 3 + b)).collect();
                 let red: Vec<Health> = (0..3).map(|b| health(100 + b)).collect();
-                let report = LocalReport {
+                let report = LocalScalars {
                     loss: rank as f64 - 0.25,
                     values: (0..values).map(|i| i as f64 * 1.5 + rank as f64).collect(),
                     replica: u64::MAX - rank,

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use gradbus_collectives::mpi::{Expect, HierTransport, MpiTransport};
 use gradbus_collectives::shm::BusConfig;
 use gradbus_collectives::{
-    decide, AgreementPath, Error, History, Layout, LocalReport, ParamSpec, Policy, StepId, Transport,
+    decide, AgreementPath, Error, History, Layout, LocalScalars, ParamSpec, Policy, StepId, Transport,
 };
 use gradbus_kernels::rng::Rng;
 
@@ -141,7 +141,7 @@ fn run_child(scenario: &str, dir: &Path, rank: usize) -> Result<(), Error> {
             let mut t = open(np)?;
             let at = StepId { step: rank as u64, ..StepId::default() };
             t.allreduce_bucket(at, 0)?;
-            let report = LocalReport { values: vec![0.0; value_names().len()], ..LocalReport::default() };
+            let report = LocalScalars { values: vec![0.0; value_names().len()], ..LocalScalars::default() };
             t.agree(StepId::default(), report).map(drop)
         }
         // Odd ranks force the table path, even ones the summary: refused at open.
@@ -199,7 +199,7 @@ fn child_reduce(dir: &Path, rank: usize) -> Result<(), Error> {
             t.allreduce_bucket(at, b)?;
         }
         let report =
-            LocalReport { loss: rank as f64 + u as f64, values: vec![u as f64; value_names().len()], replica: 7 };
+            LocalScalars { loss: rank as f64 + u as f64, values: vec![u as f64; value_names().len()], replica: 7 };
         let table = t.agree(at, report)?;
         let verdict = decide(&table, &l, &Policy::Abort, &history, at);
         history.record(&table, &verdict);

@@ -23,7 +23,7 @@ use std::time::Duration;
 use gradbus_collectives::grads::{GpuBus, GradBus, GradSlots, Staged};
 use gradbus_collectives::nccl::{NcclConfig, NcclTransport};
 use gradbus_collectives::{
-    remove_job_segments, BusConfig, Error, HealthTable, Layout, LocalReport, ParamSpec, ShmBus, StepId, Transport,
+    remove_job_segments, BusConfig, Error, HealthTable, Layout, LocalScalars, ParamSpec, ShmBus, StepId, Transport,
 };
 use gradbus_kernels::backend::{Backend, Cpu};
 use gradbus_kernels::cuda::{self, Gpu};
@@ -97,7 +97,7 @@ fn one_rank_runs_the_protocol_at_world_1() {
     for b in 0..t.layout().buckets.len() {
         t.allreduce_bucket(at, b).unwrap();
     }
-    let table = t.agree(at, LocalReport { loss: 1.5, ..LocalReport::default() }).unwrap();
+    let table = t.agree(at, LocalScalars { loss: 1.5, ..LocalScalars::default() }).unwrap();
     assert_eq!(table.world, 1);
     assert_eq!(table.reports[0].loss, 1.5);
     assert_eq!(table.local.iter().map(|h| h.nan).sum::<u64>(), 1);
@@ -191,7 +191,7 @@ where
                     let layout = bus.transport().layout().clone();
                     let mut local = vec![f32::NAN; layout.len];
                     update(&be, &mut bus, at, &values(seed, rank, &layout), &mut local).unwrap();
-                    let table = bus.transport_mut().agree(at, LocalReport::default()).unwrap();
+                    let table = bus.transport_mut().agree(at, LocalScalars::default()).unwrap();
                     Some(Seen { reduced: reduced(&be, &mut bus), local, table })
                 })
             })

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use gradbus_collectives::shm::{read_progress, remove_job_segments, BusConfig, ShmBus};
 use gradbus_collectives::{
-    decide, Error, History, Layout, LocalReport, ParamSpec, Policy, Progress, StepId, Transport,
+    decide, Error, History, Layout, LocalScalars, ParamSpec, Policy, Progress, StepId, Transport,
 };
 use gradbus_kernels::rng::Rng;
 
@@ -184,7 +184,8 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
         for b in 0..layout.buckets.len() {
             bus.allreduce_bucket(at, b)?;
         }
-        let report = LocalReport { loss: e.rank as f64 + 0.5, values: vec![u as f64; value_names().len()], replica: 7 };
+        let report =
+            LocalScalars { loss: e.rank as f64 + 0.5, values: vec![u as f64; value_names().len()], replica: 7 };
         let table = bus.agree(at, report)?;
         let verdict = decide(&table, &layout, &Policy::Abort, &history, at);
         history.record(&table, &verdict);
@@ -246,7 +247,7 @@ fn child_nonfinite(e: &Env) -> Result<(), Error> {
     for b in 0..layout.buckets.len() {
         bus.allreduce_bucket(at, b)?;
     }
-    let table = bus.agree(at, LocalReport { loss: 1.0, values: vec![0.0; value_names().len()], replica: 0 })?;
+    let table = bus.agree(at, LocalScalars { loss: 1.0, values: vec![0.0; value_names().len()], replica: 0 })?;
     let verdict = decide(&table, &layout, &Policy::Abort, &History::default(), at);
     let json = serde_json::to_string(&verdict.report).unwrap();
     std::fs::write(e.dir.join(format!("table-{}.txt", e.rank)), format!("{table:?}\n{verdict:?}")).unwrap();

@@ -27,7 +27,7 @@
 use gradbus_collectives::choice::Calibration;
 use gradbus_collectives::wire::{table_of, RowShape, CELL};
 use gradbus_collectives::{
-    Bucket, HealthTable, Judge, Layout, LocalReport, LossScale, OnSpike, Policy, Slot, StepId, Summary, ValueNames,
+    Bucket, HealthTable, Judge, Layout, LocalScalars, LossScale, OnSpike, Policy, Slot, StepId, Summary, ValueNames,
     Watched,
 };
 use gradbus_kernels::{health_scan, Checksum, Health};
@@ -37,7 +37,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-/// The guard's values in the agreement (`LocalReport::values`, by name): the rank's local sum of
+/// The guard's values in the agreement (`LocalScalars::values`, by name): the rank's local sum of
 /// squares over every bucket (the gradient norm of spike detection), and its loss scale (which every
 /// rank must share: its minimum and maximum are compared).
 const VALUES: [&str; 2] = ["sumsq", "loss_scale"];
@@ -84,7 +84,7 @@ fn cell_health(c: [f64; 4], bucket: usize) -> Result<Health, String> {
 }
 
 /// One rank's row, decoded: its health per bucket and its report.
-fn decode_row(row: &[u64], buckets: usize) -> Result<(Vec<Health>, LocalReport), String> {
+fn decode_row(row: &[u64], buckets: usize) -> Result<(Vec<Health>, LocalScalars), String> {
     let s = shape(buckets);
     if row.len() != s.len() {
         return Err(format!("health row has {} words, expected {} for {buckets} buckets", row.len(), s.len()));
@@ -201,7 +201,7 @@ fn encode_row<'py>(
     let local = local.map_err(PyValueError::new_err)?;
     let sumsq = local.iter().map(|h| h.sumsq).sum();
     // In the order of `VALUES`.
-    let report = LocalReport { loss, values: vec![sumsq, loss_scale], replica };
+    let report = LocalScalars { loss, values: vec![sumsq, loss_scale], replica };
     Ok(PyBytes::new(py, &to_bytes(shape(local.len()).encode(&[], &local, None, &report))))
 }
 

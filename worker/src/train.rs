@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use gradbus_collectives::shm::ProgressWriter;
-use gradbus_collectives::{Action, BusBackend, GradBus, Layout, LocalReport, Progress, Report, StepId};
+use gradbus_collectives::{Action, BusBackend, GradBus, Layout, LocalScalars, Progress, Report, StepId};
 use gradbus_kernels::rng::Rng;
 
 use crate::checkpoint;
@@ -246,7 +246,8 @@ impl<B: BusBackend> Trainer<B> {
                 forward_backward(be, gpt, cfg, params, &mut self.work, &mut self.bus, faults, self.overlap, mb, at)?;
             warn_headroom(&stats, cfg.warn.headroom, rank, at);
             let values = UpdateValues::local(mb, &stats).to_report(rank);
-            let table = self.bus.transport_mut().agree(at, LocalReport { loss: stats.loss as f64, values, replica })?;
+            let table =
+                self.bus.transport_mut().agree(at, LocalScalars { loss: stats.loss as f64, values, replica })?;
             check_replicas(&table, at)?;
             let agreed = Agreed::new(&table);
             let Judged { verdict, spike, warning } =

@@ -75,7 +75,7 @@ pub(crate) fn warn_headroom(stats: &LossStats, margin: f32, rank: usize, at: Ste
 }
 
 /// What each rank contributes to the agreement besides its loss and its replica checksum. It
-/// travels as `LocalReport::values`, by name: [`UpdateValues::named`] is the only place that knows
+/// travels as `LocalScalars::values`, by name: [`UpdateValues::named`] is the only place that knows
 /// the order, and the agreed values are read back by name.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct UpdateValues {
@@ -103,7 +103,7 @@ impl UpdateValues {
         }
     }
 
-    /// The values by name, in the order they travel (`LocalReport::values`). The two largest
+    /// The values by name, in the order they travel (`LocalScalars::values`). The two largest
     /// log-ratios travel with `rank` (`forecast::ranked`: the agreed maximum names its rank).
     fn named(self, rank: usize) -> [(&'static str, f64); 5] {
         [
@@ -120,7 +120,7 @@ impl UpdateValues {
         ValueNames::new(&UpdateValues::default().named(0).map(|(name, _)| name))
     }
 
-    /// The values of `LocalReport::values` of `rank`, in the order of [`UpdateValues::names`].
+    /// The values of `LocalScalars::values` of `rank`, in the order of [`UpdateValues::names`].
     pub fn to_report(self, rank: usize) -> Vec<f64> {
         self.named(rank).iter().map(|&(_, v)| v).collect()
     }

@@ -26,7 +26,7 @@
 //!
 //! The parts, one concern each: `exact` (the order-free arithmetic: `ExactSum`, `Shared`, `Stat`)
 //! and `codec` (the summary as the words of its all-reduce). This module holds what a rank
-//! contributes (`LocalReport`, its values named by `ValueNames`) and what every rank decodes
+//! contributes (`LocalScalars`, its values named by `ValueNames`) and what every rank decodes
 //! (`Summary`). The choice between the summary and the table, and the cost model that makes it,
 //! are `crate::choice` (above the row codec, whose rows it costs).
 
@@ -102,7 +102,7 @@ impl ValueNames {
 /// extremes of (`Summary`); `replica` is a checksum of the state every rank must hold alike (the
 /// parameters), which must agree across ranks.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct LocalReport {
+pub struct LocalScalars {
     /// This rank's loss for the update.
     pub loss: f64,
     /// The workload's values, in the order of the transport's `ValueNames`.
@@ -111,7 +111,7 @@ pub struct LocalReport {
     pub replica: u64,
 }
 
-impl LocalReport {
+impl LocalScalars {
     /// Words of a report of `values` values on the wire or in a segment.
     pub fn words(values: usize) -> usize {
         2 + values
@@ -124,9 +124,9 @@ impl LocalReport {
     }
 
     /// The report of `to_words`' words (all of `w`: its length gives the number of values).
-    pub fn from_words(w: &[u64]) -> LocalReport {
+    pub fn from_words(w: &[u64]) -> LocalScalars {
         assert!(w.len() >= 2, "a report is at least 2 words, got {}", w.len());
-        LocalReport {
+        LocalScalars {
             loss: f64::from_bits(w[0]),
             values: w[1..w.len() - 1].iter().map(|&b| f64::from_bits(b)).collect(),
             replica: w[w.len() - 1],
@@ -187,7 +187,7 @@ impl Summary {
 
     /// One rank's contribution: its local health per bucket, the reduced buckets' health when it
     /// reduced them, its report (of the values `names`).
-    pub fn of_rank(names: &ValueNames, local: &[Health], reduced: Option<&[Health]>, report: &LocalReport) -> Summary {
+    pub fn of_rank(names: &ValueNames, local: &[Health], reduced: Option<&[Health]>, report: &LocalScalars) -> Summary {
         let mut s = Summary::empty(local.len(), names);
         for (b, h) in local.iter().enumerate() {
             s.add_local(b, h.nan, h.inf);
@@ -250,7 +250,7 @@ impl Summary {
     ///
     /// # Panics
     /// When it holds another number of values than the summary's names (a program bug).
-    pub fn add_report(&mut self, r: &LocalReport) {
+    pub fn add_report(&mut self, r: &LocalScalars) {
         assert_eq!(
             r.values.len(),
             self.values.len(),
@@ -506,7 +506,7 @@ pub(crate) mod tests {
         layout: &Layout,
         world: usize,
         p_bad: f32,
-    ) -> (Vec<Vec<Health>>, Vec<Health>, Vec<LocalReport>) {
+    ) -> (Vec<Vec<Health>>, Vec<Health>, Vec<LocalScalars>) {
         let nb = layout.buckets.len();
         let bad = |rng: &mut Rng| rng.uniform() < p_bad;
         let health = |rng: &mut Rng, bucket: usize| {
@@ -525,7 +525,7 @@ pub(crate) mod tests {
         let replica = 0x1234_5678_9abc_def0;
         let reports = (0..world)
             .map(|_| {
-                let mut r = LocalReport {
+                let mut r = LocalScalars {
                     loss: value(rng, -8..3) as f32 as f64,
                     values: (0..names().len()).map(|_| value(rng, -20..20)).collect(),
                     replica,
@@ -593,10 +593,13 @@ pub(crate) mod tests {
         let h = [Health { sumsq: 1.0, ..Health::default() }];
         for n in [0, 1, 5, 13] {
             let names = ValueNames::new(&(0..n).map(|i| format!("v{i}")).collect::<Vec<_>>());
-            let report =
-                |k: usize| LocalReport { loss: 0.5, values: (0..n).map(|i| (10 * i + k) as f64).collect(), replica: 3 };
-            assert_eq!(report(1).to_words().len(), LocalReport::words(n));
-            assert_eq!(LocalReport::from_words(&report(1).to_words()), report(1));
+            let report = |k: usize| LocalScalars {
+                loss: 0.5,
+                values: (0..n).map(|i| (10 * i + k) as f64).collect(),
+                replica: 3,
+            };
+            assert_eq!(report(1).to_words().len(), LocalScalars::words(n));
+            assert_eq!(LocalScalars::from_words(&report(1).to_words()), report(1));
             let parts: Vec<Summary> = (0..3).map(|k| Summary::of_rank(&names, &h, Some(&h), &report(k))).collect();
             let s = allreduce(&mut Rng::new(&[18, 6]), &parts);
             assert_eq!(s.values().count(), n);
@@ -618,14 +621,14 @@ pub(crate) mod tests {
     #[test]
     fn disagreeing_reducers_replicas_or_collectives_are_anomalies() {
         let h = [Health { sumsq: 2.0, ..Health::default() }];
-        let (none, r) = (ValueNames::default(), LocalReport { loss: 1.0, ..LocalReport::default() });
+        let (none, r) = (ValueNames::default(), LocalScalars { loss: 1.0, ..LocalScalars::default() });
         let mut a = Summary::of_rank(&none, &h, Some(&h), &r);
         assert_eq!(a.anomaly(), None);
         let mut b = a.clone();
         b.merge(&Summary::of_rank(&none, &h, Some(&[Health { sumsq: 2.5, ..Health::default() }]), &r));
         assert_eq!(b.anomaly(), Some(Anomaly::Reducers));
         let mut c = a.clone();
-        c.merge(&Summary::of_rank(&none, &h, None, &LocalReport { replica: 9, ..r.clone() }));
+        c.merge(&Summary::of_rank(&none, &h, None, &LocalScalars { replica: 9, ..r.clone() }));
         assert_eq!(c.anomaly(), Some(Anomaly::Replicas));
         assert_eq!(c.replica.range(), Some((0, 9)));
         a.ops.add(1);

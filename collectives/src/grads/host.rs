@@ -372,7 +372,7 @@ mod tests {
             self.reduced.lock().unwrap().push(bucket);
             self.solo.allreduce_bucket(at, bucket)
         }
-        fn agree(&mut self, at: StepId, local: crate::LocalReport) -> Result<crate::HealthTable, Error> {
+        fn agree(&mut self, at: StepId, local: crate::LocalScalars) -> Result<crate::HealthTable, Error> {
             self.solo.agree(at, local)
         }
         fn mark_failed(&mut self) {}

@@ -129,7 +129,7 @@ mod tests {
     use gradbus_kernels::backend::Cpu;
 
     use super::*;
-    use crate::agreement::LocalReport;
+    use crate::agreement::LocalScalars;
     use crate::grads::HostBus;
     use crate::layout::{Layout, ParamSpec};
     use crate::transport::Solo;
@@ -173,8 +173,8 @@ mod tests {
         assert_eq!(got, want, "the device buffer holds the transport's reduced bits");
         let host_copy: Vec<u32> = bus.transport_mut().grads().iter().map(|x| x.to_bits()).collect();
         assert_eq!(host_copy, want, "so does the transport's host buffer (dumps read it)");
-        let t1 = host.transport_mut().agree(at, LocalReport::default()).unwrap();
-        let t2 = bus.transport_mut().agree(at, LocalReport::default()).unwrap();
+        let t1 = host.transport_mut().agree(at, LocalScalars::default()).unwrap();
+        let t2 = bus.transport_mut().agree(at, LocalScalars::default()).unwrap();
         assert_eq!(format!("{t1:?}"), format!("{t2:?}"), "the same agreed table");
     }
 }

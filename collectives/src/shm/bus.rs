@@ -17,7 +17,7 @@ use super::segment::{
     attach, check_job_id, create, load_health, store_health, BusConfig, Geometry, HealthCell, RankCell,
 };
 use super::{FAIL_MARKED, ST_ATTACHED, ST_DEPARTED};
-use crate::agreement::{LocalReport, Summary};
+use crate::agreement::{LocalScalars, Summary};
 use crate::choice::AgreementPath;
 use crate::layout::{chunk_range, Layout, ALIGN_FLOATS};
 use crate::transport::Transport;
@@ -147,16 +147,16 @@ impl ShmBus {
 
     pub(super) fn report_cell(&self, parity: u64, k: usize) -> &[AtomicU64] {
         assert!(k < self.geo.n);
-        let words = LocalReport::words(self.cfg.values.len());
+        let words = LocalScalars::words(self.cfg.values.len());
         let at = self.geo.reports + (parity as usize * self.geo.n + k) * self.geo.report;
         // SAFETY: report (parity, k) lies in [reports, grads) (Geometry), 64-byte aligned, and holds
         // `geo.report >= 8 * words` bytes: `words` atomics, valid for any bits.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at).cast::<AtomicU64>(), words) }
     }
 
-    fn read_report(&self, parity: u64, k: usize) -> LocalReport {
+    fn read_report(&self, parity: u64, k: usize) -> LocalScalars {
         let w: Vec<u64> = self.report_cell(parity, k).iter().map(|w| w.load(Ordering::Relaxed)).collect();
-        LocalReport::from_words(&w)
+        LocalScalars::from_words(&w)
     }
 
     /// Local rank `k`'s health per bucket in the last agreed update (its cells of every reducer's
@@ -330,7 +330,7 @@ unsafe impl Transport for ShmBus {
     /// health and its NaN/Inf totals (O(local ranks x buckets) words, not the O(local ranks^2 x
     /// buckets) of the per-rank cells), and every rank's report; only when that summary shows an
     /// anomaly (or `GRADBUS_AGREEMENT=table`) does it read every rank's cells too.
-    fn agree(&mut self, at: StepId, local: LocalReport) -> Result<HealthTable, Error> {
+    fn agree(&mut self, at: StepId, local: LocalScalars) -> Result<HealthTable, Error> {
         let (n, me, parity) = (self.geo.n, self.cfg.local_rank, self.update % 2);
         let values = &self.cfg.values;
         assert_eq!(
@@ -361,7 +361,7 @@ unsafe impl Transport for ShmBus {
             }
         }
         summary.set_reduced(&reduced);
-        let reports: Vec<LocalReport> = (0..n).map(|k| self.read_report(parity, k)).collect();
+        let reports: Vec<LocalScalars> = (0..n).map(|k| self.read_report(parity, k)).collect();
         for r in &reports {
             summary.add_report(r);
         }

@@ -17,7 +17,7 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use super::liveness::{process_alive, self_start_time};
 use super::{HEADER_BYTES, MAGIC, NONE, PAGE, VERSION};
-use crate::agreement::{LocalReport, ValueNames};
+use crate::agreement::{LocalScalars, ValueNames};
 use crate::layout::Layout;
 use crate::Error;
 
@@ -132,7 +132,7 @@ pub(super) struct Geometry {
     /// health per source rank, the health of the chunk's sum, and the NaN/Inf totals of the sources.
     pub(super) entry: usize,
     pub(super) reports: usize,
-    /// Bytes of one report cell: `LocalReport::words(values)` words, padded to cache lines.
+    /// Bytes of one report cell: `LocalScalars::words(values)` words, padded to cache lines.
     pub(super) report: usize,
     pub(super) grads: usize,
     pub(super) slot_stride: usize,
@@ -149,7 +149,7 @@ impl Geometry {
         let table = round_up(cells + n * size_of::<RankCell>(), PAGE);
         let entry = round_up(8 + (n + 2) * size_of::<HealthCell>(), 64);
         let reports = round_up(table + 2 * buckets * n * entry, PAGE);
-        let report = round_up(8 * LocalReport::words(values), 64);
+        let report = round_up(8 * LocalScalars::words(values), 64);
         let grads = round_up(reports + 2 * n * report, PAGE);
         let slot_stride = round_up(len * 4, PAGE).max(PAGE);
         let size = grads + n * slot_stride;

@@ -54,27 +54,13 @@ impl From<MetricsLine> for Update {
     }
 }
 
-/// The abort report (`report.json`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct AbortReport {
-    /// The report, as every rank agreed on it.
-    pub report: Report,
-}
-
-impl AbortReport {
-    /// One line: step, update, ranks, bucket, param, element, NaN and Inf counts, loss finiteness.
-    pub fn line(&self) -> String {
-        self.report.to_string()
-    }
-}
-
 /// A run directory's metrics.
 #[derive(Clone, Debug)]
 pub struct RunData {
     /// The updates in file order.
     pub updates: Vec<Update>,
-    /// `report.json`, when the run aborted.
-    pub abort: Option<AbortReport>,
+    /// `report.json`, when the run aborted: the report every rank agreed on.
+    pub abort: Option<Report>,
     /// Whether `dumps/` exists (for the replay command).
     pub has_dumps: bool,
 }
@@ -96,10 +82,10 @@ pub fn load(run_dir: &Path) -> Result<RunData, Error> {
         .collect();
     let rpath = run_dir.join("report.json");
     let abort = match rpath.is_file() {
-        true => Some(AbortReport {
-            report: artifacts::read_report(&rpath)
+        true => Some(
+            artifacts::read_report(&rpath)
                 .map_err(|e| Error::usage(e.to_string(), "report.json is written by `gradbus run` on an abort"))?,
-        }),
+        ),
         false => None,
     };
     Ok(RunData { updates, abort, has_dumps: run_dir.join("dumps").is_dir() })

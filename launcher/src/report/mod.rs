@@ -28,7 +28,7 @@ use gradbus_worker::exit::Code;
 use crate::error::Error;
 
 pub use analysis::{analyze, Analysis, Flagged};
-pub use data::{load, parse_metrics, AbortReport, RunData, Update};
+pub use data::{load, parse_metrics, RunData, Update};
 pub use svg::render_svg;
 pub use text::summary;
 
@@ -284,14 +284,12 @@ mod tests {
         lines.push(line(5, 0, 1, "\"inf\"", "abort", "\"-inf\"", "0"));
         let data = RunData {
             updates: parse(&lines),
-            abort: Some(AbortReport {
-                report: serde_json::from_value(
-                    serde_json::json!({"step":5,"minibatch":0,"attempt":1,"verdict":"abort",
-                    "cause":"local_gradients","ranks":[0],"bucket":0,"param":"head.w","element":7,"nan":3,"inf":1,
-                    "per_rank":[],"loss_finite":false,"classification":"deterministic"}),
-                )
+            abort: Some(
+                serde_json::from_value(serde_json::json!({"step":5,"minibatch":0,"attempt":1,"verdict":"abort",
+                "cause":"local_gradients","ranks":[0],"bucket":0,"param":"head.w","element":7,"nan":3,"inf":1,
+                "per_rank":[],"loss_finite":false,"classification":"deterministic"}))
                 .unwrap(),
-            }),
+            ),
             has_dumps: true,
         };
         let a = analyze(&data, &opts());

@@ -407,7 +407,7 @@ fn panels(data: &RunData, a: &Analysis, opts: &Options) -> Vec<Panel> {
         let what = match &data.abort {
             Some(r) => format!(
                 "ABORT step {} update {}: rank(s) {:?} bucket #{} {}",
-                u[i].step, u[i].minibatch, r.report.ranks, r.report.bucket, r.report.param
+                u[i].step, u[i].minibatch, r.ranks, r.bucket, r.param
             ),
             None => format!("ABORT step {} update {}", u[i].step, u[i].minibatch),
         };

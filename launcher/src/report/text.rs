@@ -77,7 +77,7 @@ pub fn summary(data: &RunData, a: &Analysis, opts: &Options) -> String {
     }
     match (&data.abort, a.abort) {
         (Some(r), _) => {
-            let _ = writeln!(s, "abort: {}", r.line());
+            let _ = writeln!(s, "abort: {r}");
         }
         (None, Some(i)) => {
             let _ = writeln!(s, "abort: {} (no report.json)", at(i));
