@@ -1,11 +1,11 @@
-//! The progress hook of the supervision loop, and the display that reads the bus's header.
+//! The progress display of the supervision loop ([`ProgressDisplay`]), and the display that reads the bus's header.
 //!
-//! While a job runs, [`crate::supervise::supervise`] calls [`Progress::tick`] about every
-//! [`TICK`] on the launcher's main thread, and [`Progress::finish`] once when every process is gone.
+//! While a job runs, [`crate::supervise::supervise`] calls [`ProgressDisplay::tick`] about every
+//! [`TICK`] on the launcher's main thread, and [`ProgressDisplay::finish`] once when every process is gone.
 //! `tick` must return quickly (it delays failure detection by as long as it runs) and must not panic.
 //! [`Silent`] draws nothing.
 //!
-//! [`ShmProgress`] reads every rank's published progress from the job's segments
+//! [`ShmDisplay`] reads every rank's published progress from the job's segments
 //! (`gradbus_collectives::read_progress`, a read-only peek that never attaches) and shows the
 //! slowest rank's step, the step rate, and the latest agreed loss, gradient norm and skip count:
 //! - when stderr is a terminal, as an `indicatif` bar on stderr. Worker lines are written through
@@ -25,9 +25,9 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use gradbus_collectives::Progress as RankProgress;
+use gradbus_collectives::Progress;
 
-/// How often [`Progress::tick`] is called.
+/// How often [`ProgressDisplay::tick`] is called.
 pub const TICK: Duration = Duration::from_millis(500);
 
 /// Interval of the plain progress lines when stderr is not a terminal.
@@ -37,7 +37,7 @@ pub const PLAIN_EVERY: Duration = Duration::from_secs(10);
 const RATE_WINDOW: Duration = Duration::from_secs(10);
 
 /// A progress display fed by the supervision loop.
-pub trait Progress {
+pub trait ProgressDisplay {
     /// Called about every [`TICK`] while processes run; `elapsed` is the time since the first spawn,
     /// `live` the number of processes still running.
     fn tick(&mut self, elapsed: Duration, live: usize);
@@ -50,7 +50,7 @@ pub trait Progress {
 #[derive(Debug, Default)]
 pub struct Silent;
 
-impl Progress for Silent {
+impl ProgressDisplay for Silent {
     fn tick(&mut self, _elapsed: Duration, _live: usize) {}
 }
 
@@ -89,7 +89,7 @@ pub struct Snapshot {
 impl Snapshot {
     /// Sums up the ranks' progress; `None` when there is none. Loss and norm come from a rank at the
     /// highest step (the latest values); skips are the highest count.
-    pub fn of(ranks: &[RankProgress]) -> Option<Snapshot> {
+    pub fn of(ranks: &[Progress]) -> Option<Snapshot> {
         let latest = ranks.iter().max_by_key(|p| p.step)?;
         Some(Snapshot {
             ranks: ranks.len(),
@@ -146,17 +146,17 @@ enum Display {
 }
 
 /// The progress display of a job, fed from its shared-memory segments (see the module doc).
-pub struct ShmProgress {
+pub struct ShmDisplay {
     segments: Vec<PathBuf>,
     total_steps: Option<u64>,
     rate: Rate,
     display: Display,
 }
 
-impl ShmProgress {
+impl ShmDisplay {
     /// A display of the job whose segments are `segments` (one per node on this machine), with
     /// `total_steps` when the config could be read. A bar when stderr is a terminal, else plain lines.
-    pub fn new(segments: Vec<PathBuf>, total_steps: Option<u64>) -> ShmProgress {
+    pub fn new(segments: Vec<PathBuf>, total_steps: Option<u64>) -> ShmDisplay {
         let display = if std::io::stderr().is_terminal() {
             let bar = match total_steps {
                 Some(n) => indicatif::ProgressBar::new(n),
@@ -179,11 +179,11 @@ impl ShmProgress {
         } else {
             Display::Plain { last: None }
         };
-        ShmProgress { segments, total_steps, rate: Rate::default(), display }
+        ShmDisplay { segments, total_steps, rate: Rate::default(), display }
     }
 
     /// Every rank's progress from the segments that can be read now.
-    fn read(&self) -> Vec<RankProgress> {
+    fn read(&self) -> Vec<Progress> {
         self.segments.iter().filter_map(|p| gradbus_collectives::read_progress(p)).flatten().collect()
     }
 
@@ -200,7 +200,7 @@ fn plain_due(last: Option<Duration>, elapsed: Duration) -> bool {
     elapsed.saturating_sub(last.unwrap_or(Duration::ZERO)) >= PLAIN_EVERY
 }
 
-impl ShmProgress {
+impl ShmDisplay {
     /// Reads the segments and updates the bar; returns the plain line to print now, if one is due
     /// (and there is something to say).
     fn update(&mut self, elapsed: Duration) -> Option<String> {
@@ -225,7 +225,7 @@ impl ShmProgress {
     }
 }
 
-impl Progress for ShmProgress {
+impl ProgressDisplay for ShmDisplay {
     fn tick(&mut self, elapsed: Duration, _live: usize) {
         if let Some(line) = self.update(elapsed) {
             eprintln!("{line}");
@@ -242,7 +242,7 @@ impl Progress for ShmProgress {
     }
 }
 
-impl Drop for ShmProgress {
+impl Drop for ShmDisplay {
     fn drop(&mut self) {
         self.finish();
     }
@@ -252,14 +252,14 @@ impl Drop for ShmProgress {
 mod tests {
     use super::*;
 
-    fn p(step: u64, loss: f32, skipped: u32) -> RankProgress {
-        RankProgress { step, loss, grad_norm: 0.5, skipped, warnings: 0 }
+    fn p(step: u64, loss: f32, skipped: u32) -> Progress {
+        Progress { step, loss, grad_norm: 0.5, skipped, warnings: 0 }
     }
 
     #[test]
     fn headroom_warnings_are_marked() {
         assert!(!Snapshot::of(&[p(3, 0.1, 0)]).unwrap().figures(None).contains("WARNING"));
-        let warned = RankProgress { warnings: 4, ..p(3, 0.1, 0) };
+        let warned = Progress { warnings: 4, ..p(3, 0.1, 0) };
         let text = Snapshot::of(&[p(3, 0.1, 0), warned]).unwrap().figures(None);
         assert!(text.contains("WARNING: exp headroom low in 4 update(s)"), "{text}");
     }
@@ -302,7 +302,7 @@ mod tests {
     fn missing_segments_show_nothing_and_do_not_fail() {
         let dir = tempfile::tempdir().unwrap();
         let segments = vec![dir.path().join("gradbus-none-n0")];
-        let mut progress = ShmProgress {
+        let mut progress = ShmDisplay {
             segments,
             total_steps: Some(10),
             rate: Rate::default(),

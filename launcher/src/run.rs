@@ -7,7 +7,7 @@
 //! directory, take its lock and check that it holds no earlier run unless told what to do with it
 //! (`gradbus_worker::rundir`; the lock is held until the job's last process is gone) -> record the
 //! launch in `RUN_DIR/launch.json`. Then stale segments of dead launchers are swept
-//! ([`shm::sweep_stale`]), the job runs under [`supervise`] with a [`ShmProgress`] display, the job's
+//! ([`shm::sweep_stale`]), the job runs under [`supervise`] with a [`ShmDisplay`], the job's
 //! leftover shared-memory segments are removed after the last process is gone (on every node of a
 //! failed multi-node `srun` step, [`srun::sweep_command_line`]), the root-cause summary is printed,
 //! and the policy code is returned.
@@ -30,7 +30,7 @@ use gradbus_worker::rundir::{self, Mode};
 use crate::hostfile;
 use crate::mpirun::{self, MpirunSpec};
 use crate::plan::LaunchPlan;
-use crate::progress::{Progress, ShmProgress};
+use crate::progress::{ProgressDisplay, ShmDisplay};
 use crate::shm;
 use crate::signals;
 use crate::srun::{self, SrunSpec};
@@ -365,12 +365,12 @@ pub fn local_specs(
 pub fn supervise_job(
     specs: Vec<ProcSpec>,
     opts: &Options,
-    progress: &mut dyn Progress,
+    display: &mut dyn ProgressDisplay,
     job_id: &str,
 ) -> Result<Outcome, Error> {
     signals::install()?;
     shm::sweep_stale_and_log();
-    let result = supervise::supervise(specs, opts, progress);
+    let result = supervise::supervise(specs, opts, display);
     // Every process is reaped at this point (also on a spawn error), so no live rank can lose a
     // segment.
     shm::remove_job(Path::new(shm::SHM_DIR), job_id);
@@ -503,8 +503,8 @@ pub fn execute(args: RunArgs) -> Result<Code, Error> {
     // The bar's length is the config's, checked above; segments are those of this machine's nodes.
     let segments =
         (0..plan.nodes.len()).map(|node| ShmBus::segment_path(Path::new(shm::SHM_DIR), &job_id, node)).collect();
-    let mut progress = ShmProgress::new(segments, Some(cfg.steps));
-    let outcome = supervise_job(specs, &opts, &mut progress, &job_id)?;
+    let mut display = ShmDisplay::new(segments, Some(cfg.steps));
+    let outcome = supervise_job(specs, &opts, &mut display, &job_id)?;
     // A rank killed on another node of a Slurm step leaves its segment there: sweep every node.
     let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     if let (LauncherKind::Srun, Some(srun), Some(nodes)) = (args.launcher, sweeper, srun::allocation_nodes(get)) {

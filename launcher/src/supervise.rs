@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use gradbus_worker::exit::Code;
 
-use crate::progress::{Progress, TICK};
+use crate::progress::{ProgressDisplay, TICK};
 use crate::signals;
 use crate::Error;
 
@@ -359,7 +359,7 @@ fn abort_started(procs: &mut [Running]) {
 ///
 /// Errors only when a process cannot be started (or its log file created); the processes already
 /// started are then killed and reaped before the error is returned.
-pub fn supervise(specs: Vec<ProcSpec>, opts: &Options, progress: &mut dyn Progress) -> Result<Outcome, Error> {
+pub fn supervise(specs: Vec<ProcSpec>, opts: &Options, display: &mut dyn ProgressDisplay) -> Result<Outcome, Error> {
     let start = Instant::now();
     let (done_tx, done_rx) = mpsc::channel();
     let mut pumps = 0usize;
@@ -492,12 +492,12 @@ pub fn supervise(specs: Vec<ProcSpec>, opts: &Options, progress: &mut dyn Progre
         }
 
         if now - last_tick >= TICK {
-            progress.tick(now - start, live.len());
+            display.tick(now - start, live.len());
             last_tick = now;
         }
         std::thread::sleep(opts.poll);
     }
-    progress.finish();
+    display.finish();
 
     // Every group is dead, so the pipes are closed unless a process escaped its group (setsid); do
     // not let such an escapee hold the launcher forever.
