@@ -8,7 +8,7 @@ import tomllib
 # Vocabulary of worker/src/task.rs.
 BOS, EOS, PAD, FIRST = 0, 1, 2, 3
 
-# The defaults of worker/src/config.rs, model.rs and loss.rs for the keys the benchmark uses.
+# The defaults of worker/src/config/mod.rs, model.rs and loss.rs for the keys the benchmark uses.
 DEFAULTS = {
     "seed": 0,
     "device": "cpu",

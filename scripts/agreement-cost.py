@@ -5,7 +5,7 @@ Reads the JSON lines of `gradbus worker --bench-allreduce --agreement --json` (r
 concatenated; repeated runs of one world size give each time as the best of them) on stdin and
 prints:
   1. the model's constants calibrated on these rows (to compare with, or to put into,
-     `collectives/src/agreement.rs`'s `model`): the latency alpha and the cost per byte beta from the
+     `collectives/src/choice/cost.rs`'s `Calibration::MPI`): the latency alpha and the cost per byte beta from the
      2-rank bare all-gathers (2 ranks on 2 cores is the only world this machine runs without
      oversubscription), and each path's CPU cost per byte (least squares through the origin over
      every row of the CPU-only timings);
@@ -80,7 +80,7 @@ alpha = two[0]["allgather_us"] - small * beta
 cpu_table = through_origin([r["table_bytes"] for r in rows], [r["table_cpu_us"] for r in rows])
 cpu_summary = through_origin([r["summary_bytes"] for r in rows], [r["summary_cpu_us"] for r in rows])
 fitted = (alpha, beta, cpu_table, cpu_summary)
-print(f"calibrated on these rows ({v} workload values; agreement.rs `model`):")
+print(f"calibrated on these rows ({v} workload values; choice/cost.rs `Calibration::MPI`):")
 print(f"  ALPHA_US = {alpha:.2f}; BETA_US_PER_BYTE = {beta * 1e3:.4f}e-3 (= {beta * 1e3:.4f} us/KB)")
 print(f"  TABLE_CPU_US_PER_BYTE = {cpu_table * 1e3:.4f}e-3; SUMMARY_CPU_US_PER_BYTE = {cpu_summary * 1e3:.4f}e-3")
 print()

@@ -62,7 +62,7 @@ fn wrong_type_and_out_of_range_values_name_the_key() {
     assert!((r.stdout() + &r.stderr()).contains("--set nokey"), "{}", r.stderr());
 }
 
-/// Every key of the config (examples/tiny.toml and worker/src/config.rs), each with a value of the
+/// Every key of the config (examples/tiny.toml and worker/src/config/mod.rs), each with a value of the
 /// wrong type, a value just past its boundary and an absurd one (non-finite, negative, or a model
 /// that cannot fit any machine). `faults[0].FIELD` rows plant one fault with that field set.
 const BAD_VALUES: &[(&str, [&str; 3])] = &[

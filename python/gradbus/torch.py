@@ -15,7 +15,7 @@ clean run is bitwise plain DDP. `fp16_compress_hook` / `bf16_compress_hook` do t
 compression (the compressed bucket is what is scanned, so a value the cast overflows is caught).
 
 At the last bucket the rank's row (its cells, loss, loss scale, replica checksum) becomes its
-contribution to the runtime's O(buckets) agreement summary (`collectives/src/agreement.rs`), which
+contribution to the runtime's O(buckets) agreement summary (`collectives/src/agreement/`), which
 two small all-reduces (SUM, MAX of int64 words) combine. `Guard.verdict()` (called by
 `GuardedOptimizer.step`) waits for them and decides from the summary when it shows nothing wrong;
 otherwise every rank all-gathers the rows and decides from the full table, which names the rank,

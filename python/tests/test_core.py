@@ -352,7 +352,7 @@ def test_a_bad_simd_level_fails_the_import_with_the_variables_name():
 
 def test_the_auto_agreement_takes_the_runtimes_cost_model():
     # Small jobs gather the table (one collective), large ones all-reduce the summary (its size does
-    # not grow with the world): the crossover of collectives/src/agreement.rs's model.
+    # not grow with the world): the crossover of collectives/src/choice/cost.rs's model.
     from gradbus import _core
 
     assert _core.cheaper_path(2, 7) == "table"

@@ -5,8 +5,8 @@
 //! Invariants: parameters and gradients live in flat buffers laid out by a [`Layout`] built from
 //! [`param_specs`]; the model only holds each parameter's range in them. Parameters are declared in
 //! forward order, head last, so the layout puts the head at offset 0 (bucket #0). Backward runs last
-//! layer first, ACCUMULATES into the gradient buffer through per-parameter views ([`ParamGrads`]),
-//! and releases each view as soon as its gradient is final, in strictly descending parameter order,
+//! layer first, ACCUMULATES into the gradient buffer through per-parameter slots ([`GradSlots`]:
+//! take, accumulate, release), and releases each slot as soon as its gradient is final, in strictly descending parameter order,
 //! so the bus can reduce a finished bucket while backward goes on. The ops run on a [`Backend`] (the
 //! CPU's kernels, or a device's), on its buffers: parameters and gradients are views of its flat
 //! buffers, activations its buffers; the model never touches their elements itself. Every op is f32

@@ -17,9 +17,11 @@
 //!   say so where it is defined. Backward ops ACCUMULATE into their gradient outputs.
 //! - Buffers are sized for a capacity; an op uses the prefix its dimensions give.
 //!
-//! How a device backend implements it (CUDA, cudarc 0.19): `Buf = CudaSlice<f32>`, `Ids =
-//! CudaSlice<u32>`, `View<'a> = CudaView<'a, f32>`, `ViewMut<'a> = CudaViewMut<'a, f32>`; `view`
-//! is `buf.slice(r)`, `reborrow` is `v.as_view()`, `split_mut` is repeated `split_at_mut`. Matmuls
+//! How the device backend implements it (`crate::cuda`, its `backend.rs`; cudarc 0.19):
+//! `Buf = CudaSlice<f32>`, `Ids = DeviceIds` (the ids on the device and a host copy, for the
+//! encoder's backward), `View<'a> = CudaView<'a, f32>`, `ViewMut<'a> = CudaViewMut<'a, f32>`; `view`
+//! is `buf.slice(r)`, `reborrow` is `v.as_view()`, `split_mut` checks that the ranges are disjoint
+//! and inside the buffer and takes a `slice_mut` of each. Matmuls
 //! go to cuBLAS (no TF32), the other ops to NVRTC kernels, all enqueued on one stream; methods that
 //! return a host value (`to_host`, `checksum`, `health_scan`, `adamw` for its checksum,
 //! `grpo_forward` for its statistics, `sample`) synchronize it. Errors of a device are fatal to
