@@ -56,11 +56,18 @@ if [ $offline = 0 ]; then
   py=${PYTHON:-$src/../target/pyvenv/bin/python}
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 megatron-core==0.19.2 -d "$mega"
-  pin() { grep "^$1==" "$src/requirements-frameworks.txt"; }
-  DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation "$(pin deepspeed)" -w "$ds"
+  # pin NAME: NAME's line of requirements-frameworks.txt; a name without one stops the bundle here
+  # (its wheel would be missing on the GPU machine, found out only by an import error there).
+  pin() { grep "^$1==" "$src/requirements-frameworks.txt" || { echo "gpu-bundle: no pin for $1 in python/requirements-frameworks.txt" >&2; return 2; }; }
+  ds_pin=$(pin deepspeed) || exit 2
+  pins=()
+  for p in hjson einops msgpack py-cpuinfo pydantic pydantic_core annotated-types typing-inspection psutil tqdm; do
+    line=$(pin $p) || exit 2
+    pins+=("$line")
+  done
+  DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation "$ds_pin" -w "$ds"
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$ds" \
-    $(for p in hjson einops msgpack py-cpuinfo pydantic pydantic_core annotated-types typing-inspection psutil tqdm; do pin $p; done) \
+    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$ds" "${pins[@]}" \
     "packaging==$("$py" -c 'import packaging; print(packaging.__version__)')"
 fi
 ls -l "$guard" "$mega" "$ds"

@@ -4,18 +4,22 @@
 # meets no untested line of shell or Python. A stand-in `nvidia-smi` on PATH lists 0, 1 or 2 GPUs.
 #
 #   1. verdicts, with stand-in steps: an empty selection fails; no GPU listed exits 3 with every row
-#      NOT CHECKED and no step run; a step with fewer checks than its floor fails; a missed target
-#      is TARGET MISSED (exit 4), a failure beside it exit 1; a step's exit 3 on a GPU machine, a
-#      step over its budget (killed, children too), a malformed header or TARGET line fail; a step
-#      needing 2 GPUs is NOT RUN on 1 and runs on 2; a step without its run bit runs.
+#      NOT CHECKED and no step run, but an NVIDIA GPU on the PCI bus (a stand-in /sys/bus/pci/devices)
+#      or a /dev/nvidia* with none listed fails; a step with fewer checks than its floor fails; a
+#      missed target is TARGET MISSED (exit 4), a failure beside it exit 1; a step's NOTRUN line makes
+#      it PARTLY RUN (exit 6), never passed; a step's exit 3 on a GPU machine, a step over its budget
+#      (killed, children too), a malformed header or TARGET line fail; a step needing 2 GPUs is NOT
+#      RUN on 1 and runs on 2; a step without its run bit runs; GPU_CHECK_DEVICE=cpu exits 5, never 0.
 #   2. a GPU listed that cannot be used: the real test binaries (kernels' tests/cuda.rs,
 #      collectives' tests/nccl.rs, built with `--features cuda`) and the real gradbus with the real
 #      steps 10, 20 and 40 fail, each saying why.
 #   3. no GPU listed, the real steps: exit 3, every row NOT CHECKED.
 #   4. the CPU stand-in (--stand-in, or all: the default): every real step with GPU_CHECK_DEVICE=cpu
-#      - gradbus runs with device = "cpu", gpu_check.py, megatron_check.py, deepspeed_check.py with --cpu, and for
-#      the GPU test binaries stand-ins that print what they print on a GPU (their own test lists).
-#      Every step passes (benchmarks: passed or TARGET MISSED: a CPU's speed says nothing).
+#      - gradbus runs with device = "cpu", gpu_check.py, megatron_check.py, deepspeed_check.py with
+#      --cpu, and for the GPU test binaries stand-ins that print what they print on a GPU (their own
+#      test lists) - and a stray GRADBUS_TRANSPORT=shm in the environment (the steps pin the path of
+#      each run and check the worker's line naming it). Every step passes (benchmarks: passed or
+#      TARGET MISSED: a CPU's speed says nothing); the run exits 5 (a stand-in is never a pass).
 #
 # Usage: scripts/gpu-check-test.sh [--verdicts | --stand-in]   (default: both)
 # Needs: cargo (it builds the `cuda` test binaries and target/release/gradbus if missing); a python
@@ -25,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 part=${1:-all}
-case $part in all | --verdicts | --stand-in) ;; *) sed -n '2,24p' "$0" && exit 2 ;; esac
+case $part in all | --verdicts | --stand-in) ;; *) sed -n '2,/^set -euo/p' "$0" | sed '$d' && exit 2 ;; esac
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-test.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 t_start=$(date +%s)
@@ -54,6 +58,13 @@ EOF
   chmod +x "$tmp/smi$n/nvidia-smi"
 done
 mkdir -p "$tmp/nodev" # GPU_CHECK_DEV: no NVIDIA device files
+# GPU_CHECK_PCI, the PCI bus as sysfs shows it: pci-none has no NVIDIA display device (an NVSwitch, a
+# virtio GPU), pci-gpu an H200 besides.
+pci_fn() { mkdir -p "$1" && echo "$2" >"$1/vendor" && echo "$3" >"$1/class"; }
+pci_fn "$tmp/pci-none/0000:00:01.0" 0x10de 0x068000
+pci_fn "$tmp/pci-none/0000:00:02.0" 0x1af4 0x030000
+cp -r "$tmp/pci-none" "$tmp/pci-gpu"
+pci_fn "$tmp/pci-gpu/0000:17:00.0" 0x10de 0x030200
 
 # run_check BUNDLE GPUS [VAR=VALUE...]: gpu-check.sh --prebuilt BUNDLE with the stand-in nvidia-smi of
 # GPUS on PATH; its output in $out, its exit code in $rc.
@@ -62,7 +73,7 @@ run_check() {
   shift 2
   set +e
   # A driver that hangs must not hang CI: an hour is far past every budget here.
-  out=$(env PATH="$tmp/smi$n:$PATH" GPU_CHECK_DEV="$tmp/nodev" TMPDIR="$tmp" "$@" timeout 3600 bash "$b/gpu-check.sh" --prebuilt "$b" 2>&1)
+  out=$(env PATH="$tmp/smi$n:$PATH" GPU_CHECK_DEV="$tmp/nodev" GPU_CHECK_PCI="$tmp/pci-none" TMPDIR="$tmp" "$@" timeout 3600 bash "$b/gpu-check.sh" --prebuilt "$b" 2>&1)
   rc=$?
   set -e
 }
@@ -105,12 +116,13 @@ for l in open(sys.argv[1]):
   [ -x "$kbin" ] && [ -x "$nbin" ] || { echo "gpu-check-test: the cuda test binaries were not built" >&2; exit 1; }
 }
 
-# bundle DIR STEPS_DIR: a bundle of the real gpu-check.sh with the steps of STEPS_DIR, the real
-# binaries, examples and bench scripts.
+# bundle DIR STEPS_DIR: a bundle of the real gpu-check.sh and common.sh with the steps of STEPS_DIR,
+# the real binaries, examples and bench scripts.
 bundle() {
   mkdir -p "$1/bin" "$1/examples" "$1/bench" "$1/gpu-check.d"
   cp scripts/gpu-check.sh "$1/"
   cp "$2"/* "$1/gpu-check.d/"
+  cp -n scripts/gpu-check.d/common.sh "$1/gpu-check.d/"
   cp "$kbin" "$1/bin/kernels-cuda"
   cp "$nbin" "$1/bin/collectives-nccl"
   cp target/release/gradbus "$1/bin/gradbus"
@@ -189,16 +201,24 @@ verdicts() {
     "^20-bench +NOT CHECKED" "NO GPU: nvidia-smi lists none"
   if ls "$tmp"/gpu-check.*/ran-10 >/dev/null 2>&1 || grep -q '^== step' <<<"$out"; then no "no GPU: a step ran"; else ok "no GPU: no step ran"; fi
   run_check "$v" 1 PATH="$tmp/nodev:/usr/bin:/bin"
-  [ "$rc" = 3 ] || no "no nvidia-smi at all: exit $rc, want 3"
+  expect "no nvidia-smi at all, no NVIDIA GPU on the PCI bus: exit 3" 3 "NO GPU: nvidia-smi lists none"
   mkdir -p "$tmp/devs" && : >"$tmp/devs/nvidia0"
-  set +e
-  out=$(env PATH="$tmp/smi0:$PATH" GPU_CHECK_DEV="$tmp/devs" TMPDIR="$tmp" bash "$v/gpu-check.sh" --prebuilt "$v" 2>&1)
-  rc=$?
-  set -e
+  run_check "$v" 0 GPU_CHECK_DEV="$tmp/devs"
   expect "no GPU listed but /dev/nvidia0 there: fails" 1 "nvidia-smi lists no GPU, but 1 NVIDIA device file"
+  # A GPU on the PCI bus whose driver is not loaded: no device files, nvidia-smi lists none (it says
+  # why, and the verdict quotes it), or there is no nvidia-smi at all.
+  run_check "$v" 0 GPU_CHECK_PCI="$tmp/pci-gpu"
+  expect "an NVIDIA GPU on the PCI bus, nvidia-smi listing none: fails with nvidia-smi's words" 1 \
+    "FAILED: 1 NVIDIA GPU\(s\) on the PCI bus \($tmp/pci-gpu\), but nvidia-smi lists none: the driver is not loaded or cannot open them; nvidia-smi -L said: No devices were found"
+  if ls "$tmp"/gpu-check.*/ran-10 >/dev/null 2>&1; then no "a GPU on the PCI bus, none listed: a step ran"; fi
+  run_check "$v" 0 GPU_CHECK_PCI="$tmp/pci-gpu" PATH="$tmp/nodev:/usr/bin:/bin"
+  expect "an NVIDIA GPU on the PCI bus, no nvidia-smi: fails" 1 "nvidia-smi lists none: .*nvidia-smi -L said: nvidia-smi: not found"
   run_check "$v" 1
   expect "a GPU listed, every step good, targets met: exit 0" 0 "^10-good +passed: 2 checks \(floor 2\)" \
     "^  target: speed: 2.5 \(target >= 2\) +met" "^  target: cost: 1.01 \(target <= 1.02\) +met" "gpu-check: passed"
+  run_check "$v" 1 GPU_CHECK_DEVICE=cpu
+  expect "the same with GPU_CHECK_DEVICE=cpu left in the environment: exit 5, not a pass" 5 \
+    "^10-good +passed: 2 checks" "gpu-check: CPU STAND-IN \(GPU_CHECK_DEVICE=cpu\): nothing failed, but nothing ran on a GPU"
 
   step "$s/20-bench" 10 1 "echo 'CHECKS 1'; echo 'TARGET speed | 1.5 | >= 2'; echo 'TARGET cost | 1.01 | <= 1.02'"
   rebundle
@@ -211,6 +231,19 @@ verdicts() {
   expect "too few checks beside a missed target: exit 1" 1 "^30-few +FAILED: 1 checks made, below its floor of 3" "gpu-check: FAILED"
   run_check "$v" 1 GPU_CHECK_ONLY=30
   expect "a step with too few checks fails" 1 "^30-few +FAILED: 1 checks made, below its floor of 3"
+  # NOTRUN: a check the step could not run (its documented reason): shown, counted, never a pass.
+  step "$s/40-part" 10 3 "echo 'ROW fine | ok'; echo 'NOTRUN fsdp | torch refuses it here'; echo 'NOTRUN fsdp skip | the same'; echo 'CHECKS 1'"
+  rebundle
+  run_check "$v" 1 GPU_CHECK_ONLY='10 40'
+  expect "a step's NOTRUN lines: rows NOT RUN, the step PARTLY RUN, exit 6" 6 "^fsdp +NOT RUN: torch refuses it here$" \
+    "^fsdp skip +NOT RUN: the same$" "^40-part +PARTLY RUN: 2 check\(s\) NOT RUN \(their rows say why\), 1 passed: not a pass" \
+    "gpu-check: PARTLY RUN: every check that ran passed, but 2 did not run .*1 partly run \(2 checks NOT RUN\)"
+  run_check "$v" 1 GPU_CHECK_ONLY='20 40'
+  expect "PARTLY RUN beside a missed target: exit 6" 6 "^20-bench +TARGET MISSED" "^40-part +PARTLY RUN"
+  step "$s/40-part" 10 4 "echo 'NOTRUN fsdp | torch refuses it here'; echo 'CHECKS 2'"
+  rebundle
+  run_check "$v" 1 GPU_CHECK_ONLY=40
+  expect "checks made and not run below the floor fail" 1 "^40-part +FAILED: 2 checks made and 1 not run, below its floor of 4"
 
   reset_steps
   step "$s/10-nogpu" 10 1 "echo 'ROW kernels | SKIPPED: no CUDA driver (libcuda.so.1: cannot open)'; exit 3"
@@ -252,6 +285,24 @@ verdicts() {
   run_check "$v" 2 GPU_CHECK_ONLY=60
   expect "with 2 GPUs listed the 2-GPU step runs" 0 "^60-two +passed: 1 checks"
   rm -rf "$tmp"/gpu-check.*
+
+  # compare_runs (common.sh) on made-up runs: the CPU run's loss NaN at update 3 of step 0, the two
+  # GPU runs bitwise alike. max() over (deviation, step, update) tuples passes over a NaN that is not
+  # first; the worst deviation must be the NaN, and fail.
+  local m="$tmp/metrics" r
+  for r in cpu gpu1 gpu2; do
+    mkdir -p "$m/$r"
+    for u in 0 1 2 3; do
+      printf '{"step": 0, "minibatch": %d, "loss": %s, "checksum": "ab"}\n' $u "$([ $r = cpu ] && [ $u = 3 ] && echo NaN || echo 0.5)"
+    done >"$m/$r/metrics.jsonl"
+  done
+  set +e
+  out=$(GPU_CHECK_BUNDLE="$tmp" GPU_CHECK_LOGS="$m" GPU_CHECK_PYTHON="$py" bash -c \
+    'source scripts/gpu-check.d/common.sh && compare_runs nan "$1/cpu" "$1/gpu1" "$1/gpu2"' _ "$m" 2>&1)
+  rc=$?
+  set -e
+  expect "a NaN loss deviation in step 0 fails compare_runs" 1 "^ROW nan: GPU vs CPU, step 0 .* = nan at update 3: FAILED" \
+    "^ROW nan: two GPU runs bitwise \| identical"
 }
 
 # ---------------------------------------------------------------- 2, 3: the real steps, no GPU to use
@@ -285,7 +336,7 @@ stand_in() {
   fake_test_binary "$nbin" "$c/bin/collectives-nccl"
   PYTHON="$py" python/gpu-bundle.sh "$c" --wheel "$wheel" --offline >/dev/null
   # Every step, 1 GPU listed (step 25 NOT RUN), then step 25 with 2.
-  run_check "$c" 1 GPU_CHECK_DEVICE=cpu GPU_CHECK_BUDGET_SCALE=20 GPU_CHECK_PYTHON="$py"
+  run_check "$c" 1 GPU_CHECK_DEVICE=cpu GPU_CHECK_BUDGET_SCALE=20 GPU_CHECK_PYTHON="$py" GRADBUS_TRANSPORT=shm
   echo "$out" | sed -n '/== gpu-check summary/,$p'
   local s v
   for s in $(ls scripts/gpu-check.d | grep '^[0-9][0-9]-'); do
@@ -297,15 +348,18 @@ stand_in() {
       *) no "stand-in: $s: ${v:-no verdict row}" ;;
     esac
   done
-  [ "$rc" = 0 ] || [ "$rc" = 4 ] || no "stand-in: exit $rc, want 0 or 4"
+  [ "$rc" = 5 ] && grep -q "gpu-check: CPU STAND-IN" <<<"$out" && ok "stand-in: exit 5, not a pass" ||
+    no "stand-in: exit $rc, want 5 (a stand-in run)"
   grep -qE '^  measured on this GPU: attention forward +rtol 2e-6, worst \|kernel - CPU\| / tolerance 0.125$' <<<"$out" &&
     ok "stand-in: step 10 shows the GPU's measured tolerance room" || no "stand-in: step 10: no measured-tolerance row"
   run_check "$c" 2 GPU_CHECK_ONLY=25 GPU_CHECK_DEVICE=cpu GPU_CHECK_BUDGET_SCALE=20 GPU_CHECK_PYTHON="$py"
-  expect "stand-in: step 25 with 2 GPUs listed" 0 "^25-nccl-gpus +passed: [0-9]+ checks"
+  expect "stand-in: step 25 with 2 GPUs listed" 5 "^25-nccl-gpus +passed: [0-9]+ checks" \
+    "^2 ranks over NCCL: the path +every rank of both GPU runs: gradients over shm"
   # The GPU machine's planted-failure cases of the stand-in: a scan below its target, and a kernel
   # binary that passes nothing.
   run_check "$c" 1 GPU_CHECK_ONLY=30 SCAN_PCT=80 GPU_CHECK_DEVICE=cpu GPU_CHECK_PYTHON="$py"
-  expect "stand-in: step 30 below its bandwidth target" 4 "target: health scan / read-only bandwidth, 256 MiB \(%\): 80 \(target >= 90\) +MISSED"
+  expect "stand-in: step 30 below its bandwidth target" 5 "target: health scan / read-only bandwidth, 256 MiB \(%\): 80 \(target >= 90\) +MISSED" \
+    "^30-scan-bandwidth +TARGET MISSED"
   printf '#!/bin/sh\necho "test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 20 filtered out"\n' >"$c/bin/kernels-cuda"
   run_check "$c" 1 GPU_CHECK_ONLY=10 GPU_CHECK_DEVICE=cpu GPU_CHECK_PYTHON="$py"
   expect "stand-in: step 10 with a kernel binary that passes nothing" 1 "^10-kernels +FAILED: 0 checks made, below its floor of 19"
@@ -314,6 +368,7 @@ stand_in() {
 
 # Absolute, but not through its symlink: a venv's python is one, and the venv is what counts.
 py=${GPU_CHECK_PYTHON:-target/pyvenv-clean/bin/python}
+[ -x "$py" ] || { echo "gpu-check-test: no python at $py (python/test.sh makes target/pyvenv-clean; or set GPU_CHECK_PYTHON)" >&2; exit 1; }
 py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"
 binaries
 [ "$part" = --stand-in ] || { verdicts; unusable; }

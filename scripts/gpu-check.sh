@@ -8,18 +8,26 @@
 #                                         and its steps; DIR/MANIFEST lists what it runs, each step's
 #                                         time budget and the bundle's size); runs nothing
 #   bash DIR/gpu-check.sh --prebuilt DIR  on the GPU machine (no Rust needed): run every step from
-#                                         the bundle, each within its budget (all together <= 7 min)
+#                                         the bundle, each within its budget (all together <= 6 min:
+#                                         LIMIT_S below)
 #   scripts/gpu-check.sh                  build here and run every step (a GPU machine with cargo)
 #   GPU_CHECK_ONLY='10 30' ...            run only the steps whose names start with these prefixes
 #                                         (set, it must name at least one: empty fails)
 #
-# Exit codes (this is the one place that decides them):
-#   0  every selected step ran on a GPU and passed, and every benchmark met its target
+# Exit codes (this is the one place that decides them; the first that applies):
 #   1  FAILED: a step failed, was killed over its budget, made fewer checks than its floor, or could
-#      not use a GPU that nvidia-smi lists; or nothing was selected, or no step ran
+#      not use a GPU that nvidia-smi lists; or nvidia-smi lists none where NVIDIA GPUs are on the PCI
+#      bus or /dev/nvidia* exist (a GPU the driver cannot open); or nothing was selected, or no step ran
 #   2  bad usage, or the build (--prepare) failed or does not fit
-#   3  NO GPU: nvidia-smi lists none, so nothing ran; every row says NOT CHECKED
+#   3  NO GPU: nvidia-smi lists none and no NVIDIA GPU is on the PCI bus, so nothing ran; every row
+#      says NOT CHECKED
+#   5  CPU STAND-IN: GPU_CHECK_DEVICE is not cuda (scripts/gpu-check-test.sh's run): nothing failed,
+#      but nothing ran on a GPU - never a GPU check's pass, whatever its targets
+#   6  PARTLY RUN: every check that ran passed, but a step reported checks NOT RUN (NOTRUN lines: the
+#      rows say why) - not a pass: what did not run is unchecked
 #   4  TARGET MISSED: every check passed, but a benchmark missed its target (the rows say which)
+#   0  every selected step ran on a GPU and passed, every check ran, every benchmark met its target
+#      (a step that needs more GPUs than nvidia-smi lists is NOT RUN, said in its row, and aside)
 #
 # The step contract (a new check is a new file in gpu-check.d/; `common.sh` has the helpers):
 #   name    NN-word (two digits first): run in name order with `bash` (a lost run bit changes
@@ -30,15 +38,21 @@
 #   header  # check: <what it checks, one line>
 #           # budget: <seconds>  its wall-clock limit: over it the step and its children are killed
 #                                and the step is FAILED
-#           # floor: <n>         the fewest checks a passing run makes (>= 1): fewer is FAILED
+#           # floor: <n>         the fewest checks a run accounts for (>= 1): fewer made plus
+#                                NOT RUN is FAILED
 #           # gpus: <n>          (optional, default 1) GPUs it needs: with fewer listed it is NOT RUN
 #                                (said in its row; not a failure)
 #   output  ROW <check> | <result>                     a row of the table
 #           CHECKS <n>                                  n more checks made (the step's are summed)
+#           NOTRUN <check> | <why>                      a check that could not run here, for a reason
+#                                                       its step documents (never an error of its
+#                                                       own: that is a failure): shown as the row
+#                                                       "<check> | NOT RUN: <why>", counted, and the
+#                                                       step is PARTLY RUN, never passed (exit 6)
 #           TARGET <figure's name> | <figure> | >= <bound>   (or <=) a benchmark figure and its
 #                                                       target: judged here, a miss is TARGET MISSED
 #   exit    0 when every check it made passed; anything else is FAILED. A step never decides that
-#           there is no GPU: this script does, from nvidia-smi, before running any step.
+#           there is no GPU: this script does, from nvidia-smi and the PCI bus, before any step.
 #
 # Libraries: cudarc looks for libnvrtc.so, libcublas.so and libnccl.so (or .so.12, .so.11, ...),
 # never the .so.13 / .so.2 that CUDA 13 and NCCL ship: links of those names to what this machine
@@ -169,7 +183,7 @@ for line in open(sys.argv[2]):
 else
   [ -d "$dir" ] || { echo "gpu-check: $dir is not a folder (make a bundle with --prepare DIR)" >&2; exit 2; }
   bundle=$(cd "$dir" && pwd)
-  [ -f "$bundle/bin/kernels-cuda" ] && [ -f "$bundle/bin/gradbus" ] && [ -d "$bundle/gpu-check.d" ] ||
+  [ -f "$bundle/bin/kernels-cuda" ] && [ -f "$bundle/bin/gradbus" ] && [ -f "$bundle/gpu-check.d/common.sh" ] ||
     { echo "gpu-check: $dir is not a bundle (make one with --prepare DIR)" >&2; exit 2; }
   # A copy that lost its run bits still runs.
   chmod +x "$bundle"/bin/* 2>/dev/null || true
@@ -196,20 +210,37 @@ fi
 
 # ---------------------------------------------------------------- environment
 say "environment"
-# The GPUs the driver lists. nvidia-smi is the witness: no GPU listed is the one case of NOT CHECKED.
+# The GPUs the driver lists. nvidia-smi is the witness: no GPU listed, and no NVIDIA GPU on the PCI
+# bus, is the one case of NOT CHECKED.
 gpus=0
+smi="nvidia-smi: not found"
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-  gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
-else
-  echo "nvidia-smi: not found"
+  smi=$(nvidia-smi -L 2>&1 || true)
+  gpus=$(grep -c '^GPU ' <<<"$smi" || true)
 fi
 echo "GPUs listed by nvidia-smi: $gpus"
 echo "bundle: $bundle ($(du -sb "$bundle" | cut -f1) bytes)"
-# A device file without nvidia-smi is a GPU that the check must not call absent.
+# Two witnesses that need no driver: a GPU they show while nvidia-smi lists none is one the driver
+# cannot open (not loaded, a version mismatch), never a machine without a GPU.
+# - NVIDIA display-class functions on the PCI bus: vendor 0x10de, class 0x03xxxx (VGA or 3D
+#   controller; NVSwitch, audio and USB functions are other classes). GPU_CHECK_PCI replaces
+#   /sys/bus/pci/devices (the self-test's stand-in folder).
+pci_dir=${GPU_CHECK_PCI:-/sys/bus/pci/devices}
+pci=0
+for d in "$pci_dir"/*; do
+  [ "$(cat "$d/vendor" 2>/dev/null)" = 0x10de ] || continue
+  case $(cat "$d/class" 2>/dev/null) in 0x03*) pci=$((pci + 1)) ;; esac
+done
+echo "NVIDIA GPUs on the PCI bus ($pci_dir): $pci"
+# - the device files (GPU_CHECK_DEV replaces /dev).
 devs=$(ls "${GPU_CHECK_DEV:-/dev}"/nvidia[0-9]* 2>/dev/null | wc -l || true)
+if [ "$gpus" = 0 ] && [ "$pci" -gt 0 ]; then
+  echo "gpu-check: FAILED: $pci NVIDIA GPU(s) on the PCI bus ($pci_dir), but nvidia-smi lists none: the driver is not loaded or cannot open them; nvidia-smi -L said: $(head -c 300 <<<"$smi" | tr '\n' ' ')" >&2
+  exit 1
+fi
 if [ "$gpus" = 0 ] && [ "$devs" -gt 0 ]; then
-  echo "gpu-check: FAILED: nvidia-smi lists no GPU, but $devs NVIDIA device file(s) exist (${GPU_CHECK_DEV:-/dev}/nvidia*): fix nvidia-smi, or the check would call this GPU absent" >&2
+  echo "gpu-check: FAILED: nvidia-smi lists no GPU, but $devs NVIDIA device file(s) exist (${GPU_CHECK_DEV:-/dev}/nvidia*): fix nvidia-smi, or the check would call this GPU absent; nvidia-smi -L said: $(head -c 300 <<<"$smi" | tr '\n' ' ')" >&2
   exit 1
 fi
 device=${GPU_CHECK_DEVICE:-cuda}
@@ -217,7 +248,7 @@ device=${GPU_CHECK_DEVICE:-cuda}
 scale=${GPU_CHECK_BUDGET_SCALE:-1}
 [[ $scale =~ ^[1-9][0-9]*$ ]] || { echo "gpu-check: GPU_CHECK_BUDGET_SCALE=$scale is not a whole number >= 1" >&2; exit 2; }
 if [ "$device" != cuda ]; then
-  echo "gpu-check: CPU STAND-IN RUN (GPU_CHECK_DEVICE=$device, budgets x$scale): the CPU plays the GPU; nothing below ran on a GPU"
+  echo "gpu-check: CPU STAND-IN RUN (GPU_CHECK_DEVICE=$device, budgets x$scale): the CPU plays the GPU; nothing below ran on a GPU, and the run exits 5 at best"
 fi
 libs="$logs/lib"
 mkdir -p "$libs"
@@ -268,16 +299,13 @@ judge_targets() {
       printf "%s\t%s: %s (target %s %s)\n", ok ? "met" : "MISSED", $1, $2, t[1], t[2]
     }'
 }
-# why LOG: the line of a step's log that says why it failed: a GPU it could not use first (a test's
-# GRADBUS_REQUIRE panic, a driver or CUDA error), else its last row, else its last line.
-why() {
-  (grep -a -m1 -E 'must run here, yet: |no CUDA (driver|device)|CUDA_ERROR|built without the cuda feature' "$1" ||
-    grep -a '^ROW ' "$1" | tail -n 1 | grep . || tail -n 1 "$1") |
-    sed 's/.*must run here, yet: //; s/^ROW [^|]*| //; s/ | /; /g' | cut -c1-140
-}
+# The steps' helpers: `why LOG` (the line saying why a step failed) is the same for the steps and here.
+# shellcheck source=gpu-check.d/common.sh
+source "$bundle/gpu-check.d/common.sh"
+set -e
 
 : >"$logs/rows"
-n_failed=0 n_missed=0 n_passed=0 n_unchecked=0 n_notrun=0
+n_failed=0 n_missed=0 n_passed=0 n_unchecked=0 n_notrun=0 n_partly=0 n_checks_notrun=0
 verdict_row() { echo "$1 | $2" >>"$logs/rows"; }
 for step in "${selected[@]}"; do
   name=$(basename "$step")
@@ -319,8 +347,10 @@ for step in "${selected[@]}"; do
   # naming the step's logs folder (a rank in a group of its own).
   kill -9 -- "-$pid" 2>/dev/null || true
   pgrep -f -- "$logs/" | grep -vx "$$" | xargs -r kill -9 2>/dev/null || true
-  grep -a '^ROW ' "$log" | sed 's/^ROW //' >>"$logs/rows" || true
+  # The rows in the order printed; a NOTRUN line is the row "<check> | NOT RUN: <why>".
+  { grep -a '^ROW \|^NOTRUN ' "$log" || true; } | sed 's/^ROW //; s/^NOTRUN \([^|]*\)| /\1| NOT RUN: /' >>"$logs/rows"
   made=$({ grep -a '^CHECKS [0-9][0-9]*$' "$log" || true; } | awk '{ s += $2 } END { print s + 0 }')
+  notrun=$(grep -ac '^NOTRUN ' "$log" || true)
   targets=$(judge_targets "$log")
   if [ -n "$targets" ]; then
     while IFS=$'\t' read -r v what; do
@@ -333,10 +363,12 @@ for step in "${selected[@]}"; do
     verdict="FAILED: over its budget of $budget s (killed after $secs s)"
   elif [ "$rc" != 0 ]; then
     verdict="FAILED (exit $rc): $(why "$log")"
-  elif [ "$made" -lt "$floor" ]; then
-    verdict="FAILED: $made checks made, below its floor of $floor"
+  elif [ $((made + notrun)) -lt "$floor" ]; then
+    verdict="FAILED: $made checks made$([ "$notrun" = 0 ] || echo " and $notrun not run"), below its floor of $floor"
   elif [ "$badt" -gt 0 ]; then
     verdict="FAILED: $badt malformed TARGET line(s)"
+  elif [ "$notrun" -gt 0 ]; then
+    verdict="PARTLY RUN: $notrun check(s) NOT RUN (their rows say why), $made passed: not a pass"
   elif [ "$missed" -gt 0 ]; then
     verdict="TARGET MISSED: $missed of $(wc -l <<<"$targets") targets ($made checks passed)"
   else
@@ -344,6 +376,7 @@ for step in "${selected[@]}"; do
   fi
   case $verdict in
     FAILED*) n_failed=$((n_failed + 1)) ;;
+    PARTLY*) n_partly=$((n_partly + 1)) n_checks_notrun=$((n_checks_notrun + notrun)) ;;
     TARGET*) n_missed=$((n_missed + 1)) ;;
     *) n_passed=$((n_passed + 1)) ;;
   esac
@@ -354,19 +387,25 @@ done
 say "gpu-check summary ($(($(date +%s) - t_start)) s; logs in $logs)"
 [ "$device" = cuda ] || echo "CPU STAND-IN RUN (GPU_CHECK_DEVICE=$device): nothing here ran on a GPU"
 awk -F' [|] ' '{ printf "%-52s %s\n", $1, $2 }' "$logs/rows"
-counts="$n_passed passed, $n_failed failed, $n_missed target missed, $n_unchecked not checked, $n_notrun not run (too few GPUs)"
+counts="$n_passed passed, $n_failed failed, $n_partly partly run ($n_checks_notrun checks NOT RUN), $n_missed target missed, $n_unchecked not checked, $n_notrun not run (too few GPUs)"
 if [ "$n_failed" -gt 0 ]; then
   echo "gpu-check: FAILED ($counts)"
   exit 1
 elif [ "$gpus" = 0 ]; then
   echo "gpu-check: NO GPU: nvidia-smi lists none, nothing was checked ($counts)"
   exit 3
-elif [ "$n_passed" = 0 ] && [ "$n_missed" = 0 ]; then
+elif [ $((n_passed + n_missed + n_partly)) = 0 ]; then
   echo "gpu-check: FAILED: no step ran ($counts)"
   exit 1
+elif [ "$device" != cuda ]; then
+  echo "gpu-check: CPU STAND-IN (GPU_CHECK_DEVICE=$device): nothing failed, but nothing ran on a GPU: not a GPU check's pass ($counts)"
+  exit 5
+elif [ "$n_partly" -gt 0 ]; then
+  echo "gpu-check: PARTLY RUN: every check that ran passed, but $n_checks_notrun did not run (their rows say why): not a pass ($counts)"
+  exit 6
 elif [ "$n_missed" -gt 0 ]; then
   echo "gpu-check: TARGET MISSED: every check passed, a benchmark missed its target ($counts)"
   exit 4
 fi
-echo "gpu-check: passed: every step ran on $([ "$device" = cuda ] && echo "a GPU" || echo "the CPU STAND-IN"), every target met ($counts)"
+echo "gpu-check: passed: every step ran on a GPU, every check ran and passed, every target met ($counts)"
 exit 0

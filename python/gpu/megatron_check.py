@@ -244,11 +244,12 @@ def main() -> int:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
+    # Deterministic algorithms on both devices (the clean checks compare runs bitwise).
+    torch.use_deterministic_algorithms(True)
     if a.cpu:
         torch.set_num_threads(1)
     else:
         torch.cuda.set_device(0)
-        torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo" if a.cpu else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     if a.cpu:

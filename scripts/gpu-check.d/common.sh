@@ -1,5 +1,5 @@
 # Helpers of the gpu-check steps (sourced, not run). The step contract - headers (check, budget,
-# floor, gpus), output lines (ROW, CHECKS, TARGET) and exit codes - is at the top of gpu-check.sh,
+# floor, gpus), output lines (ROW, CHECKS, NOTRUN, TARGET) and exit codes - is at the top of gpu-check.sh,
 # which runs a step only where nvidia-smi lists a GPU: so a step that cannot use the GPU has failed,
 # and says why in a row.
 #
@@ -42,12 +42,16 @@ tests_checked() {
   echo $((passed - skipped))
 }
 
-# The reason a run could not use the GPU (a test's GRADBUS_REQUIRE panic, the driver's error), or
-# gradbus's own error line, else any line naming an error, else the last line; one line.
+# why LOG: one line saying why what LOG records failed (a step's log, a run's, a test binary's): a GPU
+# it could not use first (a test's GRADBUS_REQUIRE panic, a driver or CUDA error); else a step's
+# FAILED row (the last: a step's own `fail` comes last); else gradbus's error line; else a line naming
+# an error or a panic; else its last row; else its last line. gpu-check.sh uses it too.
 why() {
   (grep -a -m1 -E 'must run here, yet: |no CUDA (driver|device)|CUDA_ERROR|built without the cuda feature' "$1" ||
-    grep -a -m1 '^gradbus: error: ' "$1" || grep -a -m1 -iE 'error|panicked' "$1" || tail -n 1 "$1") |
-    sed 's/.*must run here, yet: //; s/^gradbus: error: //' | cut -c1-120
+    grep -a -E '^ROW ( +FAILED \||.*\| *FAIL)' "$1" | tail -n 1 | grep . ||
+    grep -a -m1 '^gradbus: error: ' "$1" || grep -a -m1 -iE 'error|panicked' "$1" ||
+    grep -a '^ROW ' "$1" | tail -n 1 | grep . || tail -n 1 "$1") |
+    sed 's/.*must run here, yet: //; s/^gradbus: error: //; s/^ROW [^|]*| //; s/ | /; /g' | cut -c1-140
 }
 
 # json FILE EXPR: a Python expression over the JSON file's object `j` (missing or unreadable file:
@@ -61,7 +65,7 @@ for l in open(sys.argv[1] + "/metrics.jsonl"):
     print(json.loads(l)[sys.argv[2]])' "$1" "$2" 2>/dev/null; }
 
 # gb_run NAME ARGS...: `gradbus run --run-dir $RUNS/NAME ARGS...` with its output in $RUNS/NAME.log;
-# returns gradbus's exit code.
+# returns gradbus's exit code. Run it through `shared` or `own_gpus` below, which pin the path.
 RUNS="$GPU_CHECK_LOGS/runs"
 mkdir -p "$RUNS"
 gb_run() {
@@ -69,6 +73,46 @@ gb_run() {
   shift
   rm -rf "${RUNS:?}/$name"
   "$GB" run --run-dir "$RUNS/$name" "$@" >"$RUNS/$name.log" 2>&1
+}
+
+# The path of a run's gradients is pinned, never left to the machine: the worker takes NCCL wherever
+# each rank has a GPU of its own, and an inherited GRADBUS_TRANSPORT overrides its choice.
+# shared NP COMMAND...: COMMAND with NP ranks on GPU 0 (CUDA_VISIBLE_DEVICES=0), their gradients
+#   through the host: one rank alone (GRADBUS_TRANSPORT unset: solo), more over the shared-memory bus
+#   (GRADBUS_TRANSPORT=shm). On the GPU that is the staged bus.
+shared() {
+  local np=$1
+  shift
+  if [ "$np" = 1 ]; then
+    (unset GRADBUS_TRANSPORT && CUDA_VISIBLE_DEVICES=0 "$@")
+  else
+    (CUDA_VISIBLE_DEVICES=0 GRADBUS_TRANSPORT=shm "$@")
+  fi
+}
+# own_gpus COMMAND...: COMMAND with GRADBUS_TRANSPORT unset: a GPU per rank goes over NCCL.
+own_gpus() { (unset GRADBUS_TRANSPORT && "$@"); }
+# path_of NP VIA DEVICE: what the worker's `gradients:` line says for such a run - VIA shared or
+# own_gpus; on the CPU solo (1 rank) or shm, on the GPU "staged over" those or nccl.
+path_of() {
+  local host=shm
+  [ "$1" = 1 ] && host=solo
+  if [ "$3" != cuda ]; then
+    echo "$host"
+  elif [ "$2" = own_gpus ] && [ "$1" -gt 1 ]; then
+    echo nccl
+  else
+    echo "staged over $host"
+  fi
+}
+# gradients_over NAME NP WANT: each of the NP rank logs of run NAME has the worker's line
+# `gradients: WANT` (the path its gradients took); else says what they have and returns 1.
+gradients_over() {
+  local r got bad=""
+  for ((r = 0; r < $2; r++)); do
+    got=$(sed -n 's/^gradients: //p' "$RUNS/$1/rank-$r.log" 2>/dev/null | head -n 1)
+    [ "$got" = "$3" ] || bad="$bad rank $r: ${got:-no 'gradients:' line};"
+  done
+  [ -z "$bad" ] || { echo "$1: the gradients did not go over $3:$bad"; return 1; }
 }
 
 # compare_runs WHAT CPU_RUN GPU_RUN1 GPU_RUN2: three rows, two checks. Judged: the first GPU run's
@@ -82,7 +126,7 @@ LOSS_RTOL=1e-4
 compare_runs() {
   local out rc
   out=$("$PY" - "$LOSS_RTOL" "$2" "$3" "$4" <<'PY'
-import json, sys
+import json, math, sys
 tol = float(sys.argv[1])
 def lines(d):
     try:
@@ -94,12 +138,15 @@ if not cpu or len(g1) != len(cpu) or len(g2) != len(cpu):
     print(f"FAILED: {len(cpu)} CPU updates, {len(g1)} and {len(g2)} GPU updates"); print("not compared"); print("not compared"); sys.exit(1)
 dev = [(abs(a["loss"] - b["loss"]) / (1 + abs(b["loss"])), a["step"], a["minibatch"]) for a, b in zip(g1, cpu)]
 first = [d for d in dev if d[1] == 0]
-worst, at_step, at_mb = max(first)
+# The worst deviation: a NaN (a non-finite loss on either side) is the worst there is and fails;
+# max() over the tuples would pass over it.
+top = lambda ds: next((d for d in ds if math.isnan(d[0])), None) or max(ds)
+worst, at_step, at_mb = top(first)
 ok1 = worst <= tol
 print(f"{len(first)} updates, max |loss_gpu - loss_cpu| / (1 + |loss_cpu|) = {worst:.2e} at update {at_mb}"
       + ("" if ok1 else f": FAILED, over {tol:g}"))
 later = [d for d in dev if d[1] > 0]
-print("no later steps" if not later else "max %.2e at step %d update %d (later steps: shown, not judged)" % max(later))
+print("no later steps" if not later else "max %.2e at step %d update %d (later steps: shown, not judged)" % top(later))
 if any("checksum" not in r for r in g1 + g2):
     print("FAILED: a GPU run's metrics have no weights checksum"); sys.exit(1)
 key = lambda r: (r["step"], r["minibatch"], r["loss"], r["checksum"])

@@ -123,16 +123,21 @@ fn reduce_hook(faults: &FaultPlan) -> Option<ReduceHook> {
 
 /// The host transport for this rank: solo for a world of one, the shared-memory bus inside a node,
 /// MPI between nodes (feature `mpi`); `GRADBUS_TRANSPORT` = shm | mpi | hier overrides the choice.
+/// Once open, its name goes to the rank's log after `via` (`say_gradient_path`).
 fn transport(
     info: &RankInfo,
     cfg: &Config,
     hash: u64,
     layout: Layout,
     faults: &FaultPlan,
+    via: &str,
 ) -> Result<HostTransport, WorkerError> {
     let forced = std::env::var(env::TRANSPORT).ok().filter(|v| !v.is_empty());
     let kind = match forced.as_deref() {
-        None if info.world == 1 => return Ok(HostTransport::bare(Box::new(Solo::new(layout, UpdateValues::names())))),
+        None if info.world == 1 => {
+            say_gradient_path(&format!("{via}solo"));
+            return Ok(HostTransport::bare(Box::new(Solo::new(layout, UpdateValues::names()))));
+        }
         Some(k) => k.parse()?,
         None if info.nodes > 1 && info.local_size == 1 => TransportKind::Mpi,
         None if info.nodes > 1 => TransportKind::Hier,
@@ -162,9 +167,19 @@ fn transport(
             bus.set_inside_reduce_hook(hook);
         }
         let progress = Some(bus.progress_writer()?);
+        say_gradient_path(&format!("{via}{kind}"));
         return Ok(HostTransport { transport: Box::new(bus), progress });
     }
-    mpi_transport(kind, info, bus, faults)
+    let host = mpi_transport(kind, info, bus, faults)?;
+    say_gradient_path(&format!("{via}{kind}"));
+    Ok(host)
+}
+
+/// The line, on every rank's log, naming the path its gradients take: `gradients: solo|shm|mpi|hier`
+/// on the CPU; `nccl`, or `staged over` one of those, on a GPU. The GPU check confirms by it that the
+/// path it pinned is the one that ran (scripts/gpu-check.d/common.sh, `gradients_over`).
+fn say_gradient_path(path: &str) {
+    eprintln!("gradients: {path}");
 }
 
 #[cfg(feature = "mpi")]
@@ -234,7 +249,7 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     let job = Job { cfg, config_hash: hash, config_text: canonical, info, run_dir, faults, resume: args.resume };
     match job.cfg.device {
         Device::Cpu => {
-            let host = transport(&job.info, &job.cfg, hash, layout, &job.faults)?;
+            let host = transport(&job.info, &job.cfg, hash, layout, &job.faults, "")?;
             train(Cpu, HostBus::new(host.transport), host.progress, job)
         }
         Device::Cuda => train_cuda(job, layout),
@@ -298,9 +313,10 @@ fn train_cuda(job: Job, layout: Layout) -> Result<Code, WorkerError> {
             layout,
             values: UpdateValues::names(),
         })?;
+        say_gradient_path("nccl");
         (GpuBus::Nccl(nccl), None)
     } else {
-        let host = transport(info, cfg, job.config_hash, layout, &job.faults)?;
+        let host = transport(info, cfg, job.config_hash, layout, &job.faults, "staged over ")?;
         (GpuBus::Staged(Staged::new(&gpu, host.transport)), host.progress)
     };
     train(gpu, bus, progress, job)
