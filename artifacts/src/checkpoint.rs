@@ -63,6 +63,21 @@ pub struct CheckpointMeta {
     /// format 1, which did not record them).
     #[serde(deserialize_with = "required")]
     pub run: Option<RunRecord>,
+    /// The silent-data-corruption guard's outlier history and its count of findings (absent in a
+    /// checkpoint written before the guard: a resume then starts an empty history).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sdc: Option<SavedSdc>,
+}
+
+/// The silent-data-corruption guard's state a checkpoint keeps.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SavedSdc {
+    /// The outlier rule's history (null when the rule was off).
+    #[serde(deserialize_with = "required")]
+    pub outliers: Option<gradbus_collectives::sdc::OutlierDetector>,
+    /// Findings so far (repairs, outliers).
+    pub detections: u64,
 }
 
 impl Kind for CheckpointMeta {

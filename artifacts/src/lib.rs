@@ -44,7 +44,7 @@ mod warnings;
 
 pub use checkpoint::{
     load_checkpoint, newest_intact_checkpoint, save_checkpoint, CheckpointMeta, Done, RunRecord, SavedHistory,
-    CHECKPOINT_FORMAT, DONE_FORMAT,
+    SavedSdc, CHECKPOINT_FORMAT, DONE_FORMAT,
 };
 pub use container::{decode, encode, load, Kind, Loaded, CONTAINER_VERSION};
 pub use dump::{DumpMeta, HealthRecord, DUMP_FORMAT};

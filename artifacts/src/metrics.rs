@@ -52,6 +52,11 @@ pub struct MetricsLine {
     /// The spike, described, if the update was one.
     #[serde(deserialize_with = "required")]
     pub spike: Option<String>,
+    /// The silent-data-corruption guard's finding, described: a replica repaired, an outlier
+    /// rerun, classified, skipped or aborted on. Absent (not null) when there was none, so that
+    /// the lines of a clean run are those of a build without the guard.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sdc: Option<String>,
     /// Why the update was skipped, if it was.
     #[serde(deserialize_with = "required")]
     pub skip_cause: Option<String>,

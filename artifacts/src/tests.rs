@@ -42,6 +42,7 @@ fn line() -> MetricsLine {
         max_logratio_masked: -1.0,
         headroom: 85.2,
         spike: None,
+        sdc: None,
         skip_cause: Some("non-finite gradients".into()),
         min_response_logp: -7.0,
         lr: 1e-3,
@@ -63,6 +64,7 @@ fn checkpoint_meta() -> CheckpointMeta {
         warnings: 2,
         history: SavedHistory { consecutive_skips: 1, skipped: 3, recent: [true, false].into(), suspects: vec![2] },
         run: Some(RunRecord { gradbus: crate::version::build(), world: 2, config: "seed = 1\n".into() }),
+        sdc: None,
     }
 }
 

@@ -3,16 +3,22 @@
 //! agreed loss and gradient norm. The Rust worker (`worker/src/judge.rs`) and the PyTorch guard's
 //! native core (`python/src/lib.rs`) both judge through it.
 //!
-//! Order of the rules: `decide` (the policy on non-finite gradients; with a loss scaler, a
-//! non-finite update is the scaler's overflow: skipped within the skip budget, an abort at the
-//! scale's floor); then, on a proceeding update only, the spike detectors (a spike is skipped when
-//! the rule says so); then the verdict enters the history.
+//! Order of the rules: the silent-data-corruption guard's replica check (`sdc`: a damaged replica
+//! is repaired and the update recomputed, whatever else the table shows - its gradients came from
+//! damaged weights); `decide` (the policy on non-finite gradients; with a loss scaler, a non-finite
+//! update is the scaler's overflow: skipped within the skip budget, an abort at the scale's
+//! floor); then, on a finite, proceeding update, the guard's outlier rule (a first outlier is
+//! rerun; the rerun tells a transient fault, whose recomputed gradients are used, from a
+//! deterministic one, which the policy judges); then the spike detectors (a spike is skipped when
+//! the rule says so); then the verdict enters the history (a repair, or an outlier's rerun, only
+//! clears it: the recomputed update is judged afresh).
 //!
 //! Invariant: it is fed only agreed numbers (the table, the agreed loss and norm, the agreed loss
 //! scale), in update order, so every rank holds the same state and reaches the same verdict; its
 //! state (`history`, `spikes`) is what a checkpoint saves.
 
 use crate::layout::Layout;
+use crate::sdc::{Checks, Finding, Guard};
 use crate::spikes::SpikeDetector;
 use crate::verdict::{decide, Action, Classification, HealthTable, History, Policy, StepId, Verdict};
 
@@ -58,17 +64,27 @@ pub struct Judge {
     pub history: History,
     /// Spike detectors of the agreed loss and gradient norm (the order of `Watched`).
     pub spikes: [SpikeDetector; 2],
+    /// The silent-data-corruption guard (its checks off unless `with_sdc` turns them on).
+    pub sdc: Guard,
 }
 
 impl Judge {
     /// Empty history; spike detectors over `window` values with the z-score limit `z_limit`.
     pub fn new(window: usize, z_limit: f64) -> Judge {
         let d = SpikeDetector::new(window, z_limit);
-        Judge { history: History::default(), spikes: [d.clone(), d] }
+        Judge { history: History::default(), spikes: [d.clone(), d], sdc: Guard::new(Checks::default()) }
+    }
+
+    /// The same judge with the silent-data-corruption guard's `checks` on.
+    pub fn with_sdc(mut self, checks: Checks) -> Judge {
+        self.sdc = Guard::new(checks);
+        self
     }
 
     /// The verdict on one agreed update under `policy` (see the module doc for the order of the
-    /// rules); recorded in the history. Returns the verdict and the spike, described, if any.
+    /// rules); recorded in the history. Returns the verdict, the spike, described, if any, and the
+    /// silent-data-corruption guard's finding, if any.
+    #[allow(clippy::too_many_arguments)]
     pub fn judge(
         &mut self,
         table: &HealthTable,
@@ -78,7 +94,11 @@ impl Judge {
         watched: Watched,
         on_spike: OnSpike,
         scale: Option<LossScale>,
-    ) -> (Verdict, Option<String>) {
+    ) -> (Verdict, Option<String>, Option<Finding>) {
+        if let Some((verdict, finding)) = self.sdc.replicas(table, at) {
+            self.history.record(table, &verdict);
+            return (verdict, None, Some(finding));
+        }
         let mut verdict = match scale {
             None => decide(table, layout, policy, &self.history, at),
             Some(s) => {
@@ -98,13 +118,25 @@ impl Judge {
                 v
             }
         };
+        let mut finding = None;
+        if verdict.action == Action::Proceed {
+            if let Some((v, f)) = self.sdc.outlier(table, layout, policy, &mut self.history, at) {
+                if v.action == Action::Rerun {
+                    return (v, None, Some(f));
+                }
+                (verdict, finding) = (v, Some(f));
+            }
+        }
+        if verdict.action == Action::Proceed && finding.is_none() {
+            self.sdc.observe(table);
+        }
         let spike =
             if verdict.action == Action::Proceed && on_spike != OnSpike::Off { self.spike(watched) } else { None };
         if spike.is_some() && on_spike == OnSpike::Skip {
             verdict.action = Action::Skip;
         }
         self.history.record(table, &verdict);
-        (verdict, spike)
+        (verdict, spike, finding)
     }
 
     /// Feed the watched values of a proceeding update to the detectors; the spike, described, if

@@ -19,13 +19,14 @@ pub mod layout;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod sdc;
 pub mod shm;
 pub mod spikes;
 pub mod transport;
 pub mod verdict;
 pub mod wire;
 
-pub use agreement::{Anomaly, ExactSum, LocalScalars, Stat, Summary, ValueNames};
+pub use agreement::{Anomaly, BucketStat, ExactSum, Extremes, LocalScalars, Stat, StateFault, Summary, ValueNames};
 pub use choice::AgreementPath;
 pub use forecast::{Alert, Forecast, Outlook, Rule};
 pub use grads::{backward_and_reduce, BusBackend, GradBus, GradMut, GradSlots, HostBus, ParamGrads};
@@ -33,9 +34,10 @@ pub use judge::{Judge, LossScale, OnSpike, Watched};
 pub use layout::{Bucket, Layout, ParamSpec, Slot};
 pub use shm::{read_progress, read_status, remove_job_segments, BusConfig, Progress, RankStatus, ShmBus};
 pub use spikes::{Spike, SpikeDetector};
-pub use transport::{AlignedBuf, Solo, Transport};
+pub use transport::{hash_pieces, AlignedBuf, Solo, Transport};
 pub use verdict::{
-    decide, Action, Cause, Classification, HealthTable, History, Policy, RankHealth, Report, StepId, Verdict,
+    decide, empty_report, Action, Cause, Classification, HealthTable, History, Policy, RankHealth, Reduced, Report,
+    StepId, Verdict,
 };
 
 /// Errors of the collectives layer.
@@ -130,5 +132,13 @@ pub enum Error {
         theirs: String,
         /// What this rank was doing.
         mine: String,
+    },
+    /// The transport cannot do what was asked (e.g. repair a replica over NCCL).
+    #[error("{what} (hint: {hint})")]
+    Unsupported {
+        /// What it cannot do.
+        what: String,
+        /// What to do.
+        hint: String,
     },
 }

@@ -60,9 +60,10 @@ use ::mpi::collective::SystemOperation;
 use ::mpi::environment::Universe;
 use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
+use gradbus_kernels::checksum::{checksum, combine};
 use gradbus_kernels::{health_scan, Health};
 
-use crate::agreement::{LocalScalars, Summary, ValueNames};
+use crate::agreement::{peak_word, BucketStat, LocalScalars, Summary, ValueNames};
 use crate::choice::{AgreementPath, Times};
 use crate::layout::{Fnv, Layout};
 use crate::shm::ProgressWriter;
@@ -208,6 +209,14 @@ fn exchange_identity(comm: &SimpleCommunicator, mine: [u64; ID_WORDS]) -> Result
     Ok(rows)
 }
 
+/// `MPI_Bcast` of `data` from world rank `root`, in calls of at most `MAX_COUNT` (a replica repair:
+/// every rank of the world calls it).
+fn broadcast_world(comm: &SimpleCommunicator, root: usize, data: &mut [f32]) {
+    for c in data.chunks_mut(MAX_COUNT) {
+        comm.process_at_rank(root as i32).broadcast_into(c);
+    }
+}
+
 /// `MPI_Allreduce(SUM)` of `send` into `recv` (same length), in calls of at most `MAX_COUNT`.
 fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
     assert_eq!(send.len(), recv.len());
@@ -219,27 +228,33 @@ fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
 /// The per-update agreement shared by both transports: one allgather of a fixed-size row per rank,
 /// then every rank builds the same table from the same rows.
 ///
-/// Row (`wire`, shape `RowShape::mpi`): head `[op hash, reducer flag]`, local health per bucket, reduced
-/// health per bucket, report. `reduced` is meaningful on reducers only (every rank of the flat
-/// transport, the leaders of the hierarchical one); the table takes the lowest reducer's, and every
-/// reducer's must be bitwise the same.
+/// Row (`wire`, shape `RowShape::mpi`): head `[op hash, reducer flag]`, local health and peak word
+/// per bucket (`peaks`: 0 in the flat transport, whose scan tallies none), reduced health and
+/// checksum per bucket, report. `reduced` is meaningful on reducers only (every rank of the
+/// flat transport, the leaders of the hierarchical one); the table takes the lowest reducer's, and
+/// every reducer's must be bitwise the same.
 fn agree_rows(
     comm: &SimpleCommunicator,
     names: &ValueNames,
     ops: u64,
-    local: &[Health],
-    reduced: Option<&[Health]>,
+    (local, peaks): (&[Health], &[u64]),
+    reduced: Option<(&[Health], &[u64])>,
     report: &LocalScalars,
 ) -> Result<HealthTable, Error> {
-    let mine = row_words(ops, local, reduced, report);
+    let mine = row_words(ops, (local, peaks), reduced, report);
     let mut all = vec![0u64; comm.size() as usize * mine.len()];
     comm.all_gather_into(&mine[..], &mut all[..]);
     table_of_rows(&all, local.len(), names, ops, comm.rank() as usize)
 }
 
 /// One rank's row of the table path (see `agree_rows`).
-fn row_words(ops: u64, local: &[Health], reduced: Option<&[Health]>, report: &LocalScalars) -> Vec<u64> {
-    let shape = RowShape::mpi(local.len(), report.values.len());
+fn row_words(
+    ops: u64,
+    local: (&[Health], &[u64]),
+    reduced: Option<(&[Health], &[u64])>,
+    report: &LocalScalars,
+) -> Vec<u64> {
+    let shape = RowShape::mpi(local.0.len(), report.values.len());
     shape.encode(&[ops, reduced.is_some() as u64], local, reduced, report)
 }
 
@@ -293,16 +308,16 @@ fn allreduce_summary(comm: &SimpleCommunicator, mine: &Summary) -> Summary {
 
 /// The agreement of both transports: the summary all-reduce, then the full table (`agree_rows`)
 /// only when the summary shows an anomaly or the table path is forced. `contribution` is this
-/// rank's share of the summary (without the collective hash, added here); `local` and `reduced`
-/// are its row of the table.
+/// rank's share of the summary (without the collective hash, added here); `local` (its health and
+/// peak words per bucket) and `reduced` are its row of the table.
 #[allow(clippy::too_many_arguments)]
 fn agree_world(
     comm: &SimpleCommunicator,
     path: AgreementPath,
     ops: u64,
     mut contribution: Summary,
-    local: impl FnOnce() -> Vec<Health>,
-    reduced: Option<&[Health]>,
+    local: impl FnOnce() -> (Vec<Health>, Vec<u64>),
+    reduced: Option<(&[Health], &[u64])>,
     report: &LocalScalars,
 ) -> Result<HealthTable, Error> {
     if path == AgreementPath::Summary {
@@ -313,7 +328,8 @@ fn agree_world(
             return Ok(HealthTable::summarized(n, summary).expect("no anomaly: the reducers agree"));
         }
     }
-    agree_rows(comm, contribution.names(), ops, &local(), reduced, report)
+    let (health, peaks) = local();
+    agree_rows(comm, contribution.names(), ops, (&health, &peaks), reduced, report)
 }
 
 /// MPI handles of one transport, dropped before the universe (or leaked with it on failure).
@@ -422,6 +438,8 @@ pub struct MpiTransport {
     scratch: Vec<f32>,
     local: Vec<Health>,
     reduced: Vec<Health>,
+    /// Position hash of each reduced bucket as this rank received it.
+    hashes: Vec<u64>,
     ops: Fnv,
     rank: usize,
     world: usize,
@@ -445,6 +463,7 @@ impl MpiTransport {
             scratch: vec![0.0; biggest],
             local: vec![Health::default(); nb],
             reduced: vec![Health::default(); nb],
+            hashes: vec![0; nb],
             ops: Fnv::default(),
             rank: expect.rank,
             world: expect.world,
@@ -478,6 +497,7 @@ unsafe impl Transport for MpiTransport {
         let out = &mut self.scratch[..r.len()];
         allreduce_sum(&self.core.comms().world, g, out);
         self.reduced[bucket] = health_scan(out);
+        self.hashes[bucket] = combine(&[checksum(out)]);
         g.copy_from_slice(out);
         fold_op(&mut self.ops, "reduce", at, Some(bucket));
         Ok(())
@@ -485,15 +505,24 @@ unsafe impl Transport for MpiTransport {
     fn agree(&mut self, at: StepId, local: LocalScalars) -> Result<HealthTable, Error> {
         fold_op(&mut self.ops, "agree", at, None);
         let ops = std::mem::take(&mut self.ops).0;
-        let (l, red) = (&self.local, &self.reduced);
-        let mine = Summary::of_rank(&self.values, l, Some(red), &local);
+        let (l, red) = (&self.local, Some((&self.reduced[..], &self.hashes[..])));
+        let mine = Summary::of_rank(&self.values, self.rank, l, red, &local);
         let path = self.agreement;
-        let table =
-            self.core.guard(|c| agree_world(&c.comms().world, path, ops, mine, || l.clone(), Some(red), &local))?;
+        // The flat transport's scan tallies no peaks: words of 0 (the outlier rule then stays off).
+        let row = || (l.clone(), vec![0; l.len()]);
+        let table = self.core.guard(|c| agree_world(&c.comms().world, path, ops, mine, row, red, &local))?;
         // Buckets not reduced in the next update report nothing, as on the bus.
         self.local.fill(Health::default());
         self.reduced.fill(Health::default());
+        self.hashes.fill(0);
         Ok(table)
+    }
+    fn broadcast_from(&mut self, at: StepId, root: usize, data: &mut [f32]) -> Result<(), Error> {
+        fold_op(&mut self.ops, "bcast", at, None);
+        self.core.guard(|c| {
+            broadcast_world(&c.comms().world, root, data);
+            Ok(())
+        })
     }
     fn mark_failed(&mut self) {
         self.core.failed = true;
@@ -507,6 +536,8 @@ pub struct HierTransport {
     scratch: Vec<f32>,
     /// Leaders: health of each globally reduced bucket in this update.
     reduced: Vec<Health>,
+    /// Leaders: checksum of each globally reduced bucket in this update.
+    hashes: Vec<u64>,
     ops: Fnv,
     rank: usize,
     world: usize,
@@ -565,6 +596,7 @@ impl HierTransport {
             bus,
             scratch: if leader { vec![0.0; biggest] } else { Vec::new() },
             reduced: vec![Health::default(); nb],
+            hashes: vec![0; nb],
             ops: Fnv::default(),
             rank: expect.rank,
             world: expect.world,
@@ -594,6 +626,7 @@ impl HierTransport {
             let out = &mut self.scratch[..r.len()];
             allreduce_sum(leaders, g, out);
             self.reduced[bucket] = health_scan(out);
+            self.hashes[bucket] = combine(&[checksum(out)]);
             g.copy_from_slice(out);
         }
         self.bus.broadcast_bucket(at, bucket, 0)
@@ -632,22 +665,36 @@ unsafe impl Transport for HierTransport {
             // the other ranks contribute nothing but their collective hash.
             let node = self.bus.agree(at, local.clone())?;
             let leader = self.core.comms().leaders.is_some();
-            let red = leader.then_some(&self.reduced[..]);
+            let red = leader.then_some((&self.reduced[..], &self.hashes[..]));
             let mut mine = Summary::empty(node.buckets, node.summary.names());
-            if let Some(red) = red {
+            if let Some((red, hashes)) = red {
                 mine = node.summary.clone();
                 mine.clear_reduced();
                 mine.set_reduced(red);
+                mine.set_reference(hashes);
+                // The node's statistics name its local ranks: every rank adds its own instead.
+                mine.extremes.fill(Default::default());
             }
-            let bus = &self.bus;
-            let row = || bus.last_local_row(bus.rank());
+            let own = self.bus.last_local_stats(self.bus.rank());
+            for (e, &(h, peak)) in mine.extremes.iter_mut().zip(&own) {
+                e.add(self.rank, &BucketStat { sumsq: h.sumsq, peak });
+            }
+            let row = || own.iter().map(|&(h, p)| (h, peak_word(p))).unzip();
             agree_world(&self.core.comms().world, self.agreement, ops, mine, row, red, &local)
         })();
         self.reduced.fill(Health::default());
+        self.hashes.fill(0);
         if r.is_err() {
             self.core.failed = true;
         }
         r
+    }
+    fn broadcast_from(&mut self, at: StepId, root: usize, data: &mut [f32]) -> Result<(), Error> {
+        fold_op(&mut self.ops, "bcast", at, None);
+        self.core.guard(|c| {
+            broadcast_world(&c.comms().world, root, data);
+            Ok(())
+        })
     }
     fn mark_failed(&mut self) {
         self.core.failed = true;
@@ -704,12 +751,14 @@ pub(crate) fn bench_agreement(
     rounds: usize,
 ) -> Times {
     let world = universe.world();
-    let (local, reduced) =
-        (vec![Health::default(); buckets], vec![Health { sumsq: 1.5, ..Health::default() }; buckets]);
+    let (local, health) = (vec![Health::default(); buckets], vec![Health { sumsq: 1.5, ..Health::default() }; buckets]);
+    let hashes = vec![7u64; buckets];
+    let reduced = Some((&health[..], &hashes[..]));
     let report = LocalScalars { loss: 0.5, values: vec![0.25; values.len()], ..LocalScalars::default() };
     let ops = 1;
-    let contribution = Summary::of_rank(values, &local, Some(&reduced), &report);
-    let mine = row_words(ops, &local, Some(&reduced), &report);
+    let contribution = Summary::of_rank(values, world.rank() as usize, &local, reduced, &report);
+    let peaks = vec![0u64; buckets];
+    let mine = row_words(ops, (&local, &peaks), reduced, &report);
     let mut all = vec![0u64; world.size() as usize * mine.len()];
     let time = |f: &mut dyn FnMut()| {
         for _ in 0..warmup {
@@ -729,12 +778,12 @@ pub(crate) fn bench_agreement(
     };
     let allgather_us = time(&mut || world.all_gather_into(&mine[..], &mut all[..]));
     let table_us = time(&mut || {
-        let t = agree_rows(&world, values, ops, &local, Some(&reduced), &report).expect("healthy rows");
+        let t = agree_rows(&world, values, ops, (&local, &peaks), reduced, &report).expect("healthy rows");
         assert!(t.is_detailed());
     });
     let summary_us = time(&mut || {
-        let (s, row) = (contribution.clone(), || local.clone());
-        let t = agree_world(&world, AgreementPath::Summary, ops, s, row, Some(&reduced), &report).expect("healthy");
+        let (s, row) = (contribution.clone(), || (local.clone(), peaks.clone()));
+        let t = agree_world(&world, AgreementPath::Summary, ops, s, row, reduced, &report).expect("healthy");
         assert!(!t.is_detailed(), "a healthy update decides from the summary");
     });
     let table_cpu_us = time(&mut || assert!(table_of_rows(&all, buckets, values, ops, 0).is_ok()));

@@ -60,8 +60,9 @@ use gradbus_kernels::Health;
 use crate::agreement::{LocalScalars, ValueNames};
 use crate::layout::{Fnv, Layout};
 use crate::transport::{AlignedBuf, Transport};
-use crate::verdict::{HealthTable, StepId};
+use crate::verdict::{HealthTable, Reduced, StepId};
 use crate::Error;
+use gradbus_kernels::checksum::{checksum, combine};
 
 use crate::wire::{fold_op, table_of, RowShape};
 /// Bytes of an NCCL unique id.
@@ -284,7 +285,8 @@ unsafe impl Transport for NcclTransport {
         let nb = self.local.len();
         let shape = RowShape::nccl(nb, self.cfg.values.len());
         let head = [ops, self.cfg.config_hash, self.cfg.layout.hash()];
-        let mine = shape.encode(&head, &self.local, None, &report);
+        // No peaks: the device scan tallies none (the outlier rule stays off on this transport).
+        let mine = shape.encode(&head, (&self.local, &vec![0; nb]), None, &report);
         let all = self.exchange(&mine)?;
         let pending = std::mem::take(&mut self.pending);
         let mut reduced = vec![Health::default(); nb];
@@ -300,6 +302,19 @@ unsafe impl Transport for NcclTransport {
             }
         }
         self.gpu.synchronize()?;
+        // The reference of each reduced bucket where it reached the host; 0 (unknown: no check of
+        // the consumed copy) where it stays on the device.
+        let reference: Vec<u64> = (0..nb)
+            .map(|b| {
+                let range = self.cfg.layout.buckets[b].range.clone();
+                let on_host = pending.contains(&b) && !self.device_resident;
+                if on_host {
+                    combine(&[checksum(&self.host.as_slice()[range.clone()])])
+                } else {
+                    0
+                }
+            })
+            .collect();
         self.device_resident = false;
         let rows = shape.rows(&all).map_err(|what| Error::Nccl {
             what,
@@ -315,10 +330,17 @@ unsafe impl Transport for NcclTransport {
             }
         }
         // The table path always: a single GPU per machine has not run this transport yet.
-        let table = table_of(&rows, &self.cfg.values, reduced, Some(ops));
+        let table = table_of(&rows, &self.cfg.values, Reduced { health: reduced, reference }, Some(ops));
         // Buckets not reduced in the next update report nothing, as on the bus.
         self.local.fill(Health::default());
         Ok(table)
+    }
+    /// Not over NCCL yet: a replica repair stops the job here.
+    fn broadcast_from(&mut self, _at: StepId, _root: usize, _data: &mut [f32]) -> Result<(), Error> {
+        Err(Error::Unsupported {
+            what: "the NCCL transport cannot copy a replica from one rank to another yet".into(),
+            hint: "replica repair runs over the shared-memory bus and MPI; set sdc.replicas = false to stop on a damaged replica without it".into(),
+        })
     }
     /// No way to wake peers blocked in NCCL (blocking communicator; see the module doc): the
     /// launcher's supervision tears the job down.

@@ -8,11 +8,12 @@
 
 use std::ops::Range;
 
+use gradbus_kernels::checksum::{checksum, combine};
 use gradbus_kernels::{health_scan, Health};
 
 use crate::agreement::{LocalScalars, ValueNames};
 use crate::layout::Layout;
-use crate::verdict::{HealthTable, StepId};
+use crate::verdict::{HealthTable, Reduced, StepId};
 use crate::Error;
 
 /// A data-parallel gradient transport.
@@ -57,6 +58,11 @@ pub unsafe trait Transport {
     fn health_chunks(&self) -> usize {
         1
     }
+    /// Copy `data` (`layout().len` floats: weights or optimizer moments, laid out as the
+    /// gradients) from rank `root` to every rank, collectively: the repair of a damaged replica, on
+    /// a path that only runs when one was found. It may overwrite the gradient buffer (the update is
+    /// then recomputed). A transport that cannot refuses (`Error::Unsupported`): the job then stops.
+    fn broadcast_from(&mut self, at: StepId, root: usize, data: &mut [f32]) -> Result<(), Error>;
     /// Mark this rank as failed so peers stop waiting for it and fail at once (best effort; a
     /// transport whose peers cannot be told says why it does nothing).
     fn mark_failed(&mut self);
@@ -73,6 +79,21 @@ pub fn bucket_health(x: &[f32], chunks: usize) -> Health {
         h.merge(&health_scan(&x[c.clone()]), c.start as u64);
     }
     h
+}
+
+/// The pieces a transport's reducers hash the reduced gradients in (every bucket cut into
+/// `chunks` reducer chunks, `Transport::health_chunks`), bucket by bucket in reduce order, chunks
+/// in offset order: they tile the buffer. A rank's optimizer hashes the same pieces of what it
+/// consumes, and `checksum::combine` folds a bucket's pieces alike on both sides.
+pub fn hash_pieces(layout: &Layout, chunks: usize) -> Vec<Range<usize>> {
+    let mut out = Vec::with_capacity(layout.buckets.len() * chunks);
+    for b in &layout.buckets {
+        for r in 0..chunks {
+            let c = crate::layout::chunk_range(b.range.len(), chunks, r, crate::layout::ALIGN_FLOATS);
+            out.push(b.range.start + c.start..b.range.start + c.end);
+        }
+    }
+    out
 }
 
 /// A 64-byte aligned, zeroed f32 buffer on the heap.
@@ -121,13 +142,21 @@ pub struct Solo {
     values: ValueNames,
     grads: AlignedBuf,
     local: Vec<Health>,
+    /// Position hash of each bucket (its own sum) at its reduce.
+    hashes: Vec<u64>,
 }
 
 impl Solo {
     /// A solo transport over `layout`, agreeing on the workload values `values`.
     pub fn new(layout: Layout, values: ValueNames) -> Solo {
         let n = layout.buckets.len();
-        Solo { grads: AlignedBuf::zeros(layout.len), layout, values, local: vec![Health::default(); n] }
+        Solo {
+            grads: AlignedBuf::zeros(layout.len),
+            layout,
+            values,
+            local: vec![Health::default(); n],
+            hashes: vec![0; n],
+        }
     }
 }
 
@@ -148,11 +177,18 @@ unsafe impl Transport for Solo {
     }
     fn allreduce_bucket(&mut self, _at: StepId, bucket: usize) -> Result<(), Error> {
         let r = self.layout.buckets[bucket].range.clone();
-        self.local[bucket] = health_scan(self.grads.range_mut(r));
+        let g = self.grads.range_mut(r.clone());
+        self.local[bucket] = health_scan(g);
+        self.hashes[bucket] = combine(&[checksum(g)]);
         Ok(())
     }
     fn agree(&mut self, _at: StepId, local: LocalScalars) -> Result<HealthTable, Error> {
-        Ok(HealthTable::detailed(1, &self.values, self.local.clone(), self.local.clone(), vec![local], None))
+        let reduced = Reduced { health: self.local.clone(), reference: self.hashes.clone() };
+        Ok(HealthTable::detailed(1, &self.values, self.local.clone(), Vec::new(), reduced, vec![local], None))
+    }
+    /// No peers: nothing to copy to (and no replica to differ).
+    fn broadcast_from(&mut self, _at: StepId, _root: usize, _data: &mut [f32]) -> Result<(), Error> {
+        Ok(())
     }
     /// No peers to tell.
     fn mark_failed(&mut self) {}

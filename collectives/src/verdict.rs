@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use gradbus_kernels::Health;
 use serde::{Deserialize, Serialize};
 
-use crate::agreement::{LocalScalars, Stat, Summary, ValueNames};
+use crate::agreement::{BucketStat, LocalScalars, Stat, Summary, ValueNames};
 use crate::layout::Layout;
 
 /// Which optimizer update a collective belongs to. Never "-1": the worker always knows its step.
@@ -23,6 +23,16 @@ pub struct StepId {
     pub minibatch: u32,
     /// 0 for the first execution, 1 for a rerun.
     pub attempt: u32,
+}
+
+/// The reduced buckets as their reducers saw them: the health of each sum and the checksum of
+/// each sum as written (`HealthTable::reference`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reduced {
+    /// Health of each reduced bucket.
+    pub health: Vec<Health>,
+    /// Position hash of each reduced bucket.
+    pub reference: Vec<u64>,
 }
 
 /// What every rank knows after the agreement of one update.
@@ -41,8 +51,15 @@ pub struct HealthTable {
     /// `local[bucket * world + rank]`: the rank's gradients in that bucket BEFORE the reduce;
     /// `first_bad` is relative to the bucket's start. Empty unless detailed.
     pub local: Vec<Health>,
+    /// `peaks[bucket * world + rank]`: the peak of the rank's gradients in that bucket (the largest
+    /// |value| of its block with the largest sum of squares, and its offset in the bucket), where
+    /// the transport tallies it. Empty unless detailed; `None` where not tallied.
+    pub peaks: Vec<Option<(f32, u64)>>,
     /// Health of each reduced bucket (its sum of squares gives the global norm).
     pub reduced: Vec<Health>,
+    /// Per bucket: the checksum of the reduced gradient as its reducers wrote it, over the
+    /// transport's pieces (`transport::hash_pieces`): what each rank's optimizer must have consumed.
+    pub reference: Vec<u64>,
     /// Each rank's report. Empty unless detailed.
     pub reports: Vec<LocalScalars>,
     /// The aggregates every rank decides from.
@@ -58,32 +75,47 @@ impl HealthTable {
         world: usize,
         names: &ValueNames,
         local: Vec<Health>,
-        reduced: Vec<Health>,
+        peaks: Vec<Option<(f32, u64)>>,
+        reduced: Reduced,
         reports: Vec<LocalScalars>,
         ops: Option<u64>,
     ) -> HealthTable {
+        let Reduced { health: reduced, reference } = reduced;
         let buckets = reduced.len();
-        assert_eq!((local.len(), reports.len()), (world * buckets, world));
+        assert_eq!((local.len(), reports.len(), reference.len()), (world * buckets, world, buckets));
+        let peaks = if peaks.is_empty() { vec![None; local.len()] } else { peaks };
+        assert_eq!(peaks.len(), local.len(), "one peak (or none) per cell");
         let mut summary = Summary::empty(buckets, names);
         summary.set_reduced(&reduced);
+        summary.set_reference(&reference);
         for (k, r) in reports.iter().enumerate() {
             for b in 0..buckets {
-                let h = &local[b * world + k];
+                let (h, peak) = (&local[b * world + k], peaks[b * world + k]);
                 summary.add_local(b, h.nan, h.inf);
+                summary.extremes[b].add(k, &BucketStat { sumsq: h.sumsq, peak });
             }
             summary.add_report(r);
             if let Some(ops) = ops {
                 summary.ops.add(ops);
             }
         }
-        HealthTable { world, buckets, local, reduced, reports, summary }
+        HealthTable { world, buckets, local, peaks, reduced, reference, reports, summary }
     }
 
     /// The table of a summary alone (no per-rank detail): the summary path's healthy update.
     /// `None` when the reducers disagree (then the caller gathers the table).
     pub fn summarized(world: usize, summary: Summary) -> Option<HealthTable> {
-        let reduced = summary.reduced()?;
-        Some(HealthTable { world, buckets: reduced.len(), local: Vec::new(), reduced, reports: Vec::new(), summary })
+        let (reduced, reference) = (summary.reduced()?, summary.reference()?);
+        Some(HealthTable {
+            world,
+            buckets: reduced.len(),
+            local: Vec::new(),
+            peaks: Vec::new(),
+            reduced,
+            reference,
+            reports: Vec::new(),
+            summary,
+        })
     }
 
     /// Whether the per-rank detail (`local`, `reports`) is present.
@@ -177,6 +209,9 @@ pub enum Action {
     Rerun,
     /// Stop the job.
     Abort,
+    /// Copy the shared state (weights, optimizer moments) from a healthy replica into the damaged
+    /// ones, then recompute the update (silent data corruption found by the replica check).
+    Repair,
 }
 
 impl Action {
@@ -187,6 +222,7 @@ impl Action {
             Action::Skip => "skip",
             Action::Rerun => "rerun",
             Action::Abort => "abort",
+            Action::Repair => "repair",
         }
     }
 }
@@ -226,6 +262,12 @@ pub enum Cause {
     /// Every rank's gradients were finite but their rank-ordered sum was not: `bucket`, `param`
     /// and `element` say where the sum first went non-finite.
     SumOverflow,
+    /// Finite gradients of `ranks` many binades above the others' and their own history (silent
+    /// data corruption, or data that makes them so): `bucket`, `param` and `element` name the
+    /// largest value.
+    Outlier,
+    /// The replicas' weights differ and no majority tells the healthy ones (`ranks`: every rank).
+    Replicas,
 }
 
 /// Per-rank non-finite counts in a report.
@@ -288,6 +330,8 @@ impl std::fmt::Display for Report {
         match r.cause {
             Cause::LocalGradients => write!(f, "rank(s) [{}]", ranks.join(", "))?,
             Cause::SumOverflow => write!(f, "the sum overflowed, every rank's gradients finite (rank(s) [])")?,
+            Cause::Outlier => write!(f, "finite outlier gradients on rank(s) [{}]", ranks.join(", "))?,
+            Cause::Replicas => write!(f, "replicas differ with no majority, rank(s) [{}]", ranks.join(", "))?,
         }
         write!(
             f,
@@ -385,21 +429,21 @@ fn required<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Resu
 /// The verdict on one update. Pure: the same table, policy and history give the same verdict.
 pub fn decide(table: &HealthTable, layout: &Layout, policy: &Policy, history: &History, at: StepId) -> Verdict {
     let finite = table.all_finite();
+    // The execution after a `Rerun` verdict (`first_attempt` is that verdict's fingerprint; an
+    // update recomputed for another reason, a replica repair, is judged as a first execution).
+    let rerun = history.first_attempt.is_some();
     // A rerun that came back finite was a transient fault: continue with the recomputed gradients.
-    if at.attempt > 0 && finite {
+    if finite {
         let mut v = Verdict { action: Action::Proceed, report: None };
-        if history.first_attempt.is_some() {
+        if rerun {
             v.report =
                 Some(Report { classification: Some(Classification::Transient), ..empty_report(at, Action::Proceed) });
         }
         return v;
     }
-    if finite {
-        return Verdict { action: Action::Proceed, report: None };
-    }
     let (action, class) = match policy {
         Policy::Abort => (Action::Abort, None),
-        Policy::Rerun if at.attempt == 0 => (Action::Rerun, None),
+        Policy::Rerun if !rerun => (Action::Rerun, None),
         Policy::Rerun => {
             let same = history.first_attempt.as_ref() == Some(&table.fingerprint());
             if same {
@@ -408,21 +452,16 @@ pub fn decide(table: &HealthTable, layout: &Layout, policy: &Policy, history: &H
                 (Action::Skip, Some(Classification::Transient))
             }
         }
-        Policy::Skip { max_consecutive, max_fraction, window } => {
-            let in_window = history.recent.iter().rev().take(*window as usize - 1).filter(|&&s| s).count() + 1;
-            if history.consecutive_skips + 1 > *max_consecutive || in_window as f64 > max_fraction * *window as f64 {
-                (Action::Abort, Some(Classification::SkipBudget))
-            } else {
-                (Action::Skip, None)
-            }
-        }
+        Policy::Skip { .. } if history.would_skip(policy) => (Action::Skip, None),
+        Policy::Skip { .. } => (Action::Abort, Some(Classification::SkipBudget)),
     };
     let mut r = report(table, layout, at, action);
     r.classification = class;
     Verdict { action, report: Some(r) }
 }
 
-fn empty_report(at: StepId, verdict: Action) -> Report {
+/// A report of no non-finite value at `at` (`cause`, `ranks`, where and what to fill in).
+pub fn empty_report(at: StepId, verdict: Action) -> Report {
     Report {
         step: at.step,
         minibatch: at.minibatch,
@@ -442,11 +481,24 @@ fn empty_report(at: StepId, verdict: Action) -> Report {
 }
 
 impl History {
+    /// Whether `policy` is `Skip` and one more skip stays within its budget: at most
+    /// `max_consecutive` in a row, at most `max_fraction` of the last `window` updates.
+    pub fn would_skip(&self, policy: &Policy) -> bool {
+        let Policy::Skip { max_consecutive, max_fraction, window } = policy else { return false };
+        let in_window = self.recent.iter().rev().take(*window as usize - 1).filter(|&&s| s).count() + 1;
+        self.consecutive_skips < *max_consecutive && in_window as f64 <= max_fraction * *window as f64
+    }
+
     /// Remember a verdict (call on every rank after every `decide`).
     pub fn record(&mut self, table: &HealthTable, verdict: &Verdict) {
         match verdict.action {
             Action::Rerun => {
                 self.first_attempt = Some(table.fingerprint());
+                return;
+            }
+            // The update is recomputed from repaired state and judged afresh.
+            Action::Repair => {
+                self.first_attempt = None;
                 return;
             }
             Action::Skip => {
@@ -515,10 +567,16 @@ mod tests {
             })
             .collect();
         let reports = vec![LocalScalars { loss: 0.5, ..LocalScalars::default() }; world];
-        HealthTable::detailed(world, &ValueNames::default(), local, reduced, reports, None)
+        let reduced = Reduced { health: reduced, reference: vec![11; buckets] };
+        HealthTable::detailed(world, &ValueNames::default(), local, Vec::new(), reduced, reports, None)
     }
 
     const AT: StepId = StepId { step: 7, minibatch: 2, attempt: 0 };
+
+    /// The reduced buckets of a table, as `detailed` takes them.
+    fn red(t: &HealthTable) -> Reduced {
+        Reduced { health: t.reduced.clone(), reference: t.reference.clone() }
+    }
 
     #[test]
     fn finite_tables_proceed_under_every_policy() {
@@ -630,7 +688,7 @@ mod tests {
         let mut reports = t.reports.clone();
         reports[1].replica = 99;
         let odd =
-            HealthTable::detailed(t.world, &ValueNames::default(), t.local.clone(), t.reduced.clone(), reports, None);
+            HealthTable::detailed(t.world, &ValueNames::default(), t.local.clone(), Vec::new(), red(&t), reports, None);
         assert_eq!(odd.summary.anomaly(), Some(crate::agreement::Anomaly::Replicas));
         assert_eq!(odd.replica_outliers(), vec![1]);
         let small = HealthTable::summarized(t.world, t.summary.clone()).unwrap();
@@ -650,7 +708,8 @@ mod tests {
         let t = table(&[(0, 0, 0, true)]);
         let mut reports = t.reports.clone();
         reports[2].loss = f64::NAN;
-        let t = HealthTable::detailed(t.world, &ValueNames::default(), t.local, t.reduced, reports, None);
+        let t =
+            HealthTable::detailed(t.world, &ValueNames::default(), t.local.clone(), Vec::new(), red(&t), reports, None);
         let r = decide(&t, &layout(), &Policy::Abort, &History::default(), AT).report.unwrap();
         assert!(!r.loss_finite);
     }
@@ -668,11 +727,13 @@ mod tests {
             let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, p_bad);
             let nb = layout.buckets.len();
             let local = (0..nb).flat_map(|b| rows.iter().map(move |r| r[b])).collect();
-            let table = HealthTable::detailed(world, &names(), local, reduced.clone(), reports.clone(), Some(7));
+            let hashes: Vec<u64> = (0..nb as u64).map(|b| 0x5eed ^ b).collect();
+            let red = Reduced { health: reduced.clone(), reference: hashes.clone() };
+            let table = HealthTable::detailed(world, &names(), local, Vec::new(), red, reports.clone(), Some(7));
             // Every rank a reducer, as in the flat MPI transport.
             let parts: Vec<Summary> = (0..world)
                 .map(|k| {
-                    let mut s = Summary::of_rank(&names(), &rows[k], Some(&reduced), &reports[k]);
+                    let mut s = Summary::of_rank(&names(), k, &rows[k], Some((&reduced, &hashes)), &reports[k]);
                     s.ops.add(7);
                     s
                 })
@@ -682,7 +743,8 @@ mod tests {
             let finite =
                 table.all_finite() && table.loss_finite() && table.summary.values().all(|(_, s)| s.all_finite());
             let same_replica = reports.iter().all(|r| r.replica == reports[0].replica);
-            assert_eq!(summary.anomaly().is_none(), finite && same_replica, "case {case}");
+            let undamaged = reports.iter().all(|r| r.state == 0);
+            assert_eq!(summary.anomaly().is_none(), finite && same_replica && undamaged, "case {case}");
             if summary.anomaly().is_some() {
                 anomalous += 1;
                 continue;
@@ -690,7 +752,8 @@ mod tests {
             healthy += 1;
             let small = HealthTable::summarized(world, summary).unwrap();
             assert!(!small.is_detailed());
-            assert_eq!(small.reduced, table.reduced);
+            assert_eq!((&small.reduced, &small.reference), (&table.reduced, &table.reference));
+            assert_eq!(small.summary.extremes, table.summary.extremes);
             assert_eq!(small.grad_norm().to_bits(), table.grad_norm().to_bits());
             assert_eq!(small.mean_loss().to_bits(), table.mean_loss().to_bits());
             for name in names().iter() {

@@ -198,8 +198,12 @@ fn child_reduce(dir: &Path, rank: usize) -> Result<(), Error> {
         for b in 0..l.buckets.len() {
             t.allreduce_bucket(at, b)?;
         }
-        let report =
-            LocalScalars { loss: rank as f64 + u as f64, values: vec![u as f64; value_names().len()], replica: 7 };
+        let report = LocalScalars {
+            loss: rank as f64 + u as f64,
+            values: vec![u as f64; value_names().len()],
+            replica: 7,
+            state: 0,
+        };
         let table = t.agree(at, report)?;
         let verdict = decide(&table, &l, &Policy::Abort, &history, at);
         history.record(&table, &verdict);

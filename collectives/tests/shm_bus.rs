@@ -41,6 +41,7 @@ fn code_of(e: &Error) -> i32 {
         Error::Mpi { .. } => 26,
         Error::Cuda(_) | Error::Nccl { .. } => 27,
         Error::Config { .. } => 28,
+        Error::Unsupported { .. } => 29,
     }
 }
 
@@ -184,8 +185,12 @@ fn child_reduce(e: &Env) -> Result<(), Error> {
         for b in 0..layout.buckets.len() {
             bus.allreduce_bucket(at, b)?;
         }
-        let report =
-            LocalScalars { loss: e.rank as f64 + 0.5, values: vec![u as f64; value_names().len()], replica: 7 };
+        let report = LocalScalars {
+            loss: e.rank as f64 + 0.5,
+            values: vec![u as f64; value_names().len()],
+            replica: 7,
+            state: 0,
+        };
         let table = bus.agree(at, report)?;
         let verdict = decide(&table, &layout, &Policy::Abort, &history, at);
         history.record(&table, &verdict);
@@ -247,7 +252,8 @@ fn child_nonfinite(e: &Env) -> Result<(), Error> {
     for b in 0..layout.buckets.len() {
         bus.allreduce_bucket(at, b)?;
     }
-    let table = bus.agree(at, LocalScalars { loss: 1.0, values: vec![0.0; value_names().len()], replica: 0 })?;
+    let table =
+        bus.agree(at, LocalScalars { loss: 1.0, values: vec![0.0; value_names().len()], replica: 0, state: 0 })?;
     let verdict = decide(&table, &layout, &Policy::Abort, &History::default(), at);
     let json = serde_json::to_string(&verdict.report).unwrap();
     std::fs::write(e.dir.join(format!("table-{}.txt", e.rank)), format!("{table:?}\n{verdict:?}")).unwrap();

@@ -4,6 +4,8 @@
 //! ```sh
 //! cargo run --release -p gradbus-kernels --example workbench -- checksum [N ...]
 //!
+//! cargo run --release -p gradbus-kernels --example workbench -- sdc [N ...]
+//!
 //! cargo run --release -p gradbus-kernels --example workbench -- gemm [C L]
 //!
 //! GRADBUS_SIMD=avx2 cargo run --release -p gradbus-kernels --example workbench -- gemm [C L]
@@ -25,17 +27,25 @@
 //! tiny model and `model.channels=256 model.layers=4`): the one-chain FNV-1a it replaced, the lane
 //! hash alone, the AdamW update that computes it in its own pass, and a memcpy of the same bytes.
 //!
+//! `sdc`: what the silent-data-corruption guard adds to one rank's kernels per update at N
+//! parameters and 2 ranks, beside the same kernels without it, alternated in this one process: the
+//! weights read back and hashed (the replica checksum, a pass of its own), the optimizer's scaling
+//! pass that hashes what it reads (`scale_and_checksum` against `scale`), and this rank's half of
+//! the bucket reduce with each source's peak and the checksum of its chunk of the sum
+//! (`reduce_with_peaks` + `checksum` against `reduce_in_place`).
+//!
 //! `simd`: the path the kernels take here and every level this CPU runs (one line each), for scripts
 //! to print beside their numbers.
 
 use std::hint::black_box;
 use std::time::Instant;
 
-use gradbus_kernels::checksum::{checksum, Checksum};
+use gradbus_kernels::checksum::{checksum, scale_and_checksum, Checksum};
 use gradbus_kernels::ops::matmul::gemm_tiles;
 use gradbus_kernels::ops::{adamw_update, matmul_backward, matmul_forward};
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::simd::{self, Level};
+use gradbus_kernels::{reduce_in_place, reduce_with_peaks, Health, Peak};
 
 /// Best time of `rounds` rounds of `iters` calls, in seconds per call.
 fn best(rounds: usize, iters: usize, mut f: impl FnMut()) -> f64 {
@@ -117,6 +127,78 @@ fn bench_checksum(sizes: &[usize]) {
     println!("# fnv1a-1chain: the checksum before (run twice per update); lanes: the checksum now, alone;");
     println!("# lanes-hot: the same on pieces already in cache, as inside the AdamW pass;");
     println!("# adamw+lanes: the AdamW update that hashes each piece as it writes it (once per update)");
+}
+
+fn bench_sdc(sizes: &[usize]) {
+    println!(
+        "# the SDC guard's kernels per update and rank, 2 ranks: ms per update, off | on; path {}",
+        simd::active()
+    );
+    println!(
+        "{:>10} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "params", "readback", "scale", "scale+hash", "reduce", "reduce+sdc", "off", "on", "added"
+    );
+    let mut rng = Rng::new(&[29]);
+    for &n in sizes {
+        let p = randn(&mut rng, n, 0.02);
+        let mut g = randn(&mut rng, n, 1e-3);
+        // This rank's chunk of a 2-rank reduce: half the buffer, from 2 sources.
+        let half = n / 2;
+        let (mut a, mut b) = (randn(&mut rng, half, 1e-3), randn(&mut rng, half, 1e-3));
+        // Short rounds, many of them: a round of ~0.1-1 ms is seldom preempted on a busy machine.
+        let iters = (200_000 / n.max(1)).clamp(1, 50);
+        // The reduce overwrites its sources with their sum: each call starts from copies of the same
+        // two (the copies are timed alone and taken off, so that only the reduce counts).
+        let (a0, b0) = (a.clone(), b.clone());
+        let fresh = |a: &mut [f32], b: &mut [f32]| {
+            a.copy_from_slice(&a0);
+            b.copy_from_slice(&b0);
+        };
+        // Each variant beside its guard-off twin, alternated round by round, best of many rounds:
+        // a loaded machine steals whole rounds, not a share of each.
+        let (mut t_read, mut t_scale, mut t_scale_hash) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+        let (mut t_copy, mut t_reduce, mut t_reduce_sdc) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+        for _ in 0..200 {
+            t_read = t_read.min(best(1, iters, || {
+                black_box(checksum(black_box(&p)));
+            }));
+            // Scaling by 1.0 leaves the gradients as they are, round after round.
+            t_scale = t_scale.min(best(1, iters, || gradbus_kernels::ops::scale(black_box(&mut g), black_box(1.0))));
+            t_scale_hash = t_scale_hash.min(best(1, iters, || {
+                black_box(scale_and_checksum(black_box(&mut g), black_box(1.0), &[0..n]));
+            }));
+            t_copy = t_copy.min(best(1, iters, || fresh(&mut a, &mut b)));
+            t_reduce = t_reduce.min(best(1, iters, || {
+                fresh(&mut a, &mut b);
+                let mut tally = [Health::default(); 2];
+                black_box(reduce_in_place(&mut [&mut a[..], &mut b[..]], &mut tally));
+            }));
+            t_reduce_sdc = t_reduce_sdc.min(best(1, iters, || {
+                fresh(&mut a, &mut b);
+                let (mut tally, mut peaks) = ([Health::default(); 2], [Peak::default(); 2]);
+                black_box(reduce_with_peaks(&mut [&mut a[..], &mut b[..]], &mut tally, &mut peaks, None));
+                black_box(checksum(black_box(&a)));
+            }));
+        }
+        let (t_reduce, t_reduce_sdc) = (t_reduce - t_copy, t_reduce_sdc - t_copy);
+        let (off, on) = (t_scale + t_reduce, t_read + t_scale_hash + t_reduce_sdc);
+        let ms = |t: f64| format!("{:.4}", t * 1e3);
+        println!(
+            "{n:>10} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            ms(t_read),
+            ms(t_scale),
+            ms(t_scale_hash),
+            ms(t_reduce),
+            ms(t_reduce_sdc),
+            ms(off),
+            ms(on),
+            ms(on - off)
+        );
+    }
+    println!("# readback: the weights hashed again at the start of an update (the guard only);");
+    println!("# scale / scale+hash: the optimizer's scaling pass without / with hashing what it reads;");
+    println!("# reduce / reduce+sdc: this rank's half of a 2-rank reduce without / with peaks and the");
+    println!("# hash of its chunk of the sum; off / on: the sums; added: on - off (the guard's kernels)");
 }
 
 /// `matmul_forward` through `matrixmultiply::sgemm` (gradbus before its own kernel).
@@ -315,6 +397,7 @@ fn main() {
     };
     match args.first().map(String::as_str) {
         Some("checksum") => bench_checksum(&sizes(&args[1..], &[103_168, 3_171_840])),
+        Some("sdc") => bench_sdc(&sizes(&args[1..], &[103_168, 3_171_840])),
         Some("simd") => {
             println!("path {} (this CPU's best: {})", simd::active(), simd::detected());
             for level in simd::available() {
@@ -326,7 +409,7 @@ fn main() {
             bench_gemm(v[0], v.get(1).copied().unwrap_or(4));
         }
         _ => {
-            eprintln!("usage: workbench checksum [N ...] | workbench gemm [C LAYERS] | workbench simd");
+            eprintln!("usage: workbench checksum [N ...] | workbench sdc [N ...] | workbench gemm [C LAYERS] | workbench simd");
             std::process::exit(2);
         }
     }

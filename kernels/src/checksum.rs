@@ -12,6 +12,11 @@
 //! probability about 2^-64. [`Checksum`] takes the buffer in pieces of any length (the AdamW pass
 //! hashes each chunk while it is in cache) and gives the same value as [`checksum`] of the whole.
 //! The naive twin is `reference::checksum`.
+//!
+//! The silent-data-corruption guard hashes gradients with the same function, in pieces: a
+//! reducer hashes the chunk of the sum it wrote, and a rank's optimizer, in the pass that scales
+//! the reduced gradients ([`scale_and_checksum`]), hashes what it reads over the same pieces;
+//! [`combine`] folds a bucket's piece hashes in order into one value.
 
 /// Independent lanes: 8 AVX-512 registers (16 AVX2 ones), enough chains to hide the multiply latency.
 pub const LANES: usize = 128;
@@ -74,6 +79,41 @@ pub fn checksum(x: &[f32]) -> u64 {
     let mut c = Checksum::new();
     c.update(x);
     c.finish()
+}
+
+/// Words scaled per step of [`scale_and_checksum`]: each piece is hashed, then scaled, while it is
+/// in cache (the AdamW pass hashes pieces of the same size).
+const PIECE: usize = 8192;
+
+/// `x *= s` element by element (bitwise `ops::scale`), returning for each of `ranges` (which tile
+/// `x`, in order) the replica checksum of that range of `x` as it was read: one pass over memory,
+/// each piece hashed and then scaled while in cache.
+///
+/// # Panics
+/// When the ranges do not tile `x` (a program bug).
+pub fn scale_and_checksum(x: &mut [f32], s: f32, ranges: &[std::ops::Range<usize>]) -> Vec<u64> {
+    let tiled = ranges.first().map_or(x.is_empty(), |r| r.start == 0)
+        && ranges.windows(2).all(|w| w[0].end == w[1].start)
+        && ranges.last().is_none_or(|r| r.end == x.len());
+    assert!(tiled, "ranges {ranges:?} must tile a buffer of {}", x.len());
+    ranges
+        .iter()
+        .map(|r| {
+            let mut c = Checksum::new();
+            for piece in x[r.clone()].chunks_mut(PIECE) {
+                c.update(piece);
+                // `ops::scale`'s loop, bit for bit (ops imports this module: no import back).
+                piece.iter_mut().for_each(|v| *v *= s);
+            }
+            c.finish()
+        })
+        .collect()
+}
+
+/// One value for consecutive pieces' checksums, in their order (a bucket's chunks, as its reducers
+/// hash them): splitmix64's bijective finaliser chained over them.
+pub fn combine(hashes: &[u64]) -> u64 {
+    hashes.iter().fold(0x2545_f491_4f6c_dd1du64 ^ hashes.len() as u64, |h, &x| mix64(h ^ x))
 }
 
 /// Fold the lanes, in lane order, into one 64-bit value (splitmix64's bijective finaliser per step).

@@ -53,6 +53,77 @@ impl Health {
     }
 }
 
+/// Where a slice's largest values are, as the reduce tallies it per source without a pass of its
+/// own: the largest |value| of the block (`BLOCK` elements, as the reduce walks them) with the
+/// largest sum of squares. A value many binades above its neighbours owns its block's sum of
+/// squares, so this names it; on a healthy slice it is one of the largest values.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Peak {
+    /// The largest |value| among the finite elements of that block (0 for an empty slice).
+    pub value: f32,
+    /// Its index, relative to the start of the tallied range.
+    pub at: u64,
+    /// That block's sum of squares (-inf before the first block).
+    pub block_sumsq: f64,
+}
+
+impl Default for Peak {
+    fn default() -> Peak {
+        Peak { value: 0.0, at: 0, block_sumsq: f64::NEG_INFINITY }
+    }
+}
+
+impl Peak {
+    /// Take `block` (starting at index `lo`, with sum of squares `sumsq`) if its sum of squares
+    /// exceeds the best so far: the block is scanned for its largest finite |value| (the first
+    /// such index). Called once per block; a scan happens only on a new best (for random data
+    /// about ln(blocks) times).
+    #[inline]
+    pub fn offer(&mut self, block: &[f32], lo: u64, sumsq: f64) {
+        if sumsq > self.block_sumsq {
+            let (top, at) = largest(block);
+            *self = Peak { value: f32::from_bits(top), at: lo + at as u64, block_sumsq: sumsq };
+        }
+    }
+}
+
+/// The largest finite |value| of `x` as its bits (0 when none), and the first index holding it.
+/// |value| as bits orders the finite values as floats (non-finite ones count as 0): an integer
+/// maximum, which vectorizes (a float one does not, without fast-math), compiled for the CPU's
+/// best instruction set.
+fn largest(x: &[f32]) -> (u32, usize) {
+    #[inline(always)]
+    fn key(v: &f32) -> u32 {
+        let b = v.to_bits() & 0x7fff_ffff;
+        if b >= 0x7f80_0000 {
+            0
+        } else {
+            b
+        }
+    }
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // the indexed lanes vectorize
+    fn body(x: &[f32]) -> (u32, usize) {
+        let mut lanes = [0u32; 16];
+        let chunks = x.chunks_exact(16);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for l in 0..16 {
+                lanes[l] = lanes[l].max(key(&c[l]));
+            }
+        }
+        let top = tail.iter().map(key).fold(lanes.into_iter().fold(0, u32::max), u32::max);
+        // The first index holding it: 16 elements tested at a time, then the one chunk searched.
+        for (i, c) in x.chunks(16).enumerate() {
+            if c.iter().fold(false, |hit, v| hit | (key(v) == top)) {
+                return (top, 16 * i + c.iter().position(|v| key(v) == top).unwrap_or(0));
+            }
+        }
+        (top, 0)
+    }
+    simd_dispatch!(body(x: &[f32]) -> (u32, usize))
+}
+
 /// Health of one block (at most `BLOCK` elements), lanes folded in a fixed order.
 ///
 /// A block with no NaN/Inf (the common case) takes an explicit-SIMD path on x86_64 (AVX2 when the

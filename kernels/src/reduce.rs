@@ -31,7 +31,7 @@
 //! (a block is a 4 KiB page, where the hardware prefetcher stops), and `reduce_plain`, the bus's
 //! unvalidated reduce, is the same loop less the squares: what validation costs is the squares.
 
-use crate::health::{scan_block, Health, BLOCK};
+use crate::health::{scan_block, Health, Peak, BLOCK};
 
 /// Rank-ordered in-place all-reduce of `slots` (all the same length). `tally[k]` receives the health
 /// of `slots[k]` as it was on entry; the return value is the health of the sum.
@@ -39,7 +39,20 @@ use crate::health::{scan_block, Health, BLOCK};
 /// Panics if the slots differ in length or `tally.len() != slots.len()`: callers build both from one
 /// layout, so a mismatch is a bug, not an input error.
 pub fn reduce_in_place(slots: &mut [&mut [f32]], tally: &mut [Health]) -> Health {
-    reduce::<true>(slots, tally, None, fused::available())
+    reduce::<true>(slots, tally, &mut [], None, fused::available())
+}
+
+/// `reduce_in_place` (`to = None`) or `reduce_to_one` (`Some(root)`) that also tallies each source's
+/// `Peak` into `peaks[k]` (one per slot; indices relative to the slices' start): the same sum and
+/// tallies, bit for bit, from the same pass.
+pub fn reduce_with_peaks(
+    slots: &mut [&mut [f32]],
+    tally: &mut [Health],
+    peaks: &mut [Peak],
+    to: Option<usize>,
+) -> Health {
+    assert_eq!(peaks.len(), slots.len(), "one peak per slot");
+    reduce::<true>(slots, tally, peaks, to, fused::available())
 }
 
 /// `reduce_in_place` that writes the sum into `slots[root]` only (the other slots keep their
@@ -47,23 +60,25 @@ pub fn reduce_in_place(slots: &mut [&mut [f32]], tally: &mut [Health]) -> Health
 /// leave a node's sum in its leader's slot.
 pub fn reduce_to_one(slots: &mut [&mut [f32]], tally: &mut [Health], root: usize) -> Health {
     assert!(root < slots.len(), "root {root} of {} slots", slots.len());
-    reduce::<true>(slots, tally, Some(root), fused::available())
+    reduce::<true>(slots, tally, &mut [], Some(root), fused::available())
 }
 
 /// `reduce_in_place` without the tallies: the same sum, bit for bit, by the same loop less the
 /// squares. The bus's unvalidated reduce, so that what validation costs is measured against the
 /// same adds, loads and prefetches.
 pub fn reduce_plain(slots: &mut [&mut [f32]]) {
-    reduce::<false>(slots, &mut [], None, fused::available());
+    reduce::<false>(slots, &mut [], &mut [], None, fused::available());
 }
 
 /// The one reduce loop: every slot (`to = None`) or one slot (`Some(root)`) receives the sum.
 /// `fused` (only where `fused::available()`) takes the fused add-and-square passes; `VALIDATE` =
 /// false leaves out the squares and the tallies (`reduce_plain`: `tally` is empty, the result
-/// `Health::default()`).
+/// `Health::default()`). `peaks`: empty, or one per slot (each source's `Peak`, offered every block
+/// before the sum overwrites it).
 fn reduce<const VALIDATE: bool>(
     slots: &mut [&mut [f32]],
     tally: &mut [Health],
+    peaks: &mut [Peak],
     to: Option<usize>,
     fused: bool,
 ) -> Health {
@@ -96,11 +111,18 @@ fn reduce<const VALIDATE: bool>(
                 for (t, &ss) in tally.iter_mut().zip(&sumsq) {
                     t.merge(&Health { sumsq: ss, ..Health::default() }, lo as u64);
                 }
+                for ((p, slot), &ss) in peaks.iter_mut().zip(slots.iter()).zip(&sumsq) {
+                    p.offer(&slot[lo..hi], lo as u64, ss);
+                }
                 sum.merge(&Health { sumsq: s, ..Health::default() }, lo as u64);
             }
             None => {
-                for (t, slot) in tally.iter_mut().zip(slots.iter()) {
-                    t.merge(&scan_block(&slot[lo..hi]), lo as u64);
+                for (k, (t, slot)) in tally.iter_mut().zip(slots.iter()).enumerate() {
+                    let h = scan_block(&slot[lo..hi]);
+                    if let Some(p) = peaks.get_mut(k) {
+                        p.offer(&slot[lo..hi], lo as u64, h.sumsq);
+                    }
+                    t.merge(&h, lo as u64);
                 }
                 sum.merge(&scan_block(acc), lo as u64);
             }
@@ -415,20 +437,42 @@ mod tests {
         srcs
     }
 
-    /// Slots after, tallies and sum health of one reduce.
-    fn run(srcs: &[Vec<f32>], to: Option<usize>, fused: bool) -> (Vec<Vec<f32>>, Vec<Health>, Health) {
+    /// Slots after, tallies, peaks and sum health of one reduce.
+    fn run(srcs: &[Vec<f32>], to: Option<usize>, fused: bool) -> (Vec<Vec<f32>>, Vec<Health>, Vec<Peak>, Health) {
         let mut slots = srcs.to_vec();
         let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(|v| v.as_mut_slice()).collect();
         let mut tally = vec![Health::default(); srcs.len()];
-        let sum = reduce::<true>(&mut refs, &mut tally, to, fused);
-        (slots, tally, sum)
+        let mut peaks = vec![Peak::default(); srcs.len()];
+        let sum = reduce::<true>(&mut refs, &mut tally, &mut peaks, to, fused);
+        (slots, tally, peaks, sum)
+    }
+
+    /// The peak by its definition: the first block with the largest sum of squares (`scan_block`'s),
+    /// its first largest finite |value|.
+    fn naive_peak(x: &[f32]) -> (f32, u64) {
+        let mut best: Option<(f64, usize)> = None;
+        for (i, b) in x.chunks(BLOCK).enumerate() {
+            let ss = scan_block(b).sumsq;
+            if best.is_none_or(|(s, _)| ss > s) {
+                best = Some((ss, i));
+            }
+        }
+        let Some((_, i)) = best else { return (0.0, 0) };
+        let block = &x[i * BLOCK..(i * BLOCK + BLOCK).min(x.len())];
+        let (mut v, mut at) = (0f32, 0);
+        for (j, a) in block.iter().map(|x| x.abs()).enumerate() {
+            if a.is_finite() && a > v {
+                (v, at) = (a, j);
+            }
+        }
+        (v, (i * BLOCK + at) as u64)
     }
 
     /// Slots after one unvalidated reduce (`reduce_plain`).
     fn run_plain(srcs: &[Vec<f32>], fused: bool) -> Vec<Vec<f32>> {
         let mut slots = srcs.to_vec();
         let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(|v| v.as_mut_slice()).collect();
-        reduce::<false>(&mut refs, &mut [], None, fused);
+        reduce::<false>(&mut refs, &mut [], &mut [], None, fused);
         slots
     }
 
@@ -446,7 +490,17 @@ mod tests {
     fn check(srcs: &[Vec<f32>], to: Option<usize>, what: &str) {
         let views: Vec<&[f32]> = srcs.iter().map(|v| v.as_slice()).collect();
         let want = reference::rank_ordered_sum(&views);
-        let (slots, tally, sum) = run(srcs, to, false);
+        let (slots, tally, peaks, sum) = run(srcs, to, false);
+        for (k, p) in peaks.iter().enumerate() {
+            assert_eq!(
+                (p.value.to_bits(), p.at),
+                {
+                    let (v, at) = naive_peak(&srcs[k]);
+                    (v.to_bits(), at)
+                },
+                "{what}: peak {k}"
+            );
+        }
         for (k, slot) in slots.iter().enumerate() {
             let expect = if to.is_none() || to == Some(k) { &want } else { &srcs[k] };
             let same = slot.iter().zip(expect).all(|(a, b)| a.to_bits() == b.to_bits());
@@ -463,8 +517,9 @@ mod tests {
             if to.is_none() {
                 assert_eq!(value_bits(&run_plain(srcs, true)), value_bits(&slots), "{what}: fused plain values");
             }
-            let (fslots, ftally, fsum) = run(srcs, to, true);
+            let (fslots, ftally, fpeaks, fsum) = run(srcs, to, true);
             assert_eq!(value_bits(&fslots), value_bits(&slots), "{what}: fused values");
+            assert_eq!(fpeaks, peaks, "{what}: fused peaks");
             for (k, (f, u)) in ftally.iter().zip(&tally).enumerate() {
                 assert_eq!(bits(f), bits(u), "{what}: fused tally {k}: {f:?} vs {u:?}");
             }
@@ -523,7 +578,7 @@ mod tests {
         let mut srcs = vec![vec![0.25f32; 3000]; 2];
         srcs[0][1500] = f32::MAX;
         srcs[1][1500] = f32::MAX;
-        let (slots, tally, sum) = run(&srcs, None, fused::available());
+        let (slots, tally, _, sum) = run(&srcs, None, fused::available());
         assert_eq!(slots[0][1500], f32::INFINITY);
         assert_eq!((sum.nan, sum.inf, sum.first_bad), (0, 1, Some(1500)));
         for (k, t) in tally.iter().enumerate() {

@@ -160,6 +160,34 @@ fn checksum_sees_every_single_word_change_and_the_length() {
 }
 
 #[test]
+fn scale_and_checksum_hashes_each_range_as_read_and_scales_like_scale() {
+    use gradbus_kernels::checksum::{checksum, combine, scale_and_checksum};
+    let mut rng = Rng::new(&[29, 1]);
+    for &n in &[0, 1, 15, 100, 8192, 8193, 40_003] {
+        let x = gradients(&mut rng, n, true);
+        // Random cuts into tiling ranges, some of them empty.
+        let mut cuts: Vec<usize> = (0..4).map(|_| rng.below(n + 1)).collect();
+        cuts.extend([0, n]);
+        cuts.sort_unstable();
+        let ranges: Vec<_> = cuts.windows(2).map(|w| w[0]..w[1]).collect();
+        let s = rng.normal();
+        let mut scaled = x.clone();
+        let got = scale_and_checksum(&mut scaled, s, &ranges);
+        let want: Vec<u64> = ranges.iter().map(|r| checksum(&x[r.clone()])).collect();
+        assert_eq!(got, want, "n={n}: the checksum of each range as it was read");
+        let mut plain = x.clone();
+        gradbus_kernels::ops::scale(&mut plain, s);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&scaled), bits(&plain), "n={n}: scaled as ops::scale scales");
+        assert_ne!(combine(&want), combine(&[want.as_slice(), &[0]].concat()), "one more piece");
+    }
+    let (a, b) = (checksum(&[1.0]), checksum(&[2.0]));
+    assert_ne!(combine(&[a, b]), combine(&[b, a]), "combine is ordered");
+    let bad = std::panic::catch_unwind(|| scale_and_checksum(&mut [0.0; 4], 1.0, &[0..2]));
+    assert!(bad.is_err(), "ranges that do not tile are a program bug");
+}
+
+#[test]
 fn adamw_returns_the_checksum_of_the_weights_it_wrote() {
     use gradbus_kernels::checksum::checksum;
     use gradbus_kernels::ops::adamw_update;

@@ -27,7 +27,7 @@
 use gradbus_collectives::choice::Calibration;
 use gradbus_collectives::wire::{table_of, RowShape, CELL};
 use gradbus_collectives::{
-    Bucket, HealthTable, Judge, Layout, LocalScalars, LossScale, OnSpike, Policy, Slot, StepId, Summary, ValueNames,
+    Bucket, HealthTable, Judge, Layout, LocalScalars, LossScale, OnSpike, Policy, Reduced, Slot, StepId, Summary, ValueNames,
     Watched,
 };
 use gradbus_kernels::{health_scan, Checksum, Health};
@@ -109,7 +109,7 @@ fn decode_table(table: &[u64], world: usize, buckets: usize) -> Result<HealthTab
         ));
     }
     let rows = shape(buckets).rows(table)?;
-    Ok(table_of(&rows, &values(), neutral(buckets), None))
+    Ok(table_of(&rows, &values(), Reduced { health: neutral(buckets), reference: vec![0; buckets] }, None))
 }
 
 /// A `Layout` over DDP's buckets: bucket `b` is a contiguous range of a virtual flat buffer (buckets
@@ -201,8 +201,10 @@ fn encode_row<'py>(
     let local = local.map_err(PyValueError::new_err)?;
     let sumsq = local.iter().map(|h| h.sumsq).sum();
     // In the order of `VALUES`.
-    let report = LocalScalars { loss, values: vec![sumsq, loss_scale], replica };
-    Ok(PyBytes::new(py, &to_bytes(shape(local.len()).encode(&[], &local, None, &report))))
+    let report = LocalScalars { loss, values: vec![sumsq, loss_scale], replica, ..LocalScalars::default() };
+    // No peaks yet: the silent-data-corruption guard's checks are off in the PyTorch guard.
+    let peaks = vec![0; local.len()];
+    Ok(PyBytes::new(py, &to_bytes(shape(local.len()).encode(&[], (&local, &peaks), None, &report))))
 }
 
 /// A row of `encode_row`, decoded: (cells as `encode_row` takes them, loss, loss scale, replica).
@@ -334,7 +336,8 @@ fn contribute<'py>(
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
     let w = words(row, "health row").map_err(PyValueError::new_err)?;
     let (local, report) = decode_row(&w, buckets).map_err(PyValueError::new_err)?;
-    let s = Summary::of_rank(&values(), &local, Some(&neutral(buckets)), &report);
+    let (health, reference) = (neutral(buckets), vec![0; buckets]);
+    let s = Summary::of_rank(&values(), 0, &local, Some((&health, &reference)), &report);
     let max = s.max_words().into_iter().map(|x| x ^ FLIP);
     Ok((PyBytes::new(py, &to_bytes(s.sum_words())), PyBytes::new(py, &to_bytes(max))))
 }
@@ -476,7 +479,7 @@ impl Agreement {
             max_fraction: self.max_fraction,
             window: self.window,
         });
-        let (verdict, spike) = self.judge.judge(t, layout, &self.policy, at, watched, self.on_spike, scaler);
+        let (verdict, spike, _) = self.judge.judge(t, layout, &self.policy, at, watched, self.on_spike, scaler);
         out.action = verdict.action.as_str().into();
         out.spike = spike;
         out.report = verdict.report.as_ref().map(gradbus_artifacts::report_text);

@@ -17,7 +17,7 @@ use crate::error::WorkerError;
 use crate::faults::FaultPlan;
 use crate::judge::Judge;
 use crate::rank::RankInfo;
-use gradbus_artifacts::{self as artifacts, CheckpointMeta, RunRecord, SavedHistory};
+use gradbus_artifacts::{self as artifacts, CheckpointMeta, RunRecord, SavedHistory, SavedSdc};
 
 /// The state a checkpoint holds, as host slices (a backend's `to_host`: borrowed on the CPU).
 pub(crate) struct State<'a> {
@@ -82,6 +82,10 @@ pub(crate) fn save(
             suspects: h.suspects.clone(),
         },
         run: Some(run),
+        sdc: Some(SavedSdc {
+            outliers: s.judge.verdicts.sdc.outliers.clone(),
+            detections: s.judge.verdicts.sdc.detections,
+        }),
     };
     let tensors: [(&str, &[f32]); 4] = [("params", s.params), ("m", s.m), ("v", s.v), ("rollout", s.rollout)];
     let step = s.step;
@@ -131,7 +135,18 @@ pub(crate) fn restore(
             )));
         }
     }
-    let mut judge = Judge::new(cfg);
+    let mut judge = Judge::new(cfg, layout.buckets.len(), info.world, rank);
+    if let Some(sdc) = &meta.sdc {
+        // The rule comes from this run's config; the history from the checkpoint, when it was kept
+        // under the same rule and layout.
+        let g = &mut judge.verdicts.sdc;
+        if let (Some(mine), Some(saved)) = (&mut g.outliers, &sdc.outliers) {
+            if saved.rule() == mine.rule() && saved.buckets() == mine.buckets() {
+                *mine = saved.clone();
+            }
+        }
+        g.detections = sdc.detections;
+    }
     judge.verdicts.history.consecutive_skips = meta.history.consecutive_skips;
     judge.verdicts.history.skipped = meta.history.skipped;
     judge.verdicts.history.recent = meta.history.recent.clone();

@@ -36,6 +36,9 @@ pub const AGREEMENT: &str = gradbus_collectives::AgreementPath::ENV;
 pub const SIMD: &str = gradbus_kernels::simd::Level::ENV;
 /// A fault plan (TOML array of tables, the same syntax as `[[faults]]` in the config).
 pub const FAULTS: &str = "GRADBUS_FAULTS";
+/// Non-empty: rank 0 prints the outlier rule's numbers per bucket every update (`sdc-trace STEP
+/// UPDATE ATTEMPT excess:spread:isolation ...`, binades; NaN before the history is long enough).
+pub const SDC_TRACE: &str = "GRADBUS_SDC_TRACE";
 
 /// A program the launcher starts in place of `gradbus worker` (a path; it gets the worker's
 /// arguments); for tests and debugging. Read by the launcher only; unset, the launcher starts its

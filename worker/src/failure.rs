@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use gradbus_collectives::grads::FlatGrads;
-use gradbus_collectives::{HealthTable, Layout, Report};
+use gradbus_collectives::{Cause, HealthTable, Layout, Report};
 use gradbus_kernels::backend::Backend;
 
 use crate::config::Config;
@@ -77,8 +77,12 @@ pub(crate) fn write_failure(
         attempt: report.attempt,
         b: mb.b,
         t: mb.t,
-        loss: table.reports[rank].loss,
-        local_health: (0..table.buckets).map(|b| HealthRecord::from(table.cell(b, rank))).collect(),
+        // An abort decided from the summary alone (a deterministic outlier) has no per-rank detail.
+        loss: table.reports.get(rank).map_or(f64::NAN, |r| r.loss),
+        local_health: match table.is_detailed() {
+            true => (0..table.buckets).map(|b| HealthRecord::from(table.cell(b, rank))).collect(),
+            false => Vec::new(),
+        },
         health_chunks,
         report: report.clone(),
     };
@@ -104,7 +108,10 @@ pub(crate) fn write_failure(
     Ok(())
 }
 
-/// One line about a non-finite report, the same on every rank.
+/// One line about a report, the same on every rank.
 pub fn describe(r: &Report) -> String {
-    format!("non-finite gradients at {r}")
+    match r.cause {
+        Cause::LocalGradients | Cause::SumOverflow => format!("non-finite gradients at {r}"),
+        Cause::Outlier | Cause::Replicas => format!("silent data corruption at {r}"),
+    }
 }

@@ -245,7 +245,7 @@ pub fn run(args: &WorkerArgs) -> Result<Code, WorkerError> {
     let _owner = if info.rank == 0 { rundir::claim_as_worker(&run_dir, mode, &info.job_id)? } else { None };
     let layout = Layout::new(&model::param_specs(&cfg.model), cfg.bucket_bytes);
     let hash = config_hash ^ layout.hash();
-    let faults = FaultPlan::new(&cfg.faults, info.rank)?;
+    let faults = FaultPlan::new(&cfg.faults, &cfg.model, info.rank)?;
     let job = Job { cfg, config_hash: hash, config_text: canonical, info, run_dir, faults, resume: args.resume };
     match job.cfg.device {
         Device::Cpu => {

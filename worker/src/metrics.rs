@@ -32,6 +32,8 @@ pub struct UpdateRecord<'a> {
     pub action: Action,
     /// The spike, described, if the agreed loss or norm was one.
     pub spike: Option<&'a str>,
+    /// The silent-data-corruption finding, described (a repair, an outlier).
+    pub sdc: Option<&'a str>,
     /// The learning rate of the update.
     pub lr: f32,
     /// Updates skipped so far, this one included.
@@ -90,8 +92,10 @@ impl MetricsWriter {
             max_logratio_masked: values.max_logratio_masked,
             headroom: agreed.headroom,
             spike: u.spike.map(String::from),
+            sdc: u.sdc.map(String::from),
             skip_cause: (u.action == Action::Skip).then(|| match (u.spike, at.attempt) {
                 (Some(s), _) => s.to_string(),
+                (None, _) if u.sdc.is_some() => "a deterministic outlier (silent data corruption)".to_string(),
                 (None, 0) => "non-finite gradients".to_string(),
                 (None, _) => "transient fault (the rerun differed)".to_string(),
             }),

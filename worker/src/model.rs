@@ -54,6 +54,21 @@ impl GptConfig {
                 l.parse::<usize>().is_ok_and(|n| n < self.layers && n.to_string() == l) && BLOCK_PARAMS.contains(&p)
             })
     }
+
+    /// The element count of parameter `name` (`None` when [`GptConfig::has_param`] is false), without
+    /// building every layer's specs.
+    pub fn param_numel(&self, name: &str) -> Option<usize> {
+        if !self.has_param(name) {
+            return None;
+        }
+        // Every block has the same shapes: look the name up in a one-block model.
+        let one = GptConfig { layers: 1, ..self.clone() };
+        let key = match name.strip_prefix("blocks.").and_then(|x| x.split_once('.')) {
+            Some((_, p)) => format!("blocks.0.{p}"),
+            None => name.to_string(),
+        };
+        param_specs(&one).into_iter().find(|s| s.name == key).map(|s| s.numel)
+    }
 }
 
 /// Parameters of one block, in forward order; index within the block.
@@ -775,6 +790,10 @@ mod tests {
         }
         for bad in ["blocks.3.ln1.weight", "blocks.01.ln1.weight", "blocks.0.ln3.weight", "head", "blocks.0", ""] {
             assert!(!cfg.has_param(bad), "{bad}");
+            assert_eq!(cfg.param_numel(bad), None, "{bad}");
+        }
+        for s in param_specs(&cfg) {
+            assert_eq!(cfg.param_numel(&s.name), Some(s.numel), "{}", s.name);
         }
     }
 

@@ -3,10 +3,17 @@
 //! non-finite gradients: `gradbus_collectives::Policy`.)
 //!
 //! Invariants: the weights, `m` and `v` are one flat buffer each, laid out by the model's `Layout`;
-//! `checksum` is always the replica checksum of `params`, kept by whatever writes them (the init,
-//! a resume, the AdamW pass, which hashes as it writes), so an update never re-reads the weights.
+//! `checksum` is always the replica checksum of `params` as last WRITTEN (the init, a resume, a
+//! repair, the AdamW pass, which hashes as it writes), so reading the weights back and hashing them
+//! again ([`TrainState::self_check`]) tells whether memory changed them since. The optimizer's scaling
+//! pass hashes the reduced gradients it consumes, per bucket, so that the next update can check
+//! them against the reducers' reference.
 
+use std::ops::Range;
+
+use gradbus_collectives::StateFault;
 use gradbus_kernels::backend::Backend;
+use gradbus_kernels::checksum::combine;
 
 use crate::config::OptimConfig;
 
@@ -21,6 +28,9 @@ pub struct TrainState<B: Backend> {
     /// Adam step counter.
     pub adam_t: u64,
     checksum: u64,
+    /// The last update's consumed gradients per bucket (checksums, as the scaling pass read
+    /// them) and the reducers' reference for them; `None` before the first and after a repair.
+    consumed: Option<(Vec<u64>, Vec<u64>)>,
 }
 
 impl<B: Backend> TrainState<B> {
@@ -32,7 +42,7 @@ impl<B: Backend> TrainState<B> {
             Some((m, v)) => (be.upload(m), be.upload(v)),
             None => (be.zeros(be.len(&params)), be.zeros(be.len(&params))),
         };
-        TrainState { params, m, v, adam_t, checksum }
+        TrainState { params, m, v, adam_t, checksum, consumed: None }
     }
 
     /// The replica checksum of the weights.
@@ -49,13 +59,51 @@ impl<B: Backend> TrainState<B> {
         }
     }
 
+    /// What this rank finds wrong with its own state, and the replica checksum of its weights as
+    /// read back now (one pass over the weights): weights that no longer hash to what was last
+    /// written, a consumed gradient whose bucket hash differs from the reducers' reference (a
+    /// reference of 0 is unknown: a transport that does not hash its sums).
+    pub fn self_check(&self, be: &B) -> (u64, StateFault) {
+        let replica = be.checksum(be.all(&self.params));
+        let consumed =
+            self.consumed.as_ref().and_then(|(got, want)| got.iter().zip(want).position(|(g, w)| *w != 0 && g != w));
+        (replica, StateFault { weights: replica != self.checksum, consumed })
+    }
+
+    /// Take a healthy replica's state (host copies of the weights and both moments), as the
+    /// replica repair delivers it.
+    pub fn adopt(&mut self, be: &B, params: &[f32], m: &[f32], v: &[f32]) {
+        for (buf, x) in [(&mut self.params, params), (&mut self.m, m), (&mut self.v, v)] {
+            be.write(be.all_mut(buf), x);
+        }
+        self.checksum = be.checksum(be.all(&self.params));
+        self.consumed = None;
+    }
+
     /// The update from the reduced gradients (the SUM over `world` ranks, whose mean has the agreed
-    /// norm `grad_norm`): the mean, clipped by that norm, then AdamW.
-    pub fn apply(&mut self, be: &B, mut grads: B::ViewMut<'_>, grad_norm: f64, world: usize, o: &OptimConfig, lr: f32) {
+    /// norm `grad_norm`): the mean, clipped by that norm, then AdamW. The scaling pass checksums
+    /// what it reads over `pieces` (`transport::hash_pieces`: each bucket's `pieces.len() /
+    /// reference.len()` reducer chunks), folded per bucket (`checksum::combine`) and kept with
+    /// `reference`, the reducers' hashes, for the next [`TrainState::self_check`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply(
+        &mut self,
+        be: &B,
+        mut grads: B::ViewMut<'_>,
+        grad_norm: f64,
+        world: usize,
+        o: &OptimConfig,
+        lr: f32,
+        pieces: &[Range<usize>],
+        reference: &[u64],
+    ) {
         let world = world as f64;
         let clip = o.grad_clip as f64;
         let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
-        be.scale(B::reborrow_mut(&mut grads), (coef / world) as f32);
+        let hashes = be.scale_and_checksum(B::reborrow_mut(&mut grads), (coef / world) as f32, pieces);
+        let per_bucket = pieces.len() / reference.len().max(1);
+        let got = hashes.chunks(per_bucket.max(1)).map(combine).collect();
+        self.consumed = Some((got, reference.to_vec()));
         self.adam_t += 1;
         let (p, m, v) = (be.all_mut(&mut self.params), be.all_mut(&mut self.m), be.all_mut(&mut self.v));
         self.checksum =

@@ -21,15 +21,18 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use gradbus_collectives::sdc::StateCheck;
 use gradbus_collectives::shm::ProgressWriter;
-use gradbus_collectives::{Action, BusBackend, GradBus, Layout, LocalScalars, Progress, Report, StepId};
+use gradbus_collectives::{
+    Action, BusBackend, Cause, GradBus, Layout, LocalScalars, Progress, Report, StateFault, StepId,
+};
 use gradbus_kernels::rng::Rng;
 
 use crate::checkpoint;
 use crate::config::Config;
 use crate::error::WorkerError;
 use crate::failure::{describe, trace_failure, write_failure};
-use crate::faults::FaultPlan;
+use crate::faults::{FaultPlan, FlipTarget};
 use crate::gradients::Work;
 use crate::judge::{Judge, Judged};
 use crate::metrics::{MetricsWriter, UpdateRecord};
@@ -70,6 +73,24 @@ pub struct Trainer<B: BusBackend> {
     overlap: bool,
     /// The last update's agreed numbers, for the step's summary line.
     last: Option<Agreed>,
+    /// The pieces the transport's reducers checksum the reduced gradients in
+    /// (`transport::hash_pieces`), which the optimizer's scaling pass checksums too.
+    hash_pieces: Vec<std::ops::Range<usize>>,
+}
+
+/// Re-executions of one update (or of a step from its rollout) for replica repairs before the job
+/// stops: a replica that stays damaged after that many copies is not a transient fault.
+const MAX_REPAIRS: u32 = 3;
+
+/// How one update ended.
+enum UpdateEnd {
+    /// Proceeded or skipped: the next update.
+    Done,
+    /// The cluster agreed to abort.
+    Aborted(Report),
+    /// A replica was repaired at the step's first update: run the step again from its rollout,
+    /// its first update as this attempt.
+    RedoStep(u32),
 }
 
 /// What one rank runs, besides its backend and its bus.
@@ -110,7 +131,7 @@ impl<B: BusBackend> Trainer<B> {
         let mut init = vec![0.0; layout.len];
         gpt.init(&mut init, &mut Rng::new(&[cfg.seed, purpose::INIT]));
         let (mut state, mut rollout) = (TrainState::new(&be, &init, None, 0), RolloutEngine::new(&be, &cfg, &init));
-        let (mut judge, mut step) = (Judge::new(&cfg), 0);
+        let (mut judge, mut step) = (Judge::new(&cfg, layout.buckets.len(), info.world, info.rank), 0);
         if resume {
             let r = checkpoint::restore(&run_dir, &layout, &cfg, &config_text, &info)?;
             state = TrainState::new(&be, &r.params, Some((&r.m, &r.v)), r.adam_t);
@@ -142,6 +163,7 @@ impl<B: BusBackend> Trainer<B> {
             faults,
             overlap,
             last: None,
+            hash_pieces: gradbus_collectives::hash_pieces(&layout, bus.transport().health_chunks()),
             bus,
             progress,
             step,
@@ -157,7 +179,8 @@ impl<B: BusBackend> Trainer<B> {
         self.bus.transport().layout()
     }
 
-    /// Run the remaining steps.
+    /// Run the remaining steps. After the last one, one more agreement checks (and repairs) the
+    /// replicas, whose last update no later update would check.
     pub fn run(&mut self) -> Result<Outcome, WorkerError> {
         while self.step < self.cfg.steps {
             if let Some(report) = self.rl_step()? {
@@ -167,12 +190,108 @@ impl<B: BusBackend> Trainer<B> {
                 println!("{}", self.step_summary());
             }
             self.step += 1;
+            if self.step == self.cfg.steps {
+                if let Some(report) = self.final_check()? {
+                    return Ok(Outcome::Aborted(Box::new(report)));
+                }
+            }
             let every = self.cfg.checkpoint.every;
             if every > 0 && self.step % every == 0 && self.info.rank == 0 {
-                self.save_checkpoint()?;
+                // Never a damaged replica into a checkpoint: rank 0 checks its own state first
+                // (the next update's agreement repairs it; this checkpoint is left out).
+                let (_, own) = self.state.self_check(&self.be);
+                if self.sdc_checks() && own.any() {
+                    log::warn!(
+                        "rank 0: checkpoint of step {} not written: its own state is damaged ({own:?}); the next update repairs it",
+                        self.step
+                    );
+                } else {
+                    self.save_checkpoint()?;
+                }
             }
         }
         Ok(Outcome::Done)
+    }
+
+    /// Whether the replica checks run: `sdc.replicas` and more than one rank to compare with.
+    fn sdc_checks(&self) -> bool {
+        self.cfg.sdc.replicas && self.info.world > 1
+    }
+
+    /// The replica check of the state the last update left: an agreement on zeroed gradients (one
+    /// reduce and one agreement per run), repairing a damaged replica; every rank then logs the
+    /// checksum of its weights as read back. Returns the abort report when no replica can be told
+    /// healthy.
+    fn final_check(&mut self) -> Result<Option<Report>, WorkerError> {
+        if !self.sdc_checks() {
+            return Ok(None);
+        }
+        let at = StepId { step: self.cfg.steps, minibatch: 0, attempt: 0 };
+        for attempt in 0..=MAX_REPAIRS {
+            let at = StepId { attempt, ..at };
+            let (replica, state) = self.state.self_check(&self.be);
+            let bus = self.bus.transport_mut();
+            bus.grads().fill(0.0);
+            for b in 0..bus.layout().buckets.len() {
+                bus.allreduce_bucket(at, b)?;
+            }
+            let values = UpdateValues::default().to_report(self.info.rank);
+            let report = LocalScalars { loss: 0.0, values, replica, state: state.word() };
+            let table = bus.agree(at, report)?;
+            match gradbus_collectives::sdc::check_state(&table) {
+                StateCheck::Healthy => {
+                    eprintln!("rank {}: final weights checksum {replica:016x} (read back)", self.info.rank);
+                    return Ok(None);
+                }
+                StateCheck::Repair { donor, damaged, why } => {
+                    self.judge.verdicts.sdc.detections += 1;
+                    log::warn!(
+                        "rank {}: after the last update: rank(s) {damaged:?} damaged ({}); repaired from rank {donor}",
+                        self.info.rank,
+                        why.join("; ")
+                    );
+                    self.repair(at, donor)?;
+                }
+                StateCheck::Undecided { replicas } => {
+                    let mut r = gradbus_collectives::empty_report(at, Action::Abort);
+                    (r.cause, r.ranks) = (Cause::Replicas, replicas.iter().map(|&(k, _)| k).collect());
+                    log::warn!("rank {}: {}", self.info.rank, describe(&r));
+                    return Ok(Some(r));
+                }
+            }
+        }
+        Err(WorkerError::Diverged(format!(
+            "the replicas stayed damaged after {MAX_REPAIRS} repairs at the end of the run"
+        )))
+    }
+
+    /// Copy the weights and both Adam moments from rank `donor` into every rank (collectively; the
+    /// gradient buffer is lost). A rank whose copy differed logs where: the count, the first
+    /// element, its value and the donor's, and the bits that differ.
+    fn repair(&mut self, at: StepId, donor: usize) -> Result<(), WorkerError> {
+        let (be, rank) = (&self.be, self.info.rank);
+        let mut copies = Vec::with_capacity(3);
+        for (name, buf) in [("weights", &self.state.params), ("adam m", &self.state.m), ("adam v", &self.state.v)] {
+            let mine = be.to_host(be.all(buf)).into_owned();
+            let mut x = mine.clone();
+            self.bus.transport_mut().broadcast_from(at, donor, &mut x)?;
+            let differ: Vec<usize> = (0..x.len()).filter(|&i| x[i].to_bits() != mine[i].to_bits()).collect();
+            if let Some(&i) = differ.first() {
+                let (p, e) = self.layout().locate(i).map_or(("(padding)".to_string(), i), |(s, e)| (s.name.clone(), e));
+                log::warn!(
+                    "rank {rank}: repair at step {} update {}: {name} differed from rank {donor}'s in {} element(s), first {p}[{e}]: {:e} here, {:e} there (bits {:#010x} differ)",
+                    at.step,
+                    at.minibatch,
+                    differ.len(),
+                    mine[i],
+                    x[i],
+                    mine[i].to_bits() ^ x[i].to_bits()
+                );
+            }
+            copies.push(x);
+        }
+        self.state.adopt(be, &copies[0], &copies[1], &copies[2]);
+        Ok(())
     }
 
     /// A one-line summary of the step just finished, from the last numbers the ranks agreed on.
@@ -207,50 +326,73 @@ impl<B: BusBackend> Trainer<B> {
     }
 
     /// One RL step: rollout, then every update of every epoch. Returns the abort report, if any.
+    /// A replica repaired at the step's first update may have sampled with damaged weights: the
+    /// step starts again from the rollout (the first update then counts as a re-execution).
     fn rl_step(&mut self) -> Result<Option<Report>, WorkerError> {
-        let (seed, step, rank) = (self.cfg.seed, self.step, self.info.rank as u64);
-        let synced = step % self.cfg.rollout_sync_interval == 0;
-        if synced {
-            self.rollout.sync(&self.be, &self.state.params);
-        }
-        let (be, gpt, cfg) = (&self.be, &self.gpt, &self.cfg);
-        let batch = self.rollout.batch(be, gpt, cfg, step, rank, synced, &self.state.params, &mut self.work.acts);
-        let rl = self.cfg.rl.clone();
-        let per_mb = batch.b / rl.minibatches;
-        for epoch in 0..rl.epochs {
-            let mut order: Vec<usize> = (0..batch.b).collect();
-            let mut rng = Rng::new(&[seed, purpose::SHUFFLE, step, rank, epoch as u64]);
-            for i in (1..order.len()).rev() {
-                order.swap(i, rng.below(i + 1));
+        let mut attempt = 0;
+        'step: loop {
+            let (seed, step, rank) = (self.cfg.seed, self.step, self.info.rank as u64);
+            let synced = step % self.cfg.rollout_sync_interval == 0;
+            if synced {
+                self.rollout.sync(&self.be, &self.state.params);
             }
-            for mb in 0..rl.minibatches {
-                let at = StepId { step, minibatch: (epoch * rl.minibatches + mb) as u32, attempt: 0 };
-                let rows = &order[mb * per_mb..(mb + 1) * per_mb];
-                if let Some(report) = self.update(&batch.select(rows), at)? {
-                    return Ok(Some(report));
+            let (be, gpt, cfg) = (&self.be, &self.gpt, &self.cfg);
+            let batch = self.rollout.batch(be, gpt, cfg, step, rank, synced, &self.state.params, &mut self.work.acts);
+            let rl = self.cfg.rl.clone();
+            let per_mb = batch.b / rl.minibatches;
+            for epoch in 0..rl.epochs {
+                let mut order: Vec<usize> = (0..batch.b).collect();
+                let mut rng = Rng::new(&[seed, purpose::SHUFFLE, step, rank, epoch as u64]);
+                for i in (1..order.len()).rev() {
+                    order.swap(i, rng.below(i + 1));
+                }
+                for mb in 0..rl.minibatches {
+                    let minibatch = (epoch * rl.minibatches + mb) as u32;
+                    let at = StepId { step, minibatch, attempt: if minibatch == 0 { attempt } else { 0 } };
+                    let rows = &order[mb * per_mb..(mb + 1) * per_mb];
+                    match self.update(&batch.select(rows), at)? {
+                        UpdateEnd::Done => {}
+                        UpdateEnd::Aborted(report) => return Ok(Some(report)),
+                        UpdateEnd::RedoStep(next) if next <= MAX_REPAIRS => {
+                            attempt = next;
+                            continue 'step;
+                        }
+                        UpdateEnd::RedoStep(_) => {
+                            return Err(WorkerError::Diverged(format!(
+                                "step {step}: the replicas stayed damaged after {MAX_REPAIRS} repairs"
+                            )))
+                        }
+                    }
                 }
             }
+            return Ok(None);
         }
-        Ok(None)
     }
 
-    /// One optimizer update, with reruns as the verdict asks. Returns the abort report, if any.
-    fn update(&mut self, mb: &Batch, mut at: StepId) -> Result<Option<Report>, WorkerError> {
-        let (be, rank) = (&self.be, self.info.rank);
+    /// One optimizer update, with reruns and replica repairs as the verdict asks.
+    fn update(&mut self, mb: &Batch, mut at: StepId) -> Result<UpdateEnd, WorkerError> {
+        let rank = self.info.rank;
         loop {
-            let start = Instant::now();
-            let replica = self.state.checksum();
+            let (be, start) = (&self.be, Instant::now());
+            // The state the previous update left, checked before it computes anything: the
+            // weights read back (one pass) and the consumed gradients against their reference.
+            let (replica, state) = match self.sdc_checks() {
+                true => self.state.self_check(be),
+                false => (self.state.checksum(), StateFault::default()),
+            };
             let (gpt, cfg, faults) = (&self.gpt, &self.cfg, &self.faults);
             let params = &self.state.params;
             let stats =
                 forward_backward(be, gpt, cfg, params, &mut self.work, &mut self.bus, faults, self.overlap, mb, at)?;
             warn_headroom(&stats, cfg.warn.headroom, rank, at);
             let values = UpdateValues::local(mb, &stats).to_report(rank);
-            let table =
-                self.bus.transport_mut().agree(at, LocalScalars { loss: stats.loss as f64, values, replica })?;
-            check_replicas(&table, at)?;
+            let report = LocalScalars { loss: stats.loss as f64, values, replica, state: state.word() };
+            let table = self.bus.transport_mut().agree(at, report)?;
+            if !self.sdc_checks() {
+                check_replicas(&table, at)?;
+            }
             let agreed = Agreed::new(&table);
-            let Judged { verdict, spike, warning } =
+            let Judged { verdict, spike, warning, sdc: finding } =
                 self.judge.judge(&table, &agreed, self.bus.transport().layout(), cfg, at);
             if let Some(o) = &warning {
                 self.metrics.warn(at, o, agreed.headroom_rank)?;
@@ -258,15 +400,24 @@ impl<B: BusBackend> Trainer<B> {
             if let Some(r) = &verdict.report {
                 log::warn!("rank {rank}: {}", describe(r));
             }
+            if let Some(f) = &finding {
+                log::warn!("rank {rank}: {}", f.text);
+            }
             let lr = self.state.lr(&cfg.optim);
             if verdict.action == Action::Proceed {
                 let grads = self.bus.reduced_grads(be);
-                self.state.apply(be, grads, agreed.grad_norm, agreed.world, &cfg.optim, lr);
+                let (norm, world) = (agreed.grad_norm, agreed.world);
+                self.state.apply(be, grads, norm, world, &cfg.optim, lr, &self.hash_pieces, &table.reference);
+                if faults.has_flip(FlipTarget::Weight) {
+                    let layout = self.bus.transport().layout();
+                    faults.flip_in(be, at, layout, FlipTarget::Weight, be.all_mut(&mut self.state.params));
+                }
             }
             let record = UpdateRecord {
                 at,
                 action: verdict.action,
                 spike: spike.as_deref(),
+                sdc: finding.as_ref().map(|f| f.text.as_str()),
                 lr,
                 skipped: self.judge.verdicts.history.skipped,
                 checksum: self.state.checksum(),
@@ -284,18 +435,33 @@ impl<B: BusBackend> Trainer<B> {
             }
             self.last = Some(agreed);
             match verdict.action {
-                Action::Proceed | Action::Skip => return Ok(None),
+                Action::Proceed | Action::Skip => return Ok(UpdateEnd::Done),
                 Action::Rerun => at.attempt += 1,
+                Action::Repair => {
+                    let (donor, _) = finding.and_then(|f| f.repair).expect("a repair names its donor");
+                    self.repair(at, donor)?;
+                    if at.minibatch == 0 {
+                        return Ok(UpdateEnd::RedoStep(at.attempt + 1));
+                    }
+                    if at.attempt >= MAX_REPAIRS {
+                        return Err(WorkerError::Diverged(format!(
+                            "step {} update {}: the replicas stayed damaged after {MAX_REPAIRS} repairs",
+                            at.step, at.minibatch
+                        )));
+                    }
+                    at.attempt += 1;
+                }
                 Action::Abort => {
                     let report = verdict.report.expect("an abort carries its report");
                     let params = be.to_host(be.all(&self.state.params));
                     let chunks = self.bus.transport().health_chunks();
                     write_failure(&self.run_dir, &self.info, &self.config_text, chunks, &params, mb, &table, &report)?;
-                    if report.ranks.contains(&rank) {
+                    let nonfinite = matches!(report.cause, Cause::LocalGradients | Cause::SumOverflow);
+                    if nonfinite && report.ranks.contains(&rank) {
                         let (layout, params) = (self.bus.transport().layout(), &self.state.params);
                         trace_failure(be, gpt, cfg, params, &mut self.work, layout, mb, &report, &self.run_dir, rank)?;
                     }
-                    return Ok(Some(report));
+                    return Ok(UpdateEnd::Aborted(report));
                 }
             }
         }

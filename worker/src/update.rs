@@ -11,7 +11,7 @@ use gradbus_collectives::{BusBackend, GradBus, HealthTable, StepId, ValueNames};
 
 use crate::config::Config;
 use crate::error::WorkerError;
-use crate::faults::{FaultPhase, FaultPlan};
+use crate::faults::{FaultPhase, FaultPlan, FlipTarget};
 use crate::gradients::{backward, forward_loss, Work};
 use crate::loss::{LossStats, EXP_OVERFLOW};
 use crate::model::Gpt;
@@ -19,8 +19,9 @@ use crate::probe::NoProbe;
 use crate::task::Batch;
 
 /// Forward, loss and backward onto the bus and the bucket all-reduces (overlapped with backward
-/// when `overlap` says so), with the planned faults of this update. Every fault but the NaN/Inf
-/// plants fires on this thread, never on the backward thread.
+/// when `overlap` says so), with the planned faults of this update: a `reduced` bit flip lands in
+/// this rank's reduced gradients after the last reduce. Every fault but the plants into the local
+/// gradients fires on this thread, never on the backward thread.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_backward<B: BusBackend>(
     be: &B,
@@ -50,6 +51,9 @@ pub(crate) fn forward_backward<B: BusBackend>(
             }
         },
     )?;
+    if faults.has_flip(FlipTarget::Reduced) {
+        faults.flip_in(be, at, &layout, FlipTarget::Reduced, bus.reduced_grads(be));
+    }
     Ok(stats)
 }
 

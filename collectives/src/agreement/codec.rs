@@ -5,7 +5,7 @@
 
 use gradbus_kernels::Health;
 
-use super::{ExactSum, Shared, Stat, Summary, ValueNames};
+use super::{ExactSum, Extremes, Shared, Stat, Summary, ValueNames};
 
 impl Summary {
     /// Words of the integer-sum half of the all-reduce: `sum_len(buckets, values)` of them.
@@ -13,6 +13,7 @@ impl Summary {
         let mut w = Vec::with_capacity(Summary::sum_len(self.buckets(), self.values.len()));
         w.extend(&self.nan);
         w.extend(&self.inf);
+        w.push(self.damaged);
         for s in self.stats() {
             w.extend([s.nan, s.pos_inf, s.neg_inf]);
             w.extend(s.sum.words());
@@ -23,8 +24,11 @@ impl Summary {
     /// Words of the maximum half of the all-reduce: `max_len(buckets, values)` of them.
     pub fn max_words(&self) -> Vec<u64> {
         let mut w = Vec::with_capacity(Summary::max_len(self.buckets(), self.values.len()));
-        for a in self.reduced.iter().flatten().chain([&self.replica, &self.ops]) {
+        for a in self.reduced.iter().flatten().chain(&self.reference).chain([&self.replica, &self.ops]) {
             w.extend([a.max, a.inv_min]);
+        }
+        for e in &self.extremes {
+            w.extend([e.top, e.inv_low, e.peak]);
         }
         for s in self.stats() {
             w.extend([s.max, s.inv_min]);
@@ -34,12 +38,12 @@ impl Summary {
 
     /// Length of `sum_words` for `buckets` buckets and `values` values.
     pub fn sum_len(buckets: usize, values: usize) -> usize {
-        2 * buckets + (1 + values) * (3 + ExactSum::WORDS)
+        2 * buckets + 1 + (1 + values) * (3 + ExactSum::WORDS)
     }
 
     /// Length of `max_words` for `buckets` buckets and `values` values.
     pub fn max_len(buckets: usize, values: usize) -> usize {
-        8 * buckets + 4 + 2 * (1 + values)
+        13 * buckets + 4 + 2 * (1 + values)
     }
 
     /// The summary of all-reduced words (element-wise wrapping sums of `sum_words`, maxima of
@@ -50,17 +54,27 @@ impl Summary {
         let mut s = Summary::empty(buckets, names);
         s.nan.copy_from_slice(&sum[..buckets]);
         s.inf.copy_from_slice(&sum[buckets..2 * buckets]);
-        let mut si = sum[2 * buckets..].chunks_exact(3 + ExactSum::WORDS);
+        s.damaged = sum[2 * buckets];
+        let mut si = sum[2 * buckets + 1..].chunks_exact(3 + ExactSum::WORDS);
         let mut mi = max.chunks_exact(2);
         let mut shared = || {
             let w = mi.next().expect("max_len words");
             Shared { max: w[0], inv_min: w[1] }
         };
-        for a in s.reduced.iter_mut().flatten() {
+        for a in s.reduced.iter_mut().flatten().chain(&mut s.reference) {
             *a = shared();
         }
         s.replica = shared();
         s.ops = shared();
+        let ext = &max[2 * (5 * buckets + 2)..2 * (5 * buckets + 2) + 3 * buckets];
+        for (e, w) in s.extremes.iter_mut().zip(ext.chunks_exact(3)) {
+            *e = Extremes { top: w[0], inv_low: w[1], peak: w[2] };
+        }
+        let mut mi = max[2 * (5 * buckets + 2) + 3 * buckets..].chunks_exact(2);
+        let mut shared = || {
+            let w = mi.next().expect("max_len words");
+            Shared { max: w[0], inv_min: w[1] }
+        };
         let stats: Vec<Stat> = (0..1 + names.len())
             .map(|_| {
                 let w = si.next().expect("sum_len words");

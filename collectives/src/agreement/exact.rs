@@ -175,7 +175,7 @@ impl Shared {
 }
 
 /// Order key of a non-NaN f64: `key(a) < key(b)` iff a < b (with -0 < +0); never 0.
-fn key(x: f64) -> u64 {
+pub(super) fn key(x: f64) -> u64 {
     let b = x.to_bits();
     if b >> 63 == 1 {
         !b
@@ -184,7 +184,7 @@ fn key(x: f64) -> u64 {
     }
 }
 
-fn unkey(k: u64) -> f64 {
+pub(super) fn unkey(k: u64) -> f64 {
     f64::from_bits(if k >> 63 == 1 { k & !(1 << 63) } else { !k })
 }
 

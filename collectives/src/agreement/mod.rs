@@ -42,6 +42,7 @@ use crate::layout::Fnv;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 pub(crate) use codec::NONE;
 pub(crate) use codec::{health_of, health_words};
+use exact::{key, unkey};
 pub use exact::{ExactSum, Shared, Stat, LIMBS};
 
 /// The names of the workload's values (a reward, a KL...) that every rank reports in the
@@ -100,37 +101,139 @@ impl ValueNames {
 /// round trip). `loss` decides `loss_finite`; `values` are the workload's own, one per name of the
 /// transport's `ValueNames` and in their order, which the agreement sums exactly and takes the
 /// extremes of (`Summary`); `replica` is a checksum of the state every rank must hold alike (the
-/// parameters), which must agree across ranks.
+/// parameters, as read back from memory), which must agree across ranks; `state` is what the rank
+/// found wrong with its own state (`StateFault`, 0: nothing).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LocalScalars {
     /// This rank's loss for the update.
     pub loss: f64,
     /// The workload's values, in the order of the transport's `ValueNames`.
     pub values: Vec<f64>,
-    /// Checksum of this rank's replica of the shared state; ranks that differ stop the job.
+    /// Checksum of this rank's replica of the shared state; ranks that differ are repaired or stop.
     pub replica: u64,
+    /// This rank's own finding about its state since the last update (`StateFault::word`; 0:
+    /// nothing wrong).
+    pub state: u64,
 }
 
 impl LocalScalars {
     /// Words of a report of `values` values on the wire or in a segment.
     pub fn words(values: usize) -> usize {
-        2 + values
+        3 + values
     }
 
-    /// The report as words: loss bits, value bits, replica.
+    /// The report as words: loss bits, value bits, replica, state.
     pub fn to_words(&self) -> Vec<u64> {
         let values = self.values.iter().map(|v| v.to_bits());
-        std::iter::once(self.loss.to_bits()).chain(values).chain([self.replica]).collect()
+        std::iter::once(self.loss.to_bits()).chain(values).chain([self.replica, self.state]).collect()
     }
 
     /// The report of `to_words`' words (all of `w`: its length gives the number of values).
     pub fn from_words(w: &[u64]) -> LocalScalars {
-        assert!(w.len() >= 2, "a report is at least 2 words, got {}", w.len());
+        assert!(w.len() >= 3, "a report is at least 3 words, got {}", w.len());
+        let n = w.len();
         LocalScalars {
             loss: f64::from_bits(w[0]),
-            values: w[1..w.len() - 1].iter().map(|&b| f64::from_bits(b)).collect(),
-            replica: w[w.len() - 1],
+            values: w[1..n - 2].iter().map(|&b| f64::from_bits(b)).collect(),
+            replica: w[n - 2],
+            state: w[n - 1],
         }
+    }
+}
+
+/// What a rank found wrong with its own state at the start of an update, by comparing what it
+/// computed with what it holds - no other rank needed, so even 2 ranks know which copy is bad.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateFault {
+    /// Its weights, read back, no longer hash to what its optimizer step wrote: memory changed
+    /// them since.
+    pub weights: bool,
+    /// The reduced gradient its optimizer step consumed was not the one the reducers wrote: this
+    /// first bucket (reduce order) differed from the agreed reference.
+    pub consumed: Option<usize>,
+}
+
+impl StateFault {
+    /// As one word: bit 0 the weights, bit 1 the consumed gradient, its bucket from bit 8.
+    pub fn word(self) -> u64 {
+        let c = self.consumed.map_or(0, |b| 2 | (b as u64) << 8);
+        self.weights as u64 | c
+    }
+
+    /// The fault of a report's word.
+    pub fn of_word(w: u64) -> StateFault {
+        StateFault { weights: w & 1 == 1, consumed: (w & 2 == 2).then_some((w >> 8) as usize) }
+    }
+
+    /// True when something is wrong.
+    pub fn any(self) -> bool {
+        self.weights || self.consumed.is_some()
+    }
+}
+
+/// One rank's local gradients in one bucket, as the outlier rule sees them: the sum of squares
+/// and, where the transport tallies it, the peak (the largest |value| of the bucket's block with
+/// the largest sum of squares, and its offset in the bucket).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BucketStat {
+    /// Sum of squares of the finite elements.
+    pub sumsq: f64,
+    /// The peak |value| and its offset in the bucket; `None` where the transport does not tally it.
+    pub peak: Option<(f32, u64)>,
+}
+
+/// Per bucket, the extremes over ranks of their `BucketStat`s, combined by maxima (see `Summary`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Extremes {
+    /// Max over ranks of `key(sumsq)` with the low 16 bits replaced by the rank (0: none).
+    top: u64,
+    /// Max over ranks of `!key(sumsq)` (0: none).
+    inv_low: u64,
+    /// Max over ranks of `peak bits << 32 | offset` (0: none or no peak tallied).
+    peak: u64,
+}
+
+/// Ranks above this are folded into the low bits of `Extremes::top` modulo it (the sum of squares
+/// keeps 36 of its 52 mantissa bits there: a relative precision of 2^-36).
+const RANK_BITS: u32 = 16;
+
+/// A peak as one word, ordered by |value| first: `|value| bits << 32 | offset` (offsets modulo
+/// 2^32; 0: no peak).
+pub fn peak_word(peak: Option<(f32, u64)>) -> u64 {
+    peak.map_or(0, |(v, at)| (v.abs().to_bits() as u64) << 32 | (at & 0xffff_ffff))
+}
+
+/// The peak of a `peak_word`.
+pub fn peak_of_word(w: u64) -> Option<(f32, u64)> {
+    (w != 0).then(|| (f32::from_bits((w >> 32) as u32), w & 0xffff_ffff))
+}
+
+impl Extremes {
+    /// Contribute rank `rank`'s statistic.
+    pub fn add(&mut self, rank: usize, s: &BucketStat) {
+        let k = key(s.sumsq);
+        self.top = self.top.max((k & !((1 << RANK_BITS) - 1)) | (rank as u64 & ((1 << RANK_BITS) - 1)));
+        self.inv_low = self.inv_low.max(!k);
+        self.peak = self.peak.max(peak_word(s.peak));
+    }
+    fn merge(&mut self, o: &Extremes) {
+        self.top = self.top.max(o.top);
+        self.inv_low = self.inv_low.max(o.inv_low);
+        self.peak = self.peak.max(o.peak);
+    }
+    /// The largest sum of squares over ranks and the rank that holds it (its sum of squares to
+    /// 2^-36; the highest rank on a tie); `None` when nobody contributed.
+    pub fn top(&self) -> Option<(f64, usize)> {
+        (self.top != 0)
+            .then(|| (unkey(self.top & !((1 << RANK_BITS) - 1)), (self.top & ((1 << RANK_BITS) - 1)) as usize))
+    }
+    /// The smallest sum of squares over ranks; `None` when nobody contributed.
+    pub fn low(&self) -> Option<f64> {
+        (self.inv_low != 0).then(|| unkey(!self.inv_low))
+    }
+    /// The largest peak over ranks and its offset in the bucket; `None` when none was tallied.
+    pub fn peak(&self) -> Option<(f32, u64)> {
+        peak_of_word(self.peak)
     }
 }
 
@@ -145,6 +248,8 @@ pub enum Anomaly {
     NonFinite,
     /// The replicas' checksums differ.
     Replicas,
+    /// Some rank found its own state damaged (`StateFault`).
+    State,
 }
 
 /// The agreed summary of one update (see the module doc): per bucket the NaN and Inf totals of the
@@ -168,6 +273,13 @@ pub struct Summary {
     pub replica: Shared,
     /// The hash of the collectives each rank ran since the last agreement (transports that check it).
     pub ops: Shared,
+    /// Ranks that found their own state damaged (`LocalScalars::state` not 0).
+    pub damaged: u64,
+    /// Per bucket: the checksum of the reduced gradient as its reducers wrote it (every reducer
+    /// contributes its own; the reference a rank's consumed copy is checked against).
+    reference: Vec<Shared>,
+    /// Per bucket: the extremes over ranks of their local gradients' statistics.
+    pub extremes: Vec<Extremes>,
 }
 
 impl Summary {
@@ -182,18 +294,29 @@ impl Summary {
             values: vec![Stat::default(); names.len()],
             replica: Shared::default(),
             ops: Shared::default(),
+            damaged: 0,
+            reference: vec![Shared::default(); buckets],
+            extremes: vec![Extremes::default(); buckets],
         }
     }
 
-    /// One rank's contribution: its local health per bucket, the reduced buckets' health when it
-    /// reduced them, its report (of the values `names`).
-    pub fn of_rank(names: &ValueNames, local: &[Health], reduced: Option<&[Health]>, report: &LocalScalars) -> Summary {
+    /// One rank's contribution: its local health per bucket (rank `rank`'s), the reduced buckets'
+    /// health and checksums when it reduced them, its report (of the values `names`).
+    pub fn of_rank(
+        names: &ValueNames,
+        rank: usize,
+        local: &[Health],
+        reduced: Option<(&[Health], &[u64])>,
+        report: &LocalScalars,
+    ) -> Summary {
         let mut s = Summary::empty(local.len(), names);
         for (b, h) in local.iter().enumerate() {
             s.add_local(b, h.nan, h.inf);
+            s.extremes[b].add(rank, &BucketStat { sumsq: h.sumsq, peak: None });
         }
-        if let Some(r) = reduced {
+        if let Some((r, hashes)) = reduced {
             s.set_reduced(r);
+            s.set_reference(hashes);
         }
         s.add_report(report);
         s
@@ -241,9 +364,25 @@ impl Summary {
         }
     }
 
-    /// Forget the reduced buckets' health (a node summary whose reduce was not the global one).
+    /// Forget the reduced buckets' health and hashes (a node summary whose reduce was not the
+    /// global one).
     pub fn clear_reduced(&mut self) {
         self.reduced.fill([Shared::default(); 4]);
+        self.reference.fill(Shared::default());
+    }
+
+    /// Contribute the reduced buckets' checksums (as a reducer).
+    pub fn set_reference(&mut self, hashes: &[u64]) {
+        assert_eq!(hashes.len(), self.buckets());
+        for (a, &h) in self.reference.iter_mut().zip(hashes) {
+            a.add(h);
+        }
+    }
+
+    /// The reduced buckets' checksums as the reducers wrote them; `None` when reducers
+    /// disagree or none contributed.
+    pub fn reference(&self) -> Option<Vec<u64>> {
+        self.reference.iter().map(Shared::value).collect()
     }
 
     /// Contribute one rank's report.
@@ -263,6 +402,7 @@ impl Summary {
             s.add(v);
         }
         self.replica.add(r.replica);
+        self.damaged += (r.state != 0) as u64;
     }
 
     /// Combine with another contribution (commutative and associative, bit for bit).
@@ -274,6 +414,8 @@ impl Summary {
             for (a, x) in self.reduced[b].iter_mut().zip(&o.reduced[b]) {
                 a.merge(x);
             }
+            self.reference[b].merge(&o.reference[b]);
+            self.extremes[b].merge(&o.extremes[b]);
         }
         self.loss.merge(&o.loss);
         for (a, x) in self.values.iter_mut().zip(&o.values) {
@@ -281,6 +423,7 @@ impl Summary {
         }
         self.replica.merge(&o.replica);
         self.ops.merge(&o.ops);
+        self.damaged += o.damaged;
     }
 
     /// The reduced buckets' health; `None` when reducers disagree or none contributed.
@@ -298,9 +441,15 @@ impl Summary {
             return Some(Anomaly::Collectives);
         }
         let Some(reduced) = self.reduced() else { return Some(Anomaly::Reducers) };
+        if self.reference().is_none() {
+            return Some(Anomaly::Reducers);
+        }
         let stats_finite = self.loss.all_finite() && self.values.iter().all(Stat::all_finite);
         if self.nan.iter().chain(&self.inf).any(|&c| c > 0) || !reduced.iter().all(Health::is_finite) || !stats_finite {
             return Some(Anomaly::NonFinite);
+        }
+        if self.damaged > 0 {
+            return Some(Anomaly::State);
         }
         if self.replica.value().is_none() {
             return Some(Anomaly::Replicas);
@@ -529,6 +678,7 @@ pub(crate) mod tests {
                     loss: value(rng, -8..3) as f32 as f64,
                     values: (0..names().len()).map(|_| value(rng, -20..20)).collect(),
                     replica,
+                    state: 0,
                 };
                 if bad(rng) {
                     r.loss = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY][rng.below(3)];
@@ -538,6 +688,9 @@ pub(crate) mod tests {
                 }
                 if bad(rng) {
                     r.replica ^= 1 << rng.below(64);
+                }
+                if bad(rng) {
+                    r.state = StateFault { weights: rng.below(2) == 0, consumed: Some(rng.below(nb)) }.word();
                 }
                 r
             })
@@ -571,16 +724,19 @@ pub(crate) mod tests {
         for _ in 0..100 {
             let world = 2 + rng.below(10);
             let (rows, reduced, reports) = random_rows(&mut rng, &layout, world, 0.1);
+            let hashes = [3u64, 4];
+            let red = Some((&reduced[..], &hashes[..]));
             let per_rank: Vec<Summary> =
-                (0..world).map(|k| Summary::of_rank(&names(), &rows[k], Some(&reduced), &reports[k])).collect();
+                (0..world).map(|k| Summary::of_rank(&names(), k, &rows[k], red, &reports[k])).collect();
             let cut = 1 + rng.below(world - 1);
             let mut nodes = Vec::new();
             for range in [0..cut, cut..world] {
                 let mut node = Summary::empty(2, &names());
                 for k in range {
-                    node.merge(&Summary::of_rank(&names(), &rows[k], None, &reports[k]));
+                    node.merge(&Summary::of_rank(&names(), k, &rows[k], None, &reports[k]));
                 }
                 node.set_reduced(&reduced);
+                node.set_reference(&hashes);
                 nodes.push(node);
             }
             nodes.push(Summary::empty(2, &names())); // a non-leader
@@ -597,10 +753,12 @@ pub(crate) mod tests {
                 loss: 0.5,
                 values: (0..n).map(|i| (10 * i + k) as f64).collect(),
                 replica: 3,
+                state: k as u64,
             };
             assert_eq!(report(1).to_words().len(), LocalScalars::words(n));
             assert_eq!(LocalScalars::from_words(&report(1).to_words()), report(1));
-            let parts: Vec<Summary> = (0..3).map(|k| Summary::of_rank(&names, &h, Some(&h), &report(k))).collect();
+            let red = Some((&h[..], &[5u64][..]));
+            let parts: Vec<Summary> = (0..3).map(|k| Summary::of_rank(&names, k, &h, red, &report(k))).collect();
             let s = allreduce(&mut Rng::new(&[18, 6]), &parts);
             assert_eq!(s.values().count(), n);
             for i in 0..n {
@@ -613,6 +771,29 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn state_faults_and_extremes_round_trip_and_name_the_rank() {
+        for f in [
+            StateFault::default(),
+            StateFault { weights: true, consumed: None },
+            StateFault { weights: false, consumed: Some(0) },
+            StateFault { weights: true, consumed: Some(1749) },
+        ] {
+            assert_eq!(StateFault::of_word(f.word()), f);
+            assert_eq!(f.any(), f.word() != 0);
+        }
+        let mut e = Extremes::default();
+        assert_eq!((e.top(), e.low(), e.peak()), (None, None, None));
+        for (k, ss, peak) in [(0, 2.0, 0.5), (1, 1e30, 3e15), (2, 0.25, 0.1), (3, 1.0, 0.3)] {
+            e.add(k, &BucketStat { sumsq: ss, peak: Some((-peak as f32, 40 + k as u64)) });
+        }
+        let (top, rank) = e.top().unwrap();
+        assert_eq!(rank, 1);
+        assert!((top / 1e30 - 1.0).abs() < 1e-10, "{top}");
+        assert_eq!(e.low(), Some(0.25));
+        assert_eq!(e.peak(), Some((3e15, 41)), "the largest |value| and its offset");
+    }
+
+    #[test]
     #[should_panic(expected = "\"kl\" is not a value of this agreement")]
     fn a_value_that_was_not_declared_is_a_program_bug() {
         Summary::empty(1, &ValueNames::new(&["reward"])).value("kl");
@@ -622,18 +803,26 @@ pub(crate) mod tests {
     fn disagreeing_reducers_replicas_or_collectives_are_anomalies() {
         let h = [Health { sumsq: 2.0, ..Health::default() }];
         let (none, r) = (ValueNames::default(), LocalScalars { loss: 1.0, ..LocalScalars::default() });
-        let mut a = Summary::of_rank(&none, &h, Some(&h), &r);
+        let hash = [8u64];
+        let mut a = Summary::of_rank(&none, 0, &h, Some((&h, &hash)), &r);
         assert_eq!(a.anomaly(), None);
         let mut b = a.clone();
-        b.merge(&Summary::of_rank(&none, &h, Some(&[Health { sumsq: 2.5, ..Health::default() }]), &r));
+        b.merge(&Summary::of_rank(&none, 1, &h, Some((&[Health { sumsq: 2.5, ..Health::default() }], &hash)), &r));
         assert_eq!(b.anomaly(), Some(Anomaly::Reducers));
+        let mut b = a.clone();
+        b.merge(&Summary::of_rank(&none, 1, &h, Some((&h, &[9])), &r));
+        assert_eq!(b.anomaly(), Some(Anomaly::Reducers), "reducers that wrote other bits");
         let mut c = a.clone();
-        c.merge(&Summary::of_rank(&none, &h, None, &LocalScalars { replica: 9, ..r.clone() }));
+        c.merge(&Summary::of_rank(&none, 1, &h, None, &LocalScalars { replica: 9, ..r.clone() }));
         assert_eq!(c.anomaly(), Some(Anomaly::Replicas));
         assert_eq!(c.replica.range(), Some((0, 9)));
+        let mut d = a.clone();
+        let weights = StateFault { weights: true, consumed: None };
+        d.merge(&Summary::of_rank(&none, 1, &h, None, &LocalScalars { state: weights.word(), ..r.clone() }));
+        assert_eq!((d.anomaly(), d.damaged), (Some(Anomaly::State), 1), "a rank that found its own state damaged");
         a.ops.add(1);
         a.ops.add(2);
         assert_eq!(a.anomaly(), Some(Anomaly::Collectives));
-        assert_eq!(Summary::of_rank(&none, &h, None, &r).anomaly(), Some(Anomaly::Reducers), "no reducer at all");
+        assert_eq!(Summary::of_rank(&none, 0, &h, None, &r).anomaly(), Some(Anomaly::Reducers), "no reducer at all");
     }
 }

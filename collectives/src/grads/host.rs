@@ -375,6 +375,9 @@ mod tests {
         fn agree(&mut self, at: StepId, local: crate::LocalScalars) -> Result<crate::HealthTable, Error> {
             self.solo.agree(at, local)
         }
+        fn broadcast_from(&mut self, at: StepId, root: usize, data: &mut [f32]) -> Result<(), Error> {
+            self.solo.broadcast_from(at, root, data)
+        }
         fn mark_failed(&mut self) {}
     }
 

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use gradbus_kernels::{reduce_in_place, reduce_plain, reduce_to_one, Health};
+use gradbus_kernels::checksum::{checksum, combine};
+use gradbus_kernels::{reduce_plain, reduce_with_peaks, Health, Peak};
 use memmap2::MmapRaw;
 
 use super::liveness::{monotonic_ns, self_start_time, thread_cpu_time};
@@ -17,7 +18,7 @@ use super::segment::{
     attach, check_job_id, create, load_health, store_health, BusConfig, Geometry, HealthCell, RankCell,
 };
 use super::{FAIL_MARKED, ST_ATTACHED, ST_DEPARTED};
-use crate::agreement::{LocalScalars, Summary};
+use crate::agreement::{peak_of_word, peak_word, BucketStat, LocalScalars, Summary};
 use crate::choice::AgreementPath;
 use crate::layout::{chunk_range, Layout, ALIGN_FLOATS};
 use crate::transport::Transport;
@@ -145,9 +146,32 @@ impl ShmBus {
         }
     }
 
+    /// The words after an entry's health cells: the checksum of the chunk's sum, then one
+    /// peak word per source rank.
+    pub(super) fn entry_words(&self, parity: u64, bucket: usize, reducer: usize) -> &[AtomicU64] {
+        let g = &self.geo;
+        assert!(bucket < g.buckets && reducer < g.n);
+        let idx = (parity as usize * g.buckets + bucket) * g.n + reducer;
+        // SAFETY: as in `entry`: the entry holds, after its stamp and n + 2 cells of 4 words,
+        // 1 + n more atomics (`Geometry::entry`).
+        unsafe {
+            let p = self.map.as_ptr().add(g.table + idx * g.entry + 8 + (g.n + 2) * size_of::<HealthCell>());
+            std::slice::from_raw_parts(p.cast::<AtomicU64>(), 1 + g.n)
+        }
+    }
+
     pub(super) fn report_cell(&self, parity: u64, k: usize) -> &[AtomicU64] {
+        &self.report_words(parity, k)[..LocalScalars::words(self.cfg.values.len())]
+    }
+
+    /// Rank `k`'s per-bucket statistics in its report cell: sum of squares bits, peak word.
+    fn stat_cell(&self, parity: u64, k: usize) -> &[AtomicU64] {
+        &self.report_words(parity, k)[LocalScalars::words(self.cfg.values.len())..]
+    }
+
+    fn report_words(&self, parity: u64, k: usize) -> &[AtomicU64] {
         assert!(k < self.geo.n);
-        let words = LocalScalars::words(self.cfg.values.len());
+        let words = LocalScalars::words(self.cfg.values.len()) + 2 * self.geo.buckets;
         let at = self.geo.reports + (parity as usize * self.geo.n + k) * self.geo.report;
         // SAFETY: report (parity, k) lies in [reports, grads) (Geometry), 64-byte aligned, and holds
         // `geo.report >= 8 * words` bytes: `words` atomics, valid for any bits.
@@ -163,18 +187,30 @@ impl ShmBus {
     /// chunk, merged in chunk order). Valid until the next `agree`: the buffer of that update is
     /// rewritten only two updates later, after barriers this rank has not passed.
     pub fn last_local_row(&self, k: usize) -> Vec<Health> {
-        let (n, parity) = (self.geo.n, (self.update + 1) % 2);
+        self.last_local_stats(k).into_iter().map(|(h, _)| h).collect()
+    }
+
+    /// `last_local_row` with each bucket's peak (`agreement::BucketStat`'s: offset in the bucket).
+    pub fn last_local_stats(&self, k: usize) -> Vec<(Health, Option<(f32, u64)>)> {
+        self.local_row(k, (self.update + 1) % 2, self.update)
+    }
+
+    /// Rank `k`'s health and peak per bucket in the table buffer `parity`, from the entries stamped
+    /// `stamp` (chunks merged in chunk order; the peak: the chunks' largest).
+    fn local_row(&self, k: usize, parity: u64, stamp: u64) -> Vec<(Health, Option<(f32, u64)>)> {
+        let n = self.geo.n;
         (0..self.geo.buckets)
             .map(|b| {
                 let len = self.cfg.layout.buckets[b].range.len();
-                let mut h = Health::default();
+                let (mut h, mut peak) = (Health::default(), 0);
                 for r in 0..n {
-                    let (stamp, cells) = self.entry(parity, b, r);
-                    if stamp.load(Ordering::Relaxed) == self.update {
+                    let (st, cells) = self.entry(parity, b, r);
+                    if st.load(Ordering::Relaxed) == stamp {
                         h.merge(&load_health(&cells[k]), chunk_range(len, n, r, ALIGN_FLOATS).start as u64);
+                        peak = peak.max(self.entry_words(parity, b, r)[1 + k].load(Ordering::Relaxed));
                     }
                 }
-                h
+                (h, peak_of_word(peak))
             })
             .collect()
     }
@@ -273,11 +309,16 @@ impl ShmBus {
         let t0 = thread_cpu_time();
         if validate {
             let mut tally = vec![Health::default(); n];
-            let sum = match to {
-                None => reduce_in_place(&mut slices, &mut tally),
-                Some(root) => reduce_to_one(&mut slices, &mut tally, root),
-            };
+            let mut peaks = vec![Peak::default(); n];
+            let sum = reduce_with_peaks(&mut slices, &mut tally, &mut peaks, to);
+            // The reference of this chunk of the sum: its checksum as written (in cache now).
+            let hash = checksum(slices[to.unwrap_or(me)]);
             drop(slices);
+            let words = self.entry_words(self.update % 2, bucket, me);
+            words[0].store(hash, Ordering::Relaxed);
+            for (w, p) in words[1..].iter().zip(&peaks) {
+                w.store(peak_word(Some((p.value, chunk.start as u64 + p.at))), Ordering::Relaxed);
+            }
             let (stamp, cells) = self.entry(self.update % 2, bucket, me);
             let totals = Health {
                 nan: tally.iter().map(|h| h.nan).sum(),
@@ -342,12 +383,21 @@ unsafe impl Transport for ShmBus {
         for (w, v) in self.report_cell(parity, me).iter().zip(local.to_words()) {
             w.store(v, Ordering::Relaxed);
         }
+        // This rank's own row (its cells of every reducer's chunk: O(local ranks x buckets)) goes
+        // beside its report, so that every rank reads every rank's statistics in O(ranks x buckets).
+        let stats = self.stat_cell(parity, me);
+        for (b, (h, peak)) in self.local_row(me, parity, self.update + 1).into_iter().enumerate() {
+            stats[2 * b].store(h.sumsq.to_bits(), Ordering::Relaxed);
+            stats[2 * b + 1].store(peak_word(peak), Ordering::Relaxed);
+        }
         self.barrier_tagged("agree", at, None)?;
         let nb = self.geo.buckets;
         let mut summary = Summary::empty(nb, &self.cfg.values);
         let mut reduced = vec![Health::default(); nb];
+        let mut reference = vec![0u64; nb];
         for (b, red) in reduced.iter_mut().enumerate() {
             let len = self.cfg.layout.buckets[b].range.len();
+            let mut chunk_hashes = Vec::with_capacity(n);
             // Chunks in increasing offset order: a fixed order of the f64 sums on every rank.
             for r in 0..n {
                 let (stamp, cells) = self.entry(parity, b, r);
@@ -358,22 +408,48 @@ unsafe impl Transport for ShmBus {
                 red.merge(&load_health(&cells[n]), off);
                 let totals = load_health(&cells[n + 1]);
                 summary.add_local(b, totals.nan, totals.inf);
+                chunk_hashes.push(self.entry_words(parity, b, r)[0].load(Ordering::Relaxed));
             }
+            // The reducers' chunks in chunk order: what a consumer that hashes the same chunks folds.
+            reference[b] = combine(&chunk_hashes);
         }
         summary.set_reduced(&reduced);
+        summary.set_reference(&reference);
         let reports: Vec<LocalScalars> = (0..n).map(|k| self.read_report(parity, k)).collect();
         for r in &reports {
             summary.add_report(r);
+        }
+        for k in 0..n {
+            let w: Vec<u64> = self.stat_cell(parity, k).iter().map(|w| w.load(Ordering::Relaxed)).collect();
+            for (b, e) in summary.extremes.iter_mut().enumerate() {
+                e.add(k, &BucketStat { sumsq: f64::from_bits(w[2 * b]), peak: peak_of_word(w[2 * b + 1]) });
+            }
         }
         self.update += 1;
         if self.agreement == AgreementPath::Summary && summary.anomaly().is_none() {
             return Ok(HealthTable::summarized(n, summary).expect("one reduced health per bucket"));
         }
-        let local = (0..n).map(|k| self.last_local_row(k)).collect::<Vec<_>>();
-        let local = (0..nb).flat_map(|b| local.iter().map(move |row| row[b])).collect();
-        let table = HealthTable::detailed(n, &self.cfg.values, local, reduced, reports, None);
+        let rows: Vec<_> = (0..n).map(|k| self.local_row(k, parity, self.update)).collect();
+        let local = (0..nb).flat_map(|b| rows.iter().map(move |row| row[b].0)).collect();
+        let peaks = (0..nb).flat_map(|b| rows.iter().map(move |row| row[b].1)).collect();
+        let reduced = crate::verdict::Reduced { health: reduced, reference };
+        let table = HealthTable::detailed(n, &self.cfg.values, local, peaks, reduced, reports, None);
         debug_assert_eq!(table.summary, summary, "both paths agree on the summary");
         Ok(table)
+    }
+
+    /// Through the gradient slots: `root` writes `data` into its slot, every bucket is broadcast
+    /// from it (`broadcast_bucket`), every rank reads its slot back. The slots' gradients are lost.
+    fn broadcast_from(&mut self, at: StepId, root: usize, data: &mut [f32]) -> Result<(), Error> {
+        assert_eq!(data.len(), self.cfg.layout.len, "a replica buffer is laid out as the gradients");
+        if self.cfg.local_rank == root {
+            self.grads().copy_from_slice(data);
+        }
+        for b in 0..self.geo.buckets {
+            self.broadcast_bucket(at, b, root)?;
+        }
+        data.copy_from_slice(self.grads());
+        Ok(())
     }
 
     fn mark_failed(&mut self) {
@@ -405,6 +481,7 @@ impl Drop for ShmBus {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gradbus_kernels::{reduce_in_place, reduce_to_one};
 
     #[test]
     fn plain_reduce_matches_validated_reduce() {

@@ -61,7 +61,7 @@ use std::time::Duration;
 /// "GRADBUS1" as a little-endian word: the first thing an attacher checks.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GRADBUS1");
 /// Version of the segment format; bump on any change to the structures below.
-pub const VERSION: u64 = 3;
+pub const VERSION: u64 = 4;
 
 /// Bytes reserved for the header.
 pub(super) const HEADER_BYTES: usize = 4096;

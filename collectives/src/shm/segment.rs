@@ -129,10 +129,13 @@ pub(super) struct Geometry {
     pub(super) cells: usize,
     pub(super) table: usize,
     /// Bytes of one (parity, bucket, reducer) entry: a stamp, then n + 2 health cells: the chunk's
-    /// health per source rank, the health of the chunk's sum, and the NaN/Inf totals of the sources.
+    /// health per source rank, the health of the chunk's sum, and the NaN/Inf totals of the sources;
+    /// then the checksum of the chunk's sum as written, and per source rank its peak word
+    /// (`peak_word`).
     pub(super) entry: usize,
     pub(super) reports: usize,
-    /// Bytes of one report cell: `LocalScalars::words(values)` words, padded to cache lines.
+    /// Bytes of one report cell: `LocalScalars::words(values)` words, then per bucket the rank's
+    /// local sum of squares bits and peak word; padded to cache lines.
     pub(super) report: usize,
     pub(super) grads: usize,
     pub(super) slot_stride: usize,
@@ -147,9 +150,9 @@ impl Geometry {
     pub(super) fn new(n: usize, buckets: usize, len: usize, values: usize) -> Geometry {
         let cells = HEADER_BYTES;
         let table = round_up(cells + n * size_of::<RankCell>(), PAGE);
-        let entry = round_up(8 + (n + 2) * size_of::<HealthCell>(), 64);
+        let entry = round_up(8 + (n + 2) * size_of::<HealthCell>() + 8 * (1 + n), 64);
         let reports = round_up(table + 2 * buckets * n * entry, PAGE);
-        let report = round_up(8 * LocalScalars::words(values), 64);
+        let report = round_up(8 * (LocalScalars::words(values) + 2 * buckets), 64);
         let grads = round_up(reports + 2 * n * report, PAGE);
         let slot_stride = round_up(len * 4, PAGE).max(PAGE);
         let size = grads + n * slot_stride;

@@ -298,6 +298,15 @@ pub trait Backend: Sync + Sized + 'static {
 
     /// `x[i] *= s`.
     fn scale(&self, x: Self::ViewMut<'_>, s: f32);
+    /// `x[i] *= s`, returning for each of `ranges` (which tile `x`, in order) the replica checksum
+    /// (`checksum::checksum`) of that range of `x` as it was read. This default hashes on the host,
+    /// then scales; the CPU backend does both in one pass (`checksum::scale_and_checksum`).
+    fn scale_and_checksum(&self, mut x: Self::ViewMut<'_>, s: f32, ranges: &[Range<usize>]) -> Vec<u64> {
+        let host = self.to_host(Self::reborrow(&x));
+        let h = ranges.iter().map(|r| crate::checksum::checksum(&host[r.clone()])).collect();
+        self.scale(Self::reborrow_mut(&mut x), s);
+        h
+    }
     /// AdamW (`ops::adamw_update`) over whole flat buffers; returns the replica checksum of the
     /// updated parameters (`checksum::checksum`'s definition).
     fn adamw(

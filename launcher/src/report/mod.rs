@@ -157,6 +157,7 @@ mod tests {
             max_logratio_masked: 1.0,
             headroom: num(headroom),
             spike: None,
+            sdc: None,
             skip_cause,
             min_response_logp: -3.0,
             lr: 0.001,

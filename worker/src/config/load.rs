@@ -10,7 +10,7 @@ use super::Config;
 use crate::error::WorkerError;
 
 /// The keys that hold a table.
-const SECTIONS: [&str; 8] = ["model", "rl", "loss", "optim", "skip", "checkpoint", "warn", "spike"];
+const SECTIONS: [&str; 9] = ["model", "rl", "loss", "optim", "skip", "checkpoint", "warn", "spike", "sdc"];
 
 /// The dotted key (`optim.lr`, `faults[1].rank`) of the line holding byte `offset` of a TOML text as
 /// `toml::Table::to_string` writes it: `[table]` and `[[array]]` headers, one `key = value` a line.

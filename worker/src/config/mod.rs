@@ -83,6 +83,9 @@ pub struct Config {
     /// Spike detection on the agreed loss and gradient norm.
     #[serde(default)]
     pub spike: SpikeConfig,
+    /// The silent-data-corruption checks: replicas and the consumed gradients, outliers.
+    #[serde(default)]
+    pub sdc: SdcConfig,
     /// Planned faults (testing).
     #[serde(default)]
     pub faults: Vec<crate::faults::Fault>,
@@ -256,6 +259,59 @@ impl Default for SpikeConfig {
     }
 }
 
+/// The silent-data-corruption guard (docs/reliability.md, "Silent data corruption").
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SdcConfig {
+    /// Check every update that the replicas' weights (read back from memory) are alike and that
+    /// each rank's optimizer consumed the reducers' gradients; repair a damaged replica from a
+    /// healthy one (no effect at 1 rank).
+    pub replicas: bool,
+    /// Flag a rank whose local gradients in a bucket stand `binades` above the bucket's recent
+    /// history and `spread` above the smallest rank; the update is rerun, then judged by `policy`.
+    pub outliers: bool,
+    /// Binades (log2 of the norm) above the median of the last `window` updates.
+    pub binades: f64,
+    /// Binades above the smallest rank of the same update (at 2 or more ranks).
+    pub spread: f64,
+    /// Binades the bucket's largest value must stand above the norm of the rest of its rank's
+    /// bucket (one isolated value, as a flipped bit makes it).
+    pub isolation: f64,
+    /// Healthy updates in the history.
+    pub window: usize,
+    /// Updates of history before the outlier rule judges.
+    pub warmup: usize,
+}
+
+impl Default for SdcConfig {
+    fn default() -> Self {
+        let r = gradbus_collectives::sdc::OutlierRule::default();
+        let (replicas, outliers) = (true, true);
+        SdcConfig {
+            replicas,
+            outliers,
+            binades: r.binades,
+            spread: r.spread,
+            isolation: r.isolation,
+            window: r.window,
+            warmup: r.warmup,
+        }
+    }
+}
+
+impl SdcConfig {
+    /// The outlier rule of these settings.
+    pub fn rule(&self) -> gradbus_collectives::sdc::OutlierRule {
+        gradbus_collectives::sdc::OutlierRule {
+            binades: self.binades,
+            spread: self.spread,
+            isolation: self.isolation,
+            window: self.window,
+            warmup: self.warmup,
+        }
+    }
+}
+
 /// The longest wait in seconds a config may ask for (`collective_timeout_s`, a planned stall).
 pub const MAX_SECONDS: f64 = 86_400.0;
 /// The largest spike window: the detectors keep that many values.
@@ -422,6 +478,23 @@ impl Config {
                 "must be finite and >= 0 (0 = only the 10x rule)",
                 "6",
             ),
+            rule("sdc.binades", self.sdc.binades, finite_nonneg(self.sdc.binades), "must be finite and >= 0", "6"),
+            rule("sdc.spread", self.sdc.spread, finite_nonneg(self.sdc.spread), "must be finite and >= 0", "6"),
+            rule("sdc.isolation", self.sdc.isolation, self.sdc.isolation.is_finite(), "must be finite", "4"),
+            rule(
+                "sdc.window",
+                self.sdc.window,
+                (1..=MAX_SPIKE_WINDOW).contains(&self.sdc.window),
+                &format!("must be in 1..={MAX_SPIKE_WINDOW} updates"),
+                "32",
+            ),
+            rule(
+                "sdc.warmup",
+                self.sdc.warmup,
+                (1..=self.sdc.window.max(1)).contains(&self.sdc.warmup),
+                "must be in 1..=sdc.window updates",
+                "4",
+            ),
         ];
         let updates = updates.unwrap_or(usize::MAX);
         for (i, f) in self.faults.iter().enumerate() {
@@ -457,6 +530,9 @@ impl Config {
                     "must name a parameter of the model".into(),
                     "\"head.weight\"",
                 ));
+            }
+            if let Err((field, value, why, example)) = f.check_flip(m) {
+                rules.push((key(field), value, false, why, example));
             }
         }
         match rules.into_iter().find(|rule| !rule.2) {
