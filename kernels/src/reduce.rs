@@ -2,7 +2,8 @@
 //! order, and write the sum back into every slot, tallying each SOURCE rank's health on the way.
 //!
 //! Invariants: the sum is `((s0 + s1) + s2) + ...` element by element, always in that order, so every
-//! rank gets bitwise-identical results and every run repeats them. Each source is read once from
+//! rank gets bitwise-identical results and every run repeats them; where two NaNs meet, [`add`]
+//! says which one the sum keeps, the same in every build and on every path. Each source is read once from
 //! memory and each destination written once: the memcpy floor. The tallies describe the sources
 //! BEFORE they are overwritten, and every `Health` (each tally and the sum's) is bitwise what
 //! `scan_block` gives for each block of its input, merged in block order.
@@ -27,7 +28,8 @@
 //! `scan_block` returns for a finite block. Otherwise (a NaN/Inf in some source, or finite sources
 //! whose sum overflowed: rare) `scan_block` scans the block again, per source (still intact: the sum
 //! is written back after) and for the sum, and gives the counts and the first bad index. Below the
-//! AVX level the reduce adds, then scans every block. The fused passes prefetch each slot's next block
+//! AVX level the reduce adds (a block whose sum holds a NaN again, with [`add`]), then scans every
+//! block. The fused passes prefetch each slot's next block
 //! (a block is a 4 KiB page, where the hardware prefetcher stops), and `reduce_plain`, the bus's
 //! unvalidated reduce, is the same loop less the squares: what validation costs is the squares.
 
@@ -99,8 +101,13 @@ fn reduce<const VALIDATE: bool>(
             // SAFETY: `fused` is only set where `fused::available()` (the CPU has AVX).
             unsafe { fused::sum_block::<VALIDATE>(slots, lo, acc, &mut sumsq) }
         } else {
+            let mut nan = false;
             for (k, slot) in slots.iter().enumerate() {
-                add_block(acc, &slot[lo..hi], k == 0);
+                // A NaN in a partial sum stays in the sum: the last add's flag covers them all.
+                nan = add_block(acc, &slot[lo..hi], k == 0);
+            }
+            if nan {
+                add_block_defined(acc, slots, lo);
             }
             None
         };
@@ -136,15 +143,84 @@ fn reduce<const VALIDATE: bool>(
     sum
 }
 
-/// `acc = src` (`first`) or `acc += src`, element by element.
+/// `acc = src` (`first`) or `acc += src`, element by element; returns whether the sum holds a NaN
+/// after an add (a copy keeps the source's bits). Which NaN a NaN + NaN gives here is the
+/// compiler's choice (the order of the operands in its vector and scalar adds): a block with a NaN
+/// is summed again by [`add_block_defined`].
 #[inline(always)]
-fn add_block(acc: &mut [f32], src: &[f32], first: bool) {
+fn add_block(acc: &mut [f32], src: &[f32], first: bool) -> bool {
     if first {
         acc.copy_from_slice(src);
-    } else {
-        for (a, &s) in acc.iter_mut().zip(src) {
-            *a += s;
+        return false;
+    }
+    let mut nan = false;
+    for (a, &s) in acc.iter_mut().zip(src) {
+        *a += s;
+        nan |= a.is_nan();
+    }
+    nan
+}
+
+/// `acc` = the rank-ordered sum of `slots[k][lo..lo + acc.len()]`, each element added by [`add`]:
+/// the sum of a block in which a NaN appeared, with the NaNs `add` defines. Rare (a NaN in a
+/// source, or Inf + -Inf), so one element at a time.
+#[cold]
+fn add_block_defined(acc: &mut [f32], slots: &[&mut [f32]], lo: usize) {
+    let len = acc.len();
+    acc.copy_from_slice(&slots[0][lo..lo + len]);
+    for slot in &slots[1..] {
+        for (i, (a, &s)) in acc.iter_mut().zip(&slot[lo..lo + len]).enumerate() {
+            *a = add(*a, s, i, len);
         }
+    }
+}
+
+/// How the reduce adds source element `s` into the sum `a` at index `i` of a block (or chunk) of
+/// `len` elements: `a + s`, and when that is NaN, the NaN that [`first_nan_add`] gives with the sum
+/// first for the elements before [`sum_first`]`(len)` and the source first for the last `len % 8`.
+/// Only NaN + NaN tells the two orders apart.
+///
+/// The split is the order that the release build's loop happened to compile to before the rule was
+/// written down (SSE `addps` with the sum first over whole groups of 8, scalar `addss` with the
+/// source first after; a debug build picked the other NaN), kept so that the bits of every reduce
+/// stay what they were. Blocks are multiples of 8 long except a chunk's last, so a chunk's
+/// last `len % 8` elements are its last block's. The rank-ordered twin (`reference`) adds with it.
+#[inline]
+pub fn add(a: f32, s: f32, i: usize, len: usize) -> f32 {
+    if i < sum_first(len) {
+        first_nan_add(a, s)
+    } else {
+        first_nan_add(s, a)
+    }
+}
+
+/// The elements of a block of `len` whose NaN + NaN keeps the sum's NaN (see [`add`]).
+#[inline(always)]
+fn sum_first(len: usize) -> usize {
+    len - len % 8
+}
+
+/// `x + y`, and when that is NaN, the NaN that x86's SSE and AVX adds return for it (Intel SDM vol.
+/// 1, table 4-7): `x` if it is a NaN, else `y` if it is one, quietened (the quiet bit set), else
+/// (Inf + -Inf) the default NaN `0xffc0_0000`. Rust leaves the payload of a NaN result unspecified
+/// and LLVM commutes an add at will, so a plain `x + y` returns whichever NaN the generated code
+/// picks; this defines it on every target and build. A finite or infinite sum is the IEEE sum,
+/// which does not depend on the order.
+#[inline(always)]
+fn first_nan_add(x: f32, y: f32) -> f32 {
+    const QUIET: u32 = 0x0040_0000;
+    let r = x + y;
+    let nan = if x.is_nan() {
+        f32::from_bits(x.to_bits() | QUIET)
+    } else if y.is_nan() {
+        f32::from_bits(y.to_bits() | QUIET)
+    } else {
+        f32::from_bits(0xffc0_0000)
+    };
+    if r.is_nan() {
+        nan
+    } else {
+        r
     }
 }
 
@@ -210,10 +286,10 @@ mod fused {
     /// squares of `src` and, when `LAST && !FIRST`, of the new `acc` (else 0): `scan_block`'s sums of
     /// squares, bit for bit.
     ///
-    /// The adds are `acc + src` for elements `..m - m % 8` and `src + acc` for the last `m % 8`, as
-    /// the portable loop compiles (`add_block`: SSE `addps` with `acc` first, then scalar `addss`
-    /// with `src` first); the order only decides which NaN a NaN + NaN returns (x86 returns the
-    /// first operand's), and `asm!` pins it, which LLVM would not (it commutes `fadd` at will).
+    /// The adds are `acc + src` for elements `..m - m % 8` and `src + acc` for the last `m % 8`: the
+    /// rule of [`super::add`]. The order only decides which NaN a NaN + NaN returns; x86 returns
+    /// the first operand's (what `first_nan_add` defines), and `asm!` pins the operands, which an
+    /// intrinsic would not (LLVM commutes `fadd` at will).
     ///
     /// # Safety
     /// The CPU must support AVX.
@@ -556,10 +632,10 @@ mod tests {
         }
     }
 
-    /// NaN + NaN returns the first operand's NaN on x86: the fused adds keep the operand order of
-    /// the portable loop, so the sum's NaN payloads are the same too.
+    /// Where NaN meets NaN the sum keeps the one `add` defines (the sum's, the source's in the
+    /// last `len % 8`), on the fused and the portable path, in a debug build as in a release one.
     #[test]
-    fn nan_payloads_of_the_sum_are_those_of_the_portable_loop() {
+    fn nan_payloads_of_the_sum_are_the_ones_add_defines() {
         let (p, q) = (f32::from_bits(0x7fc0_0001), f32::from_bits(0xffc0_0002));
         for len in [5, 8, 13, 16, 29, 1024, 1031, 2050] {
             let mut srcs = vec![vec![1.0f32; len]; 3];
@@ -568,6 +644,26 @@ mod tests {
                 srcs[2][i] = q;
             }
             check(&srcs, None, &format!("NaN payloads, len {len}"));
+        }
+    }
+
+    /// `first_nan_add` is what x86's scalar SSE add (`addss`, first operand the sum) returns, for
+    /// every pair of specials and a few ordinary values, NaN payloads included: the rule the fused
+    /// pass's pinned `vaddps`/`vaddss` follow, so both paths keep the same NaN.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn first_nan_add_is_the_x86_add() {
+        let values: Vec<f32> =
+            SPECIALS.iter().copied().chain([1.5, -2.25, 3e38, f32::from_bits(0x7f80_0001)]).collect();
+        for &x in &values {
+            for &y in &values {
+                let mut r = x;
+                // SAFETY: one register-only SSE instruction (SSE is part of x86_64): r = r + y.
+                unsafe {
+                    std::arch::asm!("addss {r}, {y}", r = inout(xmm_reg) r, y = in(xmm_reg) y, options(pure, nomem, nostack))
+                };
+                assert_eq!(first_nan_add(x, y).to_bits(), r.to_bits(), "{:#x} + {:#x}", x.to_bits(), y.to_bits());
+            }
         }
     }
 

@@ -21,12 +21,14 @@ pub fn health_scan(x: &[f32]) -> Health {
     h
 }
 
-/// Rank-ordered sum of `srcs` into a new vector.
+/// Rank-ordered sum of `srcs` into a new vector, each element added by the reduce's defined add
+/// (`reduce::add`: which NaN a NaN + NaN keeps).
 pub fn rank_ordered_sum(srcs: &[&[f32]]) -> Vec<f32> {
     let mut out = srcs[0].to_vec();
+    let len = out.len();
     for s in &srcs[1..] {
-        for (o, &v) in out.iter_mut().zip(s.iter()) {
-            *o += v;
+        for (i, (o, &v)) in out.iter_mut().zip(s.iter()).enumerate() {
+            *o = crate::reduce::add(*o, v, i, len);
         }
     }
     out
