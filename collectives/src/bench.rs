@@ -28,7 +28,7 @@ use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use gradbus_kernels::health_scan;
+use gradbus_kernels::{health_scan, reduce_plain};
 use serde::Serialize;
 
 use crate::agreement::LocalScalars;
@@ -229,7 +229,7 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
         BenchTransport::Shm => None,
         BenchTransport::Mpi | BenchTransport::Hier => {
             let u = crate::mpi::universe()?;
-            crate::mpi::check_bench_world(&u, args.rank, args.np)?;
+            check_mpi_world(&u, args.rank, args.np)?;
             Some(u)
         }
     };
@@ -263,7 +263,7 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
 
         fill(&mut bus);
         for _ in 0..args.warmup {
-            bus.allreduce_bucket_with(at, bucket, true)?;
+            bus.allreduce_bucket(at, bucket)?;
         }
         let mut best = [f64::INFINITY; 2];
         // The fastest reduce phase in CPU time: least disturbed by other processes.
@@ -275,8 +275,7 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
                 bus.barrier("bench-fill", at)?;
                 let t0 = Instant::now();
                 for _ in 0..args.iters {
-                    bus.allreduce_bucket_with(at, bucket, validate)?;
-                    phase[v] = phase[v].min(bus.last_reduce_cpu.as_secs_f64() * 1e6);
+                    phase[v] = phase[v].min(timed_reduce(&mut bus, at, bucket, validate)?);
                 }
                 let us = t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64;
                 best[v] = best[v].min(us);
@@ -299,7 +298,7 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
         #[cfg(feature = "mpi")]
         if let Some(u) = &universe {
             let x = vec![(args.rank + 1) as f32; size / 4];
-            let (us, bad) = crate::mpi::bench_allreduce(u, &x, want, args.warmup, args.iters, ROUNDS);
+            let (us, bad) = mpi_allreduce(u, &x, want, args.warmup, args.iters, ROUNDS);
             mpi_time = Some(us);
             wrong += bad;
         }
@@ -344,6 +343,75 @@ pub fn rank_main(args: BenchArgs) -> Result<Option<Vec<BenchRow>>, Error> {
     }
     bus.barrier("bench-end", at)?;
     Ok((args.rank == 0).then_some(rows))
+}
+
+/// `MPI_COMM_WORLD`'s size must be the benchmark's process count.
+#[cfg(feature = "mpi")]
+pub(crate) fn check_mpi_world(universe: &::mpi::environment::Universe, rank: usize, np: usize) -> Result<(), Error> {
+    let expect =
+        crate::mpi::Expect { rank, world: np, source: "benchmark arguments".into(), timeout: Default::default() };
+    crate::mpi::check_world(&universe.world(), &expect)
+}
+
+/// The MPI side (`BenchTransport::Mpi`): the average time of `iters` back-to-back `MPI_Allreduce(SUM)`s of `x`
+/// over the world (best of `rounds`; rank 0's time, shared with every rank), in microseconds, and
+/// the number of result elements that differ from `want`, summed over the ranks. The result goes to
+/// a separate buffer (rsmpi has no `MPI_IN_PLACE`), so `x` is the input of every call. The caller
+/// holds the `universe` for the whole benchmark (MPI is initialised once per process).
+#[cfg(feature = "mpi")]
+fn mpi_allreduce(
+    universe: &::mpi::environment::Universe,
+    x: &[f32],
+    want: f32,
+    warmup: usize,
+    iters: usize,
+    rounds: usize,
+) -> (f64, u64) {
+    use ::mpi::traits::*;
+
+    let world = universe.world();
+    let mut out = vec![0f32; x.len()];
+    for _ in 0..warmup {
+        crate::mpi::allreduce_sum(&world, x, &mut out);
+    }
+    let mut best = f64::INFINITY;
+    for _ in 0..rounds {
+        world.barrier();
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            crate::mpi::allreduce_sum(&world, x, &mut out);
+        }
+        best = best.min(t0.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64);
+    }
+    let wrong = out.iter().filter(|&&v| v != want).count() as u64;
+    let mut total = 0u64;
+    world.all_reduce_into(&wrong, &mut total, ::mpi::collective::SystemOperation::sum());
+    world.process_at_rank(0).broadcast_into(&mut best);
+    (best, total)
+}
+
+/// One all-reduce of `bucket` on the bus, validated (the transport's reduce) or not (`reduce_plain`:
+/// the same adds without the tallies, for what validation costs); returns the thread CPU time of
+/// this rank's reduce phase in microseconds (between the two barriers, no waiting in it: unlike
+/// wall time it does not count preemption by other processes).
+fn timed_reduce(bus: &mut ShmBus, at: StepId, bucket: usize, validate: bool) -> Result<f64, Error> {
+    bus.in_reduce(at, bucket, |bus, start, slices| {
+        let t0 = thread_cpu_time();
+        if validate {
+            bus.reduce_chunk(bucket, None, start, slices);
+        } else {
+            reduce_plain(slices);
+        }
+        thread_cpu_time().saturating_sub(t0).as_secs_f64() * 1e6
+    })
+}
+
+/// CPU time consumed by the calling thread.
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 /// The hierarchical transport of the benchmark: `args.nodes` fake nodes of contiguous ranks, each

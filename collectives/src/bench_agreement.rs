@@ -58,14 +58,83 @@ pub fn rank_main(
     iters: usize,
 ) -> Result<Option<Vec<AgreementRow>>, Error> {
     let universe = crate::mpi::universe()?;
-    crate::mpi::check_bench_world(&universe, rank, np)?;
+    crate::bench::check_mpi_world(&universe, rank, np)?;
     let mut rows = Vec::new();
     for &b in buckets {
-        let times = crate::mpi::bench_agreement(&universe, b, values, 3, iters, ROUNDS);
+        let times = measure(&universe, b, values, 3, iters, ROUNDS);
         let row = crate::wire::RowShape::mpi(b, values.len());
         rows.push(AgreementRow::new(crate::choice::cost(np, row, crate::choice::Calibration::MPI), times));
     }
     Ok((rank == 0).then_some(rows))
+}
+
+/// One bucket count's measurement: the average time of `iters`
+/// back-to-back calls of each, over `buckets` buckets, best of `rounds`, rank 0's times shared with
+/// every rank, in microseconds: the table path's bare `MPI_Allgather` of one row per rank (which
+/// calibrates the model's latency and bandwidth) and whole path (`agree_rows`: the gather and the
+/// table read from the rows), the summary path on a healthy update (`agree_world`: words, two
+/// all-reduces, the table decoded), and the CPU part of each path alone, without MPI.
+#[cfg(feature = "mpi")]
+fn measure(
+    universe: &::mpi::environment::Universe,
+    buckets: usize,
+    values: &ValueNames,
+    warmup: usize,
+    iters: usize,
+    rounds: usize,
+) -> Times {
+    use ::mpi::traits::*;
+    use gradbus_kernels::Health;
+
+    use crate::agreement::{LocalScalars, Summary};
+    use crate::choice::AgreementPath;
+    use crate::mpi::{agree_rows, agree_world, row_words, table_of_rows};
+    use crate::verdict::HealthTable;
+
+    let world = universe.world();
+    let (local, health) = (vec![Health::default(); buckets], vec![Health { sumsq: 1.5, ..Health::default() }; buckets]);
+    let hashes = vec![7u64; buckets];
+    let reduced = Some((&health[..], &hashes[..]));
+    let report = LocalScalars { loss: 0.5, values: vec![0.25; values.len()], ..LocalScalars::default() };
+    let ops = 1;
+    let contribution = Summary::of_rank(values, world.rank() as usize, &local, reduced, &report);
+    let peaks = vec![0u64; buckets];
+    let mine = row_words(ops, (&local, &peaks), reduced, &report);
+    let mut all = vec![0u64; world.size() as usize * mine.len()];
+    let time = |f: &mut dyn FnMut()| {
+        for _ in 0..warmup {
+            f();
+        }
+        let mut best = f64::INFINITY;
+        for _ in 0..rounds {
+            world.barrier();
+            let t0 = std::time::Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            best = best.min(t0.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64);
+        }
+        world.process_at_rank(0).broadcast_into(&mut best);
+        best
+    };
+    let allgather_us = time(&mut || world.all_gather_into(&mine[..], &mut all[..]));
+    let table_us = time(&mut || {
+        let t = agree_rows(&world, values, ops, (&local, &peaks), reduced, &report).expect("healthy rows");
+        assert!(t.is_detailed());
+    });
+    let summary_us = time(&mut || {
+        let (s, row) = (contribution.clone(), || (local.clone(), peaks.clone()));
+        let t = agree_world(&world, AgreementPath::Summary, ops, s, row, reduced, &report).expect("healthy");
+        assert!(!t.is_detailed(), "a healthy update decides from the summary");
+    });
+    let table_cpu_us = time(&mut || assert!(table_of_rows(&all, buckets, values, ops, 0).is_ok()));
+    let summary_cpu_us = time(&mut || {
+        let mut s = contribution.clone();
+        s.ops.add(ops);
+        let back = Summary::from_words(buckets, values, &s.sum_words(), &s.max_words());
+        assert!(back.anomaly().is_none() && HealthTable::summarized(1, back).is_some());
+    });
+    Times { allgather_us, table_us, summary_us, table_cpu_us, summary_cpu_us }
 }
 
 /// Without MPI there is nothing to measure.

@@ -64,7 +64,7 @@ use gradbus_kernels::checksum::{checksum, combine};
 use gradbus_kernels::{health_scan, Health};
 
 use crate::agreement::{peak_word, BucketStat, LocalScalars, Summary, ValueNames};
-use crate::choice::{AgreementPath, Times};
+use crate::choice::AgreementPath;
 use crate::layout::{Fnv, Layout};
 use crate::shm::ProgressWriter;
 use crate::shm::{BusConfig, ShmBus};
@@ -137,7 +137,7 @@ pub struct Expect {
 
 /// `MPI_COMM_WORLD`'s size must be the environment's: otherwise the binary was started by another
 /// MPI's launcher (N size-1 jobs) or without one. A local check: no collective before it.
-fn check_world(world: &SimpleCommunicator, expect: &Expect) -> Result<(), Error> {
+pub(crate) fn check_world(world: &SimpleCommunicator, expect: &Expect) -> Result<(), Error> {
     let size = world.size() as usize;
     if size != expect.world {
         return Err(Error::Mpi {
@@ -218,7 +218,7 @@ fn broadcast_world(comm: &SimpleCommunicator, root: usize, data: &mut [f32]) {
 }
 
 /// `MPI_Allreduce(SUM)` of `send` into `recv` (same length), in calls of at most `MAX_COUNT`.
-fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
+pub(crate) fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
     assert_eq!(send.len(), recv.len());
     for (s, r) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
         comm.all_reduce_into(s, r, ::mpi::collective::SystemOperation::sum());
@@ -233,7 +233,7 @@ fn allreduce_sum(comm: &SimpleCommunicator, send: &[f32], recv: &mut [f32]) {
 /// checksum per bucket, report. `reduced` is meaningful on reducers only (every rank of the
 /// flat transport, the leaders of the hierarchical one); the table takes the lowest reducer's, and
 /// every reducer's must be bitwise the same.
-fn agree_rows(
+pub(crate) fn agree_rows(
     comm: &SimpleCommunicator,
     names: &ValueNames,
     ops: u64,
@@ -248,7 +248,7 @@ fn agree_rows(
 }
 
 /// One rank's row of the table path (see `agree_rows`).
-fn row_words(
+pub(crate) fn row_words(
     ops: u64,
     local: (&[Health], &[u64]),
     reduced: Option<(&[Health], &[u64])>,
@@ -262,7 +262,13 @@ fn row_words(
 /// order, over `nb` buckets and reports of the values `names`), after checking that all ran the
 /// collectives `ops` hashes and that every reducer's sums are the same bits. `me`: this rank, for
 /// the error message.
-fn table_of_rows(all: &[u64], nb: usize, names: &ValueNames, ops: u64, me: usize) -> Result<HealthTable, Error> {
+pub(crate) fn table_of_rows(
+    all: &[u64],
+    nb: usize,
+    names: &ValueNames,
+    ops: u64,
+    me: usize,
+) -> Result<HealthTable, Error> {
     let rows = RowShape::mpi(nb, names.len())
         .rows(all)
         .map_err(|what| Error::Mpi { what, hint: "a transport bug: every rank gathers rows of one shape".into() })?;
@@ -311,7 +317,7 @@ fn allreduce_summary(comm: &SimpleCommunicator, mine: &Summary) -> Summary {
 /// rank's share of the summary (without the collective hash, added here); `local` (its health and
 /// peak words per bucket) and `reduced` are its row of the table.
 #[allow(clippy::too_many_arguments)]
-fn agree_world(
+pub(crate) fn agree_world(
     comm: &SimpleCommunicator,
     path: AgreementPath,
     ops: u64,
@@ -700,104 +706,4 @@ unsafe impl Transport for HierTransport {
         self.core.failed = true;
         self.bus.mark_failed();
     }
-}
-
-/// The benchmark's MPI side: the average time of `iters` back-to-back `MPI_Allreduce(SUM)`s of `x`
-/// over the world (best of `rounds`; rank 0's time, shared with every rank), in microseconds, and
-/// the number of result elements that differ from `want`, summed over the ranks. The result goes to
-/// a separate buffer (rsmpi has no `MPI_IN_PLACE`), so `x` is the input of every call. The caller
-/// holds the `universe` for the whole benchmark (MPI is initialised once per process).
-pub(crate) fn bench_allreduce(
-    universe: &Universe,
-    x: &[f32],
-    want: f32,
-    warmup: usize,
-    iters: usize,
-    rounds: usize,
-) -> (f64, u64) {
-    let world = universe.world();
-    let mut out = vec![0f32; x.len()];
-    for _ in 0..warmup {
-        allreduce_sum(&world, x, &mut out);
-    }
-    let mut best = f64::INFINITY;
-    for _ in 0..rounds {
-        world.barrier();
-        let t0 = std::time::Instant::now();
-        for _ in 0..iters {
-            allreduce_sum(&world, x, &mut out);
-        }
-        best = best.min(t0.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64);
-    }
-    let wrong = out.iter().filter(|&&v| v != want).count() as u64;
-    let mut total = 0u64;
-    world.all_reduce_into(&wrong, &mut total, ::mpi::collective::SystemOperation::sum());
-    world.process_at_rank(0).broadcast_into(&mut best);
-    (best, total)
-}
-
-/// The agreement benchmark's MPI side (`bench_agreement`): the average time of `iters`
-/// back-to-back calls of each, over `buckets` buckets, best of `rounds`, rank 0's times shared with
-/// every rank, in microseconds: the table path's bare `MPI_Allgather` of one row per rank (which
-/// calibrates the model's latency and bandwidth) and whole path (`agree_rows`: the gather and the
-/// table read from the rows), the summary path on a healthy update (`agree_world`: words, two
-/// all-reduces, the table decoded), and the CPU part of each path alone, without MPI.
-pub(crate) fn bench_agreement(
-    universe: &Universe,
-    buckets: usize,
-    values: &ValueNames,
-    warmup: usize,
-    iters: usize,
-    rounds: usize,
-) -> Times {
-    let world = universe.world();
-    let (local, health) = (vec![Health::default(); buckets], vec![Health { sumsq: 1.5, ..Health::default() }; buckets]);
-    let hashes = vec![7u64; buckets];
-    let reduced = Some((&health[..], &hashes[..]));
-    let report = LocalScalars { loss: 0.5, values: vec![0.25; values.len()], ..LocalScalars::default() };
-    let ops = 1;
-    let contribution = Summary::of_rank(values, world.rank() as usize, &local, reduced, &report);
-    let peaks = vec![0u64; buckets];
-    let mine = row_words(ops, (&local, &peaks), reduced, &report);
-    let mut all = vec![0u64; world.size() as usize * mine.len()];
-    let time = |f: &mut dyn FnMut()| {
-        for _ in 0..warmup {
-            f();
-        }
-        let mut best = f64::INFINITY;
-        for _ in 0..rounds {
-            world.barrier();
-            let t0 = std::time::Instant::now();
-            for _ in 0..iters {
-                f();
-            }
-            best = best.min(t0.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64);
-        }
-        world.process_at_rank(0).broadcast_into(&mut best);
-        best
-    };
-    let allgather_us = time(&mut || world.all_gather_into(&mine[..], &mut all[..]));
-    let table_us = time(&mut || {
-        let t = agree_rows(&world, values, ops, (&local, &peaks), reduced, &report).expect("healthy rows");
-        assert!(t.is_detailed());
-    });
-    let summary_us = time(&mut || {
-        let (s, row) = (contribution.clone(), || (local.clone(), peaks.clone()));
-        let t = agree_world(&world, AgreementPath::Summary, ops, s, row, reduced, &report).expect("healthy");
-        assert!(!t.is_detailed(), "a healthy update decides from the summary");
-    });
-    let table_cpu_us = time(&mut || assert!(table_of_rows(&all, buckets, values, ops, 0).is_ok()));
-    let summary_cpu_us = time(&mut || {
-        let mut s = contribution.clone();
-        s.ops.add(ops);
-        let back = Summary::from_words(buckets, values, &s.sum_words(), &s.max_words());
-        assert!(back.anomaly().is_none() && HealthTable::summarized(1, back).is_some());
-    });
-    Times { allgather_us, table_us, summary_us, table_cpu_us, summary_cpu_us }
-}
-
-/// `MPI_COMM_WORLD`'s size must be the benchmark's process count.
-pub(crate) fn check_bench_world(universe: &Universe, rank: usize, np: usize) -> Result<(), Error> {
-    let expect = Expect { rank, world: np, source: "benchmark arguments".into(), timeout: Default::default() };
-    check_world(&universe.world(), &expect)
 }

@@ -109,7 +109,7 @@ impl Cost {
 }
 
 /// One agreement's measured times on both paths, beside the model's `Cost` (microseconds per call;
-/// measured by the agreement benchmark, `mpi::bench_agreement`, printed by `bench_agreement`).
+/// measured and printed by the agreement benchmark, `bench_agreement`).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct Times {
     /// The bare `MPI_Allgather` of one row per rank: calibrates the model's latency and bandwidth.

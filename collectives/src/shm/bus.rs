@@ -6,13 +6,13 @@ use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use gradbus_kernels::checksum::{checksum, combine};
-use gradbus_kernels::{reduce_plain, reduce_with_peaks, Health, Peak};
+use gradbus_kernels::{reduce_with_peaks, Health, Peak};
 use memmap2::MmapRaw;
 
-use super::liveness::{monotonic_ns, self_start_time, thread_cpu_time};
+use super::liveness::{monotonic_ns, self_start_time};
 use super::progress::ProgressWriter;
 use super::segment::{
     attach, check_job_id, create, load_health, store_health, BusConfig, Geometry, HealthCell, RankCell,
@@ -42,9 +42,6 @@ pub struct ShmBus {
     pub(super) update: u64,
     /// Summary first (always, unless `GRADBUS_AGREEMENT=table`: see `open`), or always the table.
     pub(super) agreement: AgreementPath,
-    /// Thread CPU time of this rank's last reduce phase (between the two barriers; no waiting in
-    /// it), for the benchmark: unlike wall time it does not count preemption by other processes.
-    pub(crate) last_reduce_cpu: Duration,
     /// Called inside every bucket reduce, after every rank entered it and before the sum is
     /// written (the fault plan's `reduce` phase: a rank that dies here dies mid-collective).
     pub(super) inside_reduce: Option<Box<dyn FnMut(StepId, usize) + Send + Sync>>,
@@ -96,7 +93,6 @@ impl ShmBus {
             barriers: 0,
             update: 0,
             agreement,
-            last_reduce_cpu: Duration::ZERO,
             inside_reduce: None,
             #[cfg(test)]
             in_liveness_check: None,
@@ -239,12 +235,6 @@ impl ShmBus {
         Ok(())
     }
 
-    /// The all-reduce of one bucket; `validate` = false skips the health tallies (for the benchmark's
-    /// measurement of what validation costs).
-    pub(crate) fn allreduce_bucket_with(&mut self, at: StepId, bucket: usize, validate: bool) -> Result<(), Error> {
-        self.reduce_bucket(at, bucket, validate, None)
-    }
-
     /// The first half of a hierarchical all-reduce: the same validated, rank-ordered reduce as
     /// `allreduce_bucket` (same tallies, so `agree` reports every local rank's health), but the sum
     /// is written into `root`'s slot only; the other slots keep their local gradients. After it
@@ -252,7 +242,7 @@ impl ShmBus {
     /// bucket (e.g. all-reduce it between nodes) and then `broadcast_bucket` it.
     pub fn reduce_bucket_to(&mut self, at: StepId, bucket: usize, root: usize) -> Result<(), Error> {
         assert!(root < self.geo.n, "root {root} of {} local ranks", self.geo.n);
-        self.reduce_bucket(at, bucket, true, Some(root))
+        self.reduce_bucket(at, bucket, Some(root))
     }
 
     /// Copy one bucket of `root`'s slot into every local slot: barrier; rank `r` copies chunk `r`
@@ -281,17 +271,22 @@ impl ShmBus {
 
     /// Reduce one bucket: barrier, sum my chunk over every slot in rank order, write the sum into
     /// every slot (`to` = None) or into slot `to` only, barrier.
-    pub(super) fn reduce_bucket(
+    pub(super) fn reduce_bucket(&mut self, at: StepId, bucket: usize, to: Option<usize>) -> Result<(), Error> {
+        self.in_reduce(at, bucket, |bus, start, slices| bus.reduce_chunk(bucket, to, start, slices))
+    }
+
+    /// The frame of every bucket reduce: barrier; the fault hook; `f` with this rank's chunk of
+    /// `bucket` (its offset in the bucket, and that chunk of every slot, in rank order); barrier.
+    /// `f` gets the bus shared, so it cannot start another collective or borrow the slots again.
+    pub(crate) fn in_reduce<R>(
         &mut self,
         at: StepId,
         bucket: usize,
-        validate: bool,
-        to: Option<usize>,
-    ) -> Result<(), Error> {
+        f: impl FnOnce(&ShmBus, usize, &mut [&mut [f32]]) -> R,
+    ) -> Result<R, Error> {
         let n = self.geo.n;
-        let me = self.cfg.local_rank;
         let range = self.cfg.layout.buckets[bucket].range.clone();
-        let chunk = chunk_range(range.len(), n, me, ALIGN_FLOATS);
+        let chunk = chunk_range(range.len(), n, self.cfg.local_rank, ALIGN_FLOATS);
         self.barrier_tagged("reduce", at, Some(bucket))?;
         if let Some(hook) = self.inside_reduce.as_mut() {
             hook(at, bucket);
@@ -303,37 +298,42 @@ impl ShmBus {
         // `lo..lo + chunk.len()` of every slot are read and written by this rank only: the other
         // reducers own the other chunks of `chunk_range`, which are disjoint. Slots are disjoint
         // (`slot_stride >= len * 4`) and `range.end <= layout.len`, so the n slices do not overlap
-        // and lie inside the mapping, f32-aligned.
+        // and lie inside the mapping, f32-aligned. `f` holds the bus shared: it cannot reach the
+        // slots through it (`grads`, the collectives take it mutably), and the slices are dropped
+        // before the barrier below.
         let mut slices: Vec<&mut [f32]> =
             (0..n).map(|k| unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(k).add(lo), chunk.len()) }).collect();
-        let t0 = thread_cpu_time();
-        if validate {
-            let mut tally = vec![Health::default(); n];
-            let mut peaks = vec![Peak::default(); n];
-            let sum = reduce_with_peaks(&mut slices, &mut tally, &mut peaks, to);
-            // The reference of this chunk of the sum: its checksum as written (in cache now).
-            let hash = checksum(slices[to.unwrap_or(me)]);
-            drop(slices);
-            let words = self.entry_words(self.update % 2, bucket, me);
-            words[0].store(hash, Ordering::Relaxed);
-            for (w, p) in words[1..].iter().zip(&peaks) {
-                w.store(peak_word(Some((p.value, chunk.start as u64 + p.at))), Ordering::Relaxed);
-            }
-            let (stamp, cells) = self.entry(self.update % 2, bucket, me);
-            let totals = Health {
-                nan: tally.iter().map(|h| h.nan).sum(),
-                inf: tally.iter().map(|h| h.inf).sum(),
-                ..Health::default()
-            };
-            for (cell, h) in cells.iter().zip(tally.iter().chain([&sum, &totals])) {
-                store_health(cell, h);
-            }
-            stamp.store(self.update + 1, Ordering::Relaxed);
-        } else {
-            reduce_plain(&mut slices);
+        let r = f(self, chunk.start, &mut slices);
+        drop(slices);
+        self.barrier_tagged("reduced", at, Some(bucket))?;
+        Ok(r)
+    }
+
+    /// The validated reduce of this rank's chunk (at `start` in `bucket`; `slices` that chunk of
+    /// every slot, inside `in_reduce`): the rank-ordered sum into every slot or slot `to`, each
+    /// source's health and peak and the sum's checksum into this update's table entry.
+    pub(crate) fn reduce_chunk(&self, bucket: usize, to: Option<usize>, start: usize, slices: &mut [&mut [f32]]) {
+        let (n, me) = (self.geo.n, self.cfg.local_rank);
+        let mut tally = vec![Health::default(); n];
+        let mut peaks = vec![Peak::default(); n];
+        let sum = reduce_with_peaks(slices, &mut tally, &mut peaks, to);
+        // The reference of this chunk of the sum: its checksum as written (in cache now).
+        let hash = checksum(&*slices[to.unwrap_or(me)]);
+        let words = self.entry_words(self.update % 2, bucket, me);
+        words[0].store(hash, Ordering::Relaxed);
+        for (w, p) in words[1..].iter().zip(&peaks) {
+            w.store(peak_word(Some((p.value, start as u64 + p.at))), Ordering::Relaxed);
         }
-        self.last_reduce_cpu = thread_cpu_time().saturating_sub(t0);
-        self.barrier_tagged("reduced", at, Some(bucket))
+        let (stamp, cells) = self.entry(self.update % 2, bucket, me);
+        let totals = Health {
+            nan: tally.iter().map(|h| h.nan).sum(),
+            inf: tally.iter().map(|h| h.inf).sum(),
+            ..Health::default()
+        };
+        for (cell, h) in cells.iter().zip(tally.iter().chain([&sum, &totals])) {
+            store_health(cell, h);
+        }
+        stamp.store(self.update + 1, Ordering::Relaxed);
     }
 }
 
@@ -364,7 +364,7 @@ unsafe impl Transport for ShmBus {
     }
 
     fn allreduce_bucket(&mut self, at: StepId, bucket: usize) -> Result<(), Error> {
-        self.allreduce_bucket_with(at, bucket, true)
+        self.reduce_bucket(at, bucket, None)
     }
 
     /// The node's agreement. Every rank reads, per bucket, each reducer's chunk of the reduced
@@ -481,7 +481,7 @@ impl Drop for ShmBus {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradbus_kernels::{reduce_in_place, reduce_to_one};
+    use gradbus_kernels::{reduce_in_place, reduce_plain, reduce_to_one};
 
     #[test]
     fn plain_reduce_matches_validated_reduce() {

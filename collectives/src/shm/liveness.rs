@@ -2,7 +2,6 @@
 //! reused pid is told apart by its start time), and the monotonic clock of heartbeats.
 
 use std::io;
-use std::time::Duration;
 
 /// Nanoseconds of CLOCK_MONOTONIC (shared by every process of the machine): the clock of heartbeats.
 pub fn monotonic_ns() -> u64 {
@@ -10,14 +9,6 @@ pub fn monotonic_ns() -> u64 {
     // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// CPU time consumed by the calling thread.
-pub(super) fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 /// State character and start time of a process, from `/proc/PID/stat`.
