@@ -156,3 +156,20 @@ fn clean_runs_make_no_finding() {
     assert!(findings(&m).is_empty(), "{:?}", findings(&m));
     assert_eq!(m.last().unwrap()["step"], 115, "the abort where it was");
 }
+
+#[test]
+fn the_checks_turned_off_change_no_bit() {
+    // The guard only reads: without it (no read-back, no peaks or chunk hashes in the reduce, a
+    // plain scaling pass; bench/sdc-cost.py measures the difference) every update's loss and
+    // weights' checksum are the same.
+    let tmp = tempfile::tempdir().unwrap();
+    let on = tmp.path().join("on");
+    clean(&on);
+    let off = tmp.path().join("off");
+    run(&off, "", &["sdc.replicas=false", "sdc.outliers=false"]).expect_code(0);
+    let bits = |d: &Path| metrics(d).iter().map(|l| (l["loss"].clone(), l["checksum"].clone())).collect::<Vec<_>>();
+    let (a, b) = (bits(&on), bits(&off));
+    assert_eq!(a.len(), 3 * 16);
+    assert_eq!(a, b, "every update's loss and weights' checksum");
+    assert!(findings(&metrics(&off)).is_empty());
+}

@@ -45,15 +45,15 @@ pub fn reduce_in_place(slots: &mut [&mut [f32]], tally: &mut [Health]) -> Health
 }
 
 /// `reduce_in_place` (`to = None`) or `reduce_to_one` (`Some(root)`) that also tallies each source's
-/// `Peak` into `peaks[k]` (one per slot; indices relative to the slices' start): the same sum and
-/// tallies, bit for bit, from the same pass.
+/// `Peak` into `peaks[k]` (one per slot, or none at all: no peaks; indices relative to the slices'
+/// start): the same sum and tallies, bit for bit, from the same pass.
 pub fn reduce_with_peaks(
     slots: &mut [&mut [f32]],
     tally: &mut [Health],
     peaks: &mut [Peak],
     to: Option<usize>,
 ) -> Health {
-    assert_eq!(peaks.len(), slots.len(), "one peak per slot");
+    assert!(peaks.is_empty() || peaks.len() == slots.len(), "one peak per slot, or none");
     reduce::<true>(slots, tally, peaks, to, fused::available())
 }
 

@@ -166,6 +166,7 @@ fn transport(
         if let Some(hook) = reduce_hook(faults) {
             bus.set_inside_reduce_hook(hook);
         }
+        bus.set_sdc_tallies(cfg.sdc.replicas || cfg.sdc.outliers);
         let progress = Some(bus.progress_writer()?);
         say_gradient_path(&format!("{via}{kind}"));
         return Ok(HostTransport { transport: Box::new(bus), progress });

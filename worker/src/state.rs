@@ -84,7 +84,8 @@ impl<B: Backend> TrainState<B> {
     /// norm `grad_norm`): the mean, clipped by that norm, then AdamW. The scaling pass checksums
     /// what it reads over `pieces` (`transport::hash_pieces`: each bucket's `pieces.len() /
     /// reference.len()` reducer chunks), folded per bucket (`checksum::combine`) and kept with
-    /// `reference`, the reducers' hashes, for the next [`TrainState::self_check`].
+    /// `reference`, the reducers' hashes, for the next [`TrainState::self_check`]; no `pieces` (the
+    /// replica checks off): a plain scaling pass, nothing kept.
     #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &mut self,
@@ -100,10 +101,15 @@ impl<B: Backend> TrainState<B> {
         let world = world as f64;
         let clip = o.grad_clip as f64;
         let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
-        let hashes = be.scale_and_checksum(B::reborrow_mut(&mut grads), (coef / world) as f32, pieces);
-        let per_bucket = pieces.len() / reference.len().max(1);
-        let got = hashes.chunks(per_bucket.max(1)).map(combine).collect();
-        self.consumed = Some((got, reference.to_vec()));
+        let scale = (coef / world) as f32;
+        self.consumed = if pieces.is_empty() {
+            be.scale(B::reborrow_mut(&mut grads), scale);
+            None
+        } else {
+            let hashes = be.scale_and_checksum(B::reborrow_mut(&mut grads), scale, pieces);
+            let per_bucket = pieces.len() / reference.len().max(1);
+            Some((hashes.chunks(per_bucket.max(1)).map(combine).collect(), reference.to_vec()))
+        };
         self.adam_t += 1;
         let (p, m, v) = (be.all_mut(&mut self.params), be.all_mut(&mut self.m), be.all_mut(&mut self.v));
         self.checksum =

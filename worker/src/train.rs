@@ -199,8 +199,8 @@ impl<B: BusBackend> Trainer<B> {
             if every > 0 && self.step % every == 0 && self.info.rank == 0 {
                 // Never a damaged replica into a checkpoint: rank 0 checks its own state first
                 // (the next update's agreement repairs it; this checkpoint is left out).
-                let (_, own) = self.state.self_check(&self.be);
-                if self.sdc_checks() && own.any() {
+                let own = self.sdc_checks().then(|| self.state.self_check(&self.be).1).filter(|own| own.any());
+                if let Some(own) = own {
                     log::warn!(
                         "rank 0: checkpoint of step {} not written: its own state is damaged ({own:?}); the next update repairs it",
                         self.step
@@ -376,7 +376,8 @@ impl<B: BusBackend> Trainer<B> {
             let (be, start) = (&self.be, Instant::now());
             // The state the previous update left, checked before it computes anything: the
             // weights read back (one pass) and the consumed gradients against their reference.
-            let (replica, state) = match self.sdc_checks() {
+            let checks = self.sdc_checks();
+            let (replica, state) = match checks {
                 true => self.state.self_check(be),
                 false => (self.state.checksum(), StateFault::default()),
             };
@@ -388,7 +389,7 @@ impl<B: BusBackend> Trainer<B> {
             let values = UpdateValues::local(mb, &stats).to_report(rank);
             let report = LocalScalars { loss: stats.loss as f64, values, replica, state: state.word() };
             let table = self.bus.transport_mut().agree(at, report)?;
-            if !self.sdc_checks() {
+            if !checks {
                 check_replicas(&table, at)?;
             }
             let agreed = Agreed::new(&table);
@@ -407,7 +408,9 @@ impl<B: BusBackend> Trainer<B> {
             if verdict.action == Action::Proceed {
                 let grads = self.bus.reduced_grads(be);
                 let (norm, world) = (agreed.grad_norm, agreed.world);
-                self.state.apply(be, grads, norm, world, &cfg.optim, lr, &self.hash_pieces, &table.reference);
+                // The consumed gradients' hashes only where the replica checks will read them.
+                let pieces = if checks { &self.hash_pieces[..] } else { &[] };
+                self.state.apply(be, grads, norm, world, &cfg.optim, lr, pieces, &table.reference);
                 if faults.has_flip(FlipTarget::Weight) {
                     let layout = self.bus.transport().layout();
                     faults.flip_in(be, at, layout, FlipTarget::Weight, be.all_mut(&mut self.state.params));

@@ -45,6 +45,9 @@ pub struct ShmBus {
     /// Called inside every bucket reduce, after every rank entered it and before the sum is
     /// written (the fault plan's `reduce` phase: a rank that dies here dies mid-collective).
     pub(super) inside_reduce: Option<Box<dyn FnMut(StepId, usize) + Send + Sync>>,
+    /// Whether a validated reduce also tallies the sources' peaks and hashes its chunk of the sum
+    /// (the silent-data-corruption guard's inputs; [`ShmBus::set_sdc_tallies`]).
+    sdc_tallies: bool,
     /// Called by a waiting rank in its liveness check of peer `j`, between the loads that can end
     /// the wait and the reload of `j`'s arrival (a test's way to run a peer inside that window).
     #[cfg(test)]
@@ -94,6 +97,7 @@ impl ShmBus {
             update: 0,
             agreement,
             inside_reduce: None,
+            sdc_tallies: true,
             #[cfg(test)]
             in_liveness_check: None,
         };
@@ -121,6 +125,14 @@ impl ShmBus {
     /// written (fault injection: a rank killed there dies mid-collective).
     pub fn set_inside_reduce_hook(&mut self, hook: Box<dyn FnMut(StepId, usize) + Send + Sync>) {
         self.inside_reduce = Some(hook);
+    }
+
+    /// Whether validated reduces tally the peaks and hash their chunk of the sum (on by default).
+    /// Off (the guard's checks off): the peak words say none and the chunk hashes are 0 (unknown),
+    /// the sums and health tallies are the same bits; so that the checks' cost can be measured
+    /// against the same run without them.
+    pub fn set_sdc_tallies(&mut self, on: bool) {
+        self.sdc_tallies = on;
     }
 
     pub(super) fn cell(&self, k: usize) -> &RankCell {
@@ -315,14 +327,15 @@ impl ShmBus {
     pub(crate) fn reduce_chunk(&self, bucket: usize, to: Option<usize>, start: usize, slices: &mut [&mut [f32]]) {
         let (n, me) = (self.geo.n, self.cfg.local_rank);
         let mut tally = vec![Health::default(); n];
-        let mut peaks = vec![Peak::default(); n];
+        let mut peaks = vec![Peak::default(); if self.sdc_tallies { n } else { 0 }];
         let sum = reduce_with_peaks(slices, &mut tally, &mut peaks, to);
         // The reference of this chunk of the sum: its checksum as written (in cache now).
-        let hash = checksum(&*slices[to.unwrap_or(me)]);
+        let hash = if self.sdc_tallies { checksum(&*slices[to.unwrap_or(me)]) } else { 0 };
         let words = self.entry_words(self.update % 2, bucket, me);
         words[0].store(hash, Ordering::Relaxed);
-        for (w, p) in words[1..].iter().zip(&peaks) {
-            w.store(peak_word(Some((p.value, start as u64 + p.at))), Ordering::Relaxed);
+        for (k, w) in words[1..].iter().enumerate() {
+            let peak = peaks.get(k).map(|p| (p.value, start as u64 + p.at));
+            w.store(peak_word(peak), Ordering::Relaxed);
         }
         let (stamp, cells) = self.entry(self.update % 2, bucket, me);
         let totals = Health {
