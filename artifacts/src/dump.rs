@@ -10,7 +10,7 @@ use crate::container::Kind;
 use crate::sealed::{hex64, nullable, required};
 
 /// Format version of a failure dump's metadata.
-pub const DUMP_FORMAT: u32 = 1;
+pub const DUMP_FORMAT: u32 = 2;
 
 /// One bucket's health as a dump records it: sums of squares as bits, so replay compares exactly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,4 +69,9 @@ pub struct DumpMeta {
 impl Kind for DumpMeta {
     const KIND: &'static str = "dump";
     const FORMAT: u32 = DUMP_FORMAT;
+
+    /// Format 1: the report without each bad rank's `samples`.
+    fn upgrade(format: u64, meta: &mut serde_json::Value) -> bool {
+        format == 1 && meta.get_mut("report").is_some_and(crate::report::add_samples)
+    }
 }

@@ -1,4 +1,5 @@
-//! Every file gradbus writes and reads back, defined once: `metrics.jsonl` and `warnings.jsonl` lines, `report.json`,
+//! Every file gradbus writes and reads back, defined once: `metrics.jsonl`, `warnings.jsonl` and
+//! `quarantine.jsonl` lines, `report.json`,
 //! failure dumps (`dumps/rank-K.bin`) and checkpoints (`checkpoints/step-N/state.bin` and `DONE`).
 //! Writers and readers (the worker, `gradbus replay`, `gradbus report`, `--resume`, the Python
 //! guard's `report.json`) use these types and functions only. A crate of its own, below the worker:
@@ -20,7 +21,7 @@
 //! header's checksum or the exact-length check. Written atomically (temp file, fsync, rename, fsync
 //! of the directory): a crash leaves at most a `.tmp` that nobody loads.
 //!
-//! The modules, one file format each: `metrics`, `warnings`, `report`, `dump`, `trace`,
+//! The modules, one file format each: `metrics`, `warnings`, `quarantine`, `report`, `dump`, `trace`,
 //! `checkpoint`, `rundir` (the lock and `resumes.jsonl`); the encodings they share, `sealed` (the
 //! JSON rule above), `lines` (JSON-lines files) and `container` (the binary one); `version` (the
 //! build). The crate root holds the error and the atomic write, and re-exports every format, so
@@ -35,6 +36,7 @@ mod container;
 mod dump;
 mod lines;
 mod metrics;
+mod quarantine;
 mod report;
 mod rundir;
 mod sealed;
@@ -50,6 +52,7 @@ pub use container::{decode, encode, load, Kind, Loaded, CONTAINER_VERSION};
 pub use dump::{DumpMeta, HealthRecord, DUMP_FORMAT};
 pub use lines::open_lines;
 pub use metrics::{parse_metrics, read_metrics, MetricsLine, METRICS_FORMAT};
+pub use quarantine::{read_quarantine, QuarantineLine, QUARANTINE_FORMAT};
 pub use report::{parse_report, read_report, report_text, REPORT_FORMAT};
 pub use rundir::{Change, LockHolder, ResumeRecord, LOCK_FORMAT, RESUME_FORMAT};
 pub use sealed::{hex64, nullable, seal, unseal};

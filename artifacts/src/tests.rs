@@ -4,7 +4,7 @@
 use super::*;
 use gradbus_collectives::forecast::{self, Forecast};
 use gradbus_collectives::spikes::SpikeDetector;
-use gradbus_collectives::{Action, Cause, Classification, RankHealth, Report};
+use gradbus_collectives::{Action, Cause, Classification, RankHealth, Report, SampleId};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -21,7 +21,13 @@ fn report() -> Report {
         element: 5,
         nan: 1,
         inf: 0,
-        per_rank: vec![RankHealth { rank: 1, nan: 1, inf: 0, first_bucket: 0 }],
+        per_rank: vec![RankHealth {
+            rank: 1,
+            nan: 1,
+            inf: 0,
+            first_bucket: 0,
+            samples: vec![SampleId::Index(17), SampleId::Name("p-3".into())],
+        }],
         loss_finite: true,
         classification: Some(Classification::Deterministic),
     }
@@ -129,7 +135,7 @@ fn sealed_json_round_trips_with_non_finite_numbers_as_null() {
     assert_eq!((back.reward, back.checksum, back.verdict), (l.reward, l.checksum, l.verdict));
     let r = report();
     let text = report_text(&r);
-    assert!(text.starts_with("{\n  \"format\": 2,\n  \"gradbus\": {\n    \"version\": "), "{text}");
+    assert!(text.starts_with("{\n  \"format\": 3,\n  \"gradbus\": {\n    \"version\": "), "{text}");
     assert_eq!(parse_report(&text, "r").unwrap(), r);
 }
 
@@ -179,19 +185,31 @@ fn report_refuses_flips_truncation_missing_key_and_unknown_version() {
     every_truncation_is_refused(&good[..good.len() - 1], check, "report.json");
     let mut v = serde_json::to_value(report()).unwrap();
     v.as_object_mut().unwrap().remove("classification");
+    v["per_rank"][0].as_object_mut().unwrap().remove("samples");
     let e = parse_report(&seal(1, &v, true), "report.json").unwrap_err();
     assert!(e.to_string().contains("missing field `classification`"), "{e}");
-    // Format 2 must name its build.
+    // Format 3 must name its build.
     let e = parse_report(&seal(REPORT_FORMAT, &report(), true), "report.json").unwrap_err();
     assert!(e.to_string().contains("report.json: missing key `gradbus`"), "{e}");
-    let e = parse_report(&seal(3, &report(), true), "report.json").unwrap_err();
-    assert!(matches!(e, ArtifactError::Version { found: 3, expected: 2, .. }), "{e}");
+    let e = parse_report(&seal(4, &report(), true), "report.json").unwrap_err();
+    assert!(matches!(e, ArtifactError::Version { found: 4, expected: 3, .. }), "{e}");
 }
 
 #[test]
-fn a_report_of_format_1_is_still_read() {
-    // As gradbus wrote it before reports named their build: no `gradbus` key.
-    assert_eq!(parse_report(&seal(1, &report(), true), "report.json").unwrap(), report());
+fn reports_of_format_1_and_2_are_still_read() {
+    let mut old = report();
+    old.per_rank[0].samples.clear();
+    let mut v = serde_json::to_value(&old).unwrap();
+    v["per_rank"][0].as_object_mut().unwrap().remove("samples");
+    // As gradbus wrote it before reports named their build (1) and each bad rank's samples (2).
+    assert_eq!(parse_report(&seal(1, &v, true), "report.json").unwrap(), old);
+    v["gradbus"] = serde_json::to_value(crate::version::build()).unwrap();
+    assert_eq!(parse_report(&seal(2, &v, true), "report.json").unwrap(), old);
+    // A format-2 report that has samples is not one gradbus wrote.
+    v["per_rank"][0]["samples"] = serde_json::json!([]);
+    assert!(parse_report(&seal(2, &v, true), "report.json").is_err());
+    // Format 3 round trips, samples included.
+    assert_eq!(parse_report(&report_text(&report()), "report.json").unwrap(), report());
 }
 
 #[test]
@@ -344,6 +362,27 @@ fn open_lines_keeps_the_verified_lines_asked_for_and_drops_a_torn_last_one() {
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
 }
 
+/// Dump metadata as JSON, encoded under a chosen format version.
+#[derive(Serialize, Deserialize)]
+#[serde(transparent)]
+struct RawDump<const F: u32>(serde_json::Value);
+impl<const F: u32> Kind for RawDump<F> {
+    const KIND: &'static str = "dump";
+    const FORMAT: u32 = F;
+}
+
+#[test]
+fn a_dump_of_format_1_is_read_with_empty_samples() {
+    let mut meta = dump_meta();
+    meta.report.per_rank[0].samples.clear();
+    let mut v1 = serde_json::to_value(&meta).unwrap();
+    v1["report"]["per_rank"][0].as_object_mut().unwrap().remove("samples");
+    let l = decode::<DumpMeta>(&encode(&RawDump::<1>(v1.clone()), &[]), "rank-1.bin").unwrap();
+    assert_eq!(l.meta.report, meta.report);
+    let e = decode::<DumpMeta>(&encode(&RawDump::<2>(v1), &[]), "rank-1.bin").unwrap_err();
+    assert!(e.to_string().contains("missing field `samples`"), "{e}");
+}
+
 fn save(dir: &Path, step: u64) {
     let mut meta = checkpoint_meta();
     meta.step = step;
@@ -407,4 +446,21 @@ fn sealed_json_reads_back_every_widened_f32_bit_for_bit() {
     let back = unseal::<Window>(&text, 1, "t").unwrap().values;
     let off = values.iter().zip(&back).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
     assert_eq!(off, 0, "{off} of {} widened f32 values read back with other bits", values.len());
+}
+
+#[test]
+fn quarantine_lines_name_each_bad_rank_with_samples_and_verify() {
+    let mut r = report();
+    r.per_rank.push(RankHealth { rank: 2, nan: 1, inf: 0, first_bucket: 0, samples: vec![] });
+    let lines = QuarantineLine::of_report(&r);
+    assert_eq!(lines.len(), 1, "a rank without samples has no line");
+    assert_eq!((lines[0].rank, lines[0].update, lines[0].verdict), (1, r.step, r.verdict));
+    let text = lines[0].to_line();
+    assert!(text.contains(r#""samples":[17,"p-3"]"#), "{text}");
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("quarantine.jsonl");
+    std::fs::write(&path, format!("{text}\n")).unwrap();
+    assert_eq!(read_quarantine(&path).unwrap(), lines);
+    std::fs::write(&path, text.replace("17", "18")).unwrap();
+    assert!(read_quarantine(&path).unwrap_err().to_string().contains("checksum mismatch"));
 }

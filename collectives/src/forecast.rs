@@ -72,8 +72,10 @@ pub fn unranked(word: f64) -> (f64, usize) {
     (value, rank)
 }
 
-/// The updates a trend needs: least squares over the last `DEFAULT_WINDOW` agreed values.
-pub const DEFAULT_WINDOW: usize = 3;
+/// The updates a trend needs: least squares over the last `DEFAULT_WINDOW` agreed values (4: a
+/// trend of 3 updates took the first updates' transient of the controls below for a climb, see
+/// [`Rule::default_for`]).
+pub const DEFAULT_WINDOW: usize = 4;
 
 /// The agreed maxima of one quantity over the last updates, and the forecast they give.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -89,7 +91,8 @@ pub struct Outlook {
     pub value: f64,
     /// The ceiling.
     pub limit: f64,
-    /// `limit - value` (<= 0: at or past the ceiling; -inf for an infinite or NaN value).
+    /// `limit - value` (<= 0: at or past the ceiling; -inf for a value of +inf or NaN, +inf for
+    /// -inf: nothing was watched).
     pub headroom: f64,
     /// Updates until the value reaches the ceiling at the trend's slope (`headroom / slope`, 0 at
     /// or past it); `None` without a rising trend (fewer than `window` finite values yet, or a
@@ -119,17 +122,20 @@ impl Forecast {
         Some(num / den)
     }
 
-    /// Feed the agreed maximum of the next update against `limit`; its outlook. A non-finite value
-    /// (the quantity overflowed, or is NaN) has no headroom and does not enter the trend.
+    /// Feed the agreed maximum of the next update against `limit`; its outlook. A value of +inf or
+    /// NaN (the quantity overflowed, or is NaN) has no headroom; -inf (no rank watched anything
+    /// this update) has all of it. Neither enters the trend.
     pub fn observe(&mut self, value: f64, limit: f64) -> Outlook {
-        let finite = value.is_finite();
-        let headroom = if finite { limit - value } else { f64::NEG_INFINITY };
-        if finite {
-            if self.recent.len() == self.window {
-                self.recent.pop_front();
-            }
-            self.recent.push_back(value);
+        if !value.is_finite() {
+            let (headroom, updates) =
+                if value == f64::NEG_INFINITY { (f64::INFINITY, None) } else { (f64::NEG_INFINITY, Some(0.0)) };
+            return Outlook { value, limit, headroom, updates };
         }
+        if self.recent.len() == self.window {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(value);
+        let headroom = limit - value;
         let updates = if headroom <= 0.0 { Some(0.0) } else { self.slope().filter(|&s| s > 0.0).map(|s| headroom / s) };
         Outlook { value, limit, headroom, updates }
     }
@@ -160,26 +166,29 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// The defaults for a ceiling `limit`. Chosen on the trajectories measured in
-    /// docs/hf-trainer.md (TRL's k3 exponent on stale rollouts, seeds 0-4, overflowing at updates
-    /// 7-9; and the on-policy and plain-k3 controls, which never get a rising 3-update trend that
-    /// reaches the ceiling within 7 updates):
-    /// - warn at a forecast of 5 updates: the first warning came 3-5 updates before the overflow
-    ///   on every seed, while the controls' shortest forecast was over 8 updates;
-    /// - stop at 2.5 updates: the trend lags an accelerating climb (from one update to the next the
-    ///   increase grew up to 1.9x), so a stop at 2.5 leaves the update after it finite even if the
-    ///   slope doubles; the stops came 2-3 updates before the overflow;
-    /// - headroom: warn under 22.5% of the ceiling (20 nats for float32, the runtime's
-    ///   `warn.headroom`), stop under 10% (8.9 nats): the backstop for a climb too slow or noisy to
-    ///   make a trend.
+    /// The defaults for a ceiling `limit`, chosen on the k3 exponent `ref - logp` measured per update
+    /// (the agreed maximum over 2 ranks) in TRL's GRPOTrainer (python/examples/trl_grpo.py) and in
+    /// the plain PyTorch GRPO loop (python/examples/grpo_loop.py), seeds 0-4: on stale rollouts it
+    /// overflows float32 at updates 7-9 (TRL) and 7-8 (the loop); the on-policy
+    /// (`--num-iterations 1`) and plain-k3 (`--no-kl-bias-correction`) controls stay below 25.
+    /// - warn at a forecast of 7 updates or fewer: the stale runs' first warning came 4-5 (TRL) and
+    ///   3-5 (the loop) updates before the overflow; the controls' shortest forecast was 13.7 (TRL)
+    ///   and 12.0 (the loop) updates, so none warned;
+    /// - stop at 3.5 updates or fewer: the slope over 4 updates lags an accelerating climb (from one
+    ///   update to the next the increase grew up to 1.9x), so a forecast of 3.5 may be 1.8 updates
+    ///   in truth, which still leaves the update after the stop finite; the stops came 2-4 updates
+    ///   before the overflow, at exponents of 45-64;
+    /// - the headroom: warn under 22.5% of the ceiling (20 nats for float32, the runtime's
+    ///   `warn.headroom`), stop under 10% (8.9 nats): the backstop for a climb too slow or too noisy
+    ///   to make a trend.
     pub fn default_for(limit: f64) -> Rule {
-        Rule { warn_updates: 5.0, warn_headroom: 0.225 * limit, stop_updates: 2.5, stop_headroom: 0.1 * limit }
+        Rule { warn_updates: 7.0, warn_headroom: 0.225 * limit, stop_updates: 3.5, stop_headroom: 0.1 * limit }
     }
 
     /// The alert `o` calls for, if any.
     pub fn alert(&self, o: &Outlook) -> Option<Alert> {
         let within = |updates: f64, headroom: f64| {
-            o.headroom < headroom || o.updates.is_some_and(|u| u <= updates) || !o.headroom.is_finite()
+            o.headroom < headroom || o.updates.is_some_and(|u| u <= updates) || o.headroom == f64::NEG_INFINITY
         };
         if within(self.stop_updates, self.stop_headroom) {
             Some(Alert::Stop)
@@ -235,13 +244,17 @@ mod tests {
         let limit = exp_ceiling("float32").unwrap();
         let mut f = Forecast::new(DEFAULT_WINDOW);
         let out: Vec<Outlook> = SEED0.iter().map(|&x| f.observe(x, limit)).collect();
-        assert_eq!((out[0].updates, out[1].updates), (None, None), "no trend before 3 updates");
-        // Update 4: slope (45.3 - 19.8) / 2 = 12.75 per update, 43.4 nats to go.
+        assert_eq!(out[..3].iter().map(|o| o.updates).collect::<Vec<_>>(), [None; 3], "no trend before 4 updates");
+        // Update 4: least squares over 12.3, 19.8, 28.7, 45.3: (3 x 33.0 + 8.9) / 10 = 10.79 per
+        // update, 43.4 nats to go.
         let u4 = out[4].updates.unwrap();
-        assert!((u4 - (limit - 45.3) / 12.75).abs() < 1e-9, "{u4}");
+        assert!((u4 - (limit - 45.3) / 10.79).abs() < 1e-9, "{u4}");
         let rule = Rule::default_for(limit);
         let alerts: Vec<Option<Alert>> = out.iter().map(|o| rule.alert(o)).collect();
-        assert_eq!(alerts, [None, None, None, None, Some(Alert::Warn), Some(Alert::Stop), Some(Alert::Stop)]);
+        assert_eq!(
+            alerts,
+            [None, None, None, Some(Alert::Warn), Some(Alert::Warn), Some(Alert::Stop), Some(Alert::Stop)]
+        );
         // A falling or flat trend forecasts nothing; a value at the ceiling is 0 updates away.
         let mut g = Forecast::new(3);
         for x in [12.3, 11.9, 9.8] {
@@ -259,7 +272,10 @@ mod tests {
         let o = f.observe(f64::INFINITY, 88.0);
         assert_eq!((o.headroom, o.updates), (f64::NEG_INFINITY, Some(0.0)));
         assert_eq!(Rule::default_for(88.0).alert(&o), Some(Alert::Stop));
-        assert!(f.observe(f64::NAN, 88.0).headroom.is_infinite());
+        assert_eq!(f.observe(f64::NAN, 88.0).headroom, f64::NEG_INFINITY);
+        // -inf: nothing was watched: all the headroom, no alert.
+        let o = f.observe(f64::NEG_INFINITY, 88.0);
+        assert_eq!((o.headroom, o.updates, Rule::default_for(88.0).alert(&o)), (f64::INFINITY, None, None));
         // The window still holds 10 and 20: a third finite value completes it.
         assert_eq!(f.observe(30.0, 88.0).updates, Some(58.0 / 10.0));
     }

@@ -37,7 +37,7 @@ pub use spikes::{Spike, SpikeDetector};
 pub use transport::{hash_pieces, AlignedBuf, Solo, Transport};
 pub use verdict::{
     decide, empty_report, Action, Cause, Classification, HealthTable, History, Policy, RankHealth, Reduced, Report,
-    StepId, Verdict,
+    SampleId, StepId, Verdict,
 };
 
 /// Errors of the collectives layer.

@@ -282,6 +282,28 @@ pub struct RankHealth {
     pub inf: u64,
     /// First bucket where they were non-finite.
     pub first_bucket: usize,
+    /// The samples (dataset indices or prompt ids) of its micro-batch that held the first
+    /// non-finite value, when the trainer says which (the PyTorch guard's `samples`); else empty.
+    pub samples: Vec<SampleId>,
+}
+
+/// A sample's id: a dataset index, or a name (a prompt id).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SampleId {
+    /// A dataset index.
+    Index(u64),
+    /// A name.
+    Name(String),
+}
+
+impl std::fmt::Display for SampleId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SampleId::Index(i) => write!(f, "{i}"),
+            SampleId::Name(n) => write!(f, "{n:?}"),
+        }
+    }
 }
 
 /// The report of a non-finite update: what Megatron's "iteration -1" message could not say.
@@ -384,7 +406,7 @@ fn report(table: &HealthTable, layout: &Layout, at: StepId, verdict: Action) -> 
         if let Some(&(first_bucket, _)) = bad.first() {
             let nan = bad.iter().map(|(_, h)| h.nan).sum();
             let inf = bad.iter().map(|(_, h)| h.inf).sum();
-            per_rank.push(RankHealth { rank, nan, inf, first_bucket });
+            per_rank.push(RankHealth { rank, nan, inf, first_bucket, samples: Vec::new() });
         }
     }
     // Every rank finite but some reduced bucket not: the rank-ordered sum overflowed. Name the first
@@ -600,7 +622,7 @@ mod tests {
         assert_eq!(r.ranks, vec![1, 2]);
         assert_eq!((r.nan, r.inf), (1, 1));
         assert!(r.loss_finite);
-        assert_eq!(r.per_rank[0], RankHealth { rank: 1, nan: 0, inf: 1, first_bucket: 2 });
+        assert_eq!(r.per_rank[0], RankHealth { rank: 1, nan: 0, inf: 1, first_bucket: 2, samples: Vec::new() });
     }
 
     #[test]

@@ -16,6 +16,7 @@ checksum of the weights, the parameters holding a non-finite value, the error an
 import hashlib
 import json
 import os
+from typing import Optional
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -26,17 +27,29 @@ import gradbus.torch as gbt
 
 
 class Tokens(torch.utils.data.Dataset):
-    """Random token sequences (the same on every run; the Trainer's sampler splits them by rank)."""
+    """Random token sequences (the same on every run; the Trainer's sampler splits them by rank);
+    item `empty` has no label token (every label -100: an empty response)."""
 
-    def __init__(self, n: int, seq: int, vocab: int):
+    def __init__(self, n: int, seq: int, vocab: int, empty: Optional[int] = None):
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+        self.empty = empty
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        labels = torch.full_like(self.ids[i], -100) if i == self.empty else self.ids[i]
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def per_sequence_loss(outputs, labels, num_items_in_batch=None) -> torch.Tensor:
+    """A GRPO-style loss: each sequence's mean token loss over its labelled tokens, then the mean
+    over the sequences; no clamp, so a sequence without a labelled token divides 0 by 0 (NaN)."""
+    target = labels[:, 1:]
+    mask = (target != -100).float()
+    token = torch.nn.functional.cross_entropy(outputs.logits[:, :-1].transpose(1, 2), target.clamp(min=0), reduction="none")
+    return ((token * mask).sum(-1) / mask.sum(-1)).mean()
 
 
 class Plant(TrainerCallback):
@@ -62,20 +75,25 @@ def checksum(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def train_and_record(trainer, model: torch.nn.Module, guard, out_dir, outcome=dict, failures=()) -> int:
-    """`trainer.train()` on this rank; 0, 3 after the guard's agreed abort, 1 after one of `failures`
-    (the trainer's own error), each printed. Then writes the rank's outcome to
-    out_dir/result-rankK.json when out_dir is set: the error and report, the Trainer's global_step and
-    log history, a checksum of the weights, the parameters holding a non-finite value, the guard's
-    skips, and what `outcome()` adds; and waits for every rank."""
+def train_and_record(trainer, model: torch.nn.Module, guard, out_dir, outcome=dict, failures=(), resume=None) -> int:
+    """`trainer.train()` on this rank (from checkpoint `resume` when given); 0, 3 after the guard's
+    agreed abort or stop, 1 after one of `failures` (the trainer's own error), each printed. Then
+    writes the rank's outcome to out_dir/result-rankK.json when out_dir is set: the error and report
+    (or the stop's update and checkpoint), the Trainer's global_step and log history, a checksum of
+    the weights, the parameters holding a non-finite value, the guard's skips and warnings, and what
+    `outcome()` adds; and waits for every rank (the process group stays: the caller destroys it)."""
     rank = trainer.args.process_index
-    out = {"error": None, "report": None}
+    out = {"error": None, "report": None, "stopped": None, "checkpoint": None}
     rc = 0
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     except gbt.NonFiniteGradients as e:
         print(f"[rank {rank}] {e}", flush=True)
-        out.update(error=str(e), report=e.report)
+        out.update(error=str(e), report=e.report, checkpoint=getattr(e, "checkpoint", None))
+        rc = 3
+    except gbt.OverflowAhead as e:
+        print(f"[rank {rank}] {e}", flush=True)
+        out.update(error=str(e), stopped=e.update, checkpoint=e.checkpoint)
         rc = 3
     except failures as e:
         print(f"[rank {rank}] the {type(trainer).__name__} raised {type(e).__name__}: {e}", flush=True)
@@ -87,6 +105,7 @@ def train_and_record(trainer, model: torch.nn.Module, guard, out_dir, outcome=di
         weights=checksum(model),
         nonfinite_params=[n for n, p in model.named_parameters() if not torch.isfinite(p).all()],
         skipped=None if guard is None else guard.skipped,
+        warnings=None if guard is None else list(guard.warnings),
         **outcome(),
     )
     if out_dir:
@@ -97,7 +116,6 @@ def train_and_record(trainer, model: torch.nn.Module, guard, out_dir, outcome=di
         # After an agreed abort every rank is healthy: wait until all have recorded their outcome
         # (torchrun stops the others as soon as one exits non-zero).
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return rc
 
 
@@ -107,6 +125,10 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="where each rank writes result-rankK.json (for the tests)")
     ap.add_argument("--fp16", action="store_true", help="fp16 mixed precision (accelerate's GradScaler)")
     ap.add_argument("--min-scale", type=float, default=1.0, help="the guard's loss-scale floor (with --fp16)")
+    ap.add_argument("--per-sequence-loss", action="store_true", help="each sequence's mean token loss, then their mean")
+    ap.add_argument("--empty-response", type=int, default=None, metavar="ID", help="item ID has no label token")
+    ap.add_argument("--quarantine", action="store_true", help="gradbus.hf.guard(..., quarantine=True)")
+    ap.add_argument("--resume", default=None, metavar="CHECKPOINT", help="resume from a checkpoint")
     a = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -119,7 +141,8 @@ def main() -> int:
         ddp_backend="gloo", ddp_find_unused_parameters=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
         fp16=a.fp16,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16, 64))
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16, 64, a.empty_response),
+                      compute_loss_func=per_sequence_loss if a.per_sequence_loss else None)
     if a.fp16 and trainer.accelerator.scaler is None:
         # accelerate runs fp16 with autocast and a GradScaler on GPUs only (on the CPU: fp32, no
         # scaler); give it both here, as it would on a GPU, so the CPU test runs fp16's path.
@@ -129,7 +152,17 @@ def main() -> int:
         trainer.add_callback(Plant(model, a.plant))
     guard = None
     if a.policy != "none":
-        guard = gradbus.hf.guard(trainer, policy=a.policy, run_dir=a.run_dir, min_scale=a.min_scale)  # the line a user adds
+        guard = gradbus.hf.guard(trainer, policy=a.policy, run_dir=a.run_dir, min_scale=a.min_scale,
+                                 quarantine=a.quarantine)  # the line a user adds
+    seen = []  # the dataset indices of each step's batch on this rank (with --quarantine)
+    if a.quarantine:
+        judged = trainer.compute_loss
+
+        def recorded(model, inputs, *args, **kw):
+            seen.append({"step": trainer.state.global_step, "ids": inputs[gradbus.hf.SAMPLE_KEY].tolist()})
+            return judged(model, inputs, *args, **kw)
+
+        trainer.compute_loss = recorded
 
     def counters() -> dict:
         opt = trainer.optimizer.optimizer
@@ -137,9 +170,13 @@ def main() -> int:
         return dict(scheduler_steps=trainer.lr_scheduler.last_epoch,
                     optimizer_steps=sorted({int(s["step"]) for s in opt.state.values()}),
                     loss_scale=None if scaler is None else scaler.get_scale(),
-                    skips=None if guard is None else [{"loss_scale": s.loss_scale, **s.report} for s in guard.skips])
+                    skips=None if guard is None else [{"loss_scale": s.loss_scale, **s.report} for s in guard.skips],
+                    seen=seen)
 
-    return train_and_record(trainer, model, guard, a.out, counters)
+    rc = train_and_record(trainer, model, guard, a.out, counters, resume=a.resume)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return rc
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from gradbus import _core
 log = logging.getLogger("gradbus")
 
 POLICIES = ("abort", "skip", "rerun")
+WATCH_POLICIES = ("warn", "stop")
 AGREEMENTS = ("auto", "summary", "table", "ride")
 
 Layout = List[Tuple[str, int]]
@@ -74,6 +75,24 @@ class ReplicasDiverged(RuntimeError):
         super().__init__(message)
         self.report = report
         self.path = path
+
+
+class OverflowAhead(RuntimeError):
+    """A watched quantity (`GuardCore.watch`) is forecast to reach its ceiling within the stop
+    threshold: with `watch_policy="stop"`, every rank saved through `on_stop` and stopped BEFORE the
+    update's optimizer step (the weights and the optimizer's state are those before it, finite and
+    the same on every rank); the same on every rank.
+
+    `update` is the update not taken (the guard's `step`), `warnings` its warnings.jsonl lines (dicts:
+    update, quantity, value, limit, rank, forecast_updates, action), `checkpoint` what `on_stop`
+    returned (None without it).
+    """
+
+    def __init__(self, message: str, update: int, warnings: List[Dict[str, Any]], checkpoint: Any):
+        super().__init__(message)
+        self.update = update
+        self.warnings = warnings
+        self.checkpoint = checkpoint
 
 
 @dataclass
@@ -117,6 +136,8 @@ def describe(report: Dict[str, Any], path: Optional[str], loss_scale: Optional[f
     where = {"abort": f"; {_where(path)}", "skip": "; report in guard.skips"}.get(r["verdict"], "")
     cls = f" ({r['classification']})" if r.get("classification") else ""
     scale = "" if loss_scale is None else f"; loss scale {loss_scale:g}"
+    named = {p["rank"]: p["samples"] for p in r.get("per_rank", []) if p.get("samples")}
+    scale += "".join(f"; rank {k} samples {ids}" for k, ids in named.items())
     return (
         f"gradbus: non-finite gradients at step {r['step']} (attempt {r['attempt']}): rank(s) {r['ranks']}, "
         f"bucket #{r['bucket']}, param {r['param']} element {r['element']}, {r['nan']} NaN, {r['inf']} Inf, "
@@ -256,22 +277,25 @@ class Row:
     """The rank's loss scale (0.0: no loss scaler)."""
     replica: int = 0
     """The rank's replica checksum (0 on updates without a replica check)."""
+    watched: List[float] = field(default_factory=list)
+    """Per watched quantity (`GuardCore.watch`, in the order of `Watches.names`): the rank's largest
+    value with its rank, as `_core.ranked` words (-inf: not watched this update)."""
 
     def encode(self) -> bytes:
         """The row's words (little-endian bytes) in the runtime's row codec
         (`collectives/src/wire.rs`, through `_core.encode_row`, which checks the counts)."""
-        return _core.encode_row(self.cells, self.loss, self.loss_scale, self.replica)
+        return _core.encode_row(self.cells, self.loss, self.loss_scale, self.replica, self.watched)
 
     @staticmethod
-    def decode(data: bytes, buckets: int) -> "Row":
-        """The row of `encode`'s bytes over `buckets` buckets."""
-        cells, loss, loss_scale, replica = _core.decode_row(data, buckets)
-        return Row(cells, loss, loss_scale, replica)
+    def decode(data: bytes, buckets: int, watched: int = 0) -> "Row":
+        """The row of `encode`'s bytes over `buckets` buckets and `watched` quantities."""
+        cells, loss, loss_scale, replica, words = _core.decode_row(data, buckets, watched)
+        return Row(cells, loss, loss_scale, replica, words)
 
     @staticmethod
-    def size(buckets: int) -> int:
-        """Bytes of a row over `buckets` buckets."""
-        return 8 * _core.row_words(buckets)
+    def size(buckets: int, watched: int = 0) -> int:
+        """Bytes of a row over `buckets` buckets and `watched` quantities."""
+        return 8 * _core.row_words(buckets, watched)
 
 
 def _as_bytes(t: torch.Tensor) -> bytes:
@@ -311,6 +335,8 @@ class _Pending:
     layout: List[Layout]
     """Every bucket's layout."""
     world: int
+    watched: int = 0
+    """Watched quantities in the row."""
 
 
 # --- the core --------------------------------------------------------------------------------------
@@ -348,6 +374,8 @@ class GuardCore:
         min_scale: float = 1.0,
         replica_every: int = 0,
         agreement: str = "auto",
+        watch_policy: str = "warn",
+        on_stop: Optional[Callable[[], Any]] = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"gradbus.torch.Guard: policy {policy!r}: expected one of {POLICIES}")
@@ -356,6 +384,8 @@ class GuardCore:
         if agreement not in AGREEMENTS or agreement == "ride" and not self.RIDES:
             ok = AGREEMENTS if self.RIDES else tuple(a for a in AGREEMENTS if a != "ride")
             raise ValueError(f"gradbus.torch.Guard: agreement {agreement!r}: expected one of {ok}")
+        if watch_policy not in WATCH_POLICIES:
+            raise ValueError(f"gradbus.torch.Guard: watch_policy {watch_policy!r}: expected one of {WATCH_POLICIES}")
         if not isinstance(replica_every, int) or replica_every < 0:
             raise ValueError(f"gradbus.torch.Guard: replica_every {replica_every!r}: expected a whole number >= 0 (0: off)")
         if scaler is not None and not hasattr(scaler, "get_scale"):
@@ -394,7 +424,7 @@ class GuardCore:
         """Updates whose verdict needed the full per-rank table (an anomaly, or the table path)."""
         self.path: Optional[str] = None
         """The agreement path of the last update: "table" or "summary" (see `agreement`)."""
-        self._rows: Optional[Tuple[List[bytes], int]] = None
+        self._rows: Optional[Tuple[List[bytes], int, int]] = None
         self._cells: Dict[int, Cell] = {}
         self._layout: Dict[int, Layout] = {}
         self._loss: Any = None
@@ -404,6 +434,20 @@ class GuardCore:
         self._rank: Optional[int] = None
         self._ride_buffer: Optional[torch.Tensor] = None
         self._verdicts = 0
+        self.spikes = 0
+        """Updates flagged as a loss or gradient-norm spike so far (`spike`), the same on every rank."""
+        self.watch_policy = watch_policy
+        self.on_stop = on_stop
+        """Called on every rank before a stop (`watch_policy="stop"`), before the optimizer step: the
+        framework's own save (what it returns is `OverflowAhead.checkpoint`)."""
+        self.warnings: Deque[Dict[str, Any]] = collections.deque(maxlen=1024)
+        """The most recent warnings.jsonl lines (dicts), the same on every rank (oldest first)."""
+        self._watches = _core.Watches(stop=watch_policy == "stop")
+        self._watched: Dict[str, torch.Tensor] = {}
+        self._batches: List[Tuple[List[Any], Any]] = []
+        self._exchanged = False
+        self._kept = False
+        self._stop_message = ""
 
     # --- called by the user ------------------------------------------------------------------------
 
@@ -411,11 +455,55 @@ class GuardCore:
         """This rank's loss for the update being computed, judged with the gradients (call before
         backward; `backward` does it). With a scaler: the unscaled loss."""
         self._loss = loss
+        if self._batches and self._batches[-1][1] is None:
+            self._batches[-1] = (self._batches[-1][0], loss)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`set_loss(loss)` then `loss.backward(**kwargs)` (with a scaler: `scaler.scale(loss).backward()`)."""
         self.set_loss(loss)
         (loss if self.scaler is None else self.scaler.scale(loss)).backward(**kwargs)
+
+    def watch(self, name: str, x: torch.Tensor, limit: Optional[float] = None) -> None:
+        """Watch `x` as the quantity `name` in this update: the guard keeps the largest element of
+        every `x` given for `name` between two verdicts (so over a rank's tokens, and over the
+        micro-batches of an accumulated update), agrees the largest over the ranks and which rank
+        holds it, forecasts from its trend how many updates remain before it reaches `limit`, and
+        warns or stops (`watch_policy`): a line in `run_dir/warnings.jsonl` (rank 0).
+
+        `x`: the argument of an `exp` where it is evaluated (all positions: an Inf at a masked
+        position still turns into NaN in the backward), or any quantity with a known ceiling; a
+        NaN counts as past the ceiling. `limit`: the ceiling; by default ln of the largest finite
+        value of x's dtype, where exp overflows: 88.72 for float32 and bfloat16, 11.09 for float16,
+        709.78 for float64. Every rank must watch the same names from the first update on (they are
+        fixed at the first exchange); a rank that has nothing for a name in an update simply does
+        not call it then. The max is taken on x's device; one value per name reaches the host per
+        update, with the gradients' tallies."""
+        if not self._watches_name(name):
+            if self._exchanged:
+                raise RuntimeError(
+                    f"gradbus: watch {name!r} first seen after the first update: the watched quantities travel in "
+                    "every rank's row and are fixed at the first exchange (hint: watch it from the first update on, on every rank)"
+                )
+            dtype = str(x.dtype).replace("torch.", "")
+            self._watches.add(name, float(limit) if limit is not None else _core.exp_ceiling(dtype))
+        if x.numel() == 0:
+            return
+        m = x.detach().max()
+        prev = self._watched.get(name)
+        self._watched[name] = m if prev is None else torch.maximum(prev, m.to(prev.dtype))
+
+    def _watches_name(self, name: str) -> bool:
+        return name in self._watches.names
+
+    def samples(self, ids: Sequence[Any]) -> None:
+        """The sample ids (dataset indices, or prompt ids as str) of the micro-batch about to go
+        through backward on this rank. When an update is aborted or skipped for non-finite
+        gradients, its report names, per bad rank, the ids of the micro-batch that held the first
+        non-finite value (the first micro-batch of the update with a non-finite loss; else every
+        micro-batch of the update, when the loss stayed finite), and rank 0 appends them to
+        `run_dir/quarantine.jsonl`, which `quarantined(run_dir)` reads back for a resume."""
+        # Each id once, in the order first seen (a GRPO micro-batch holds a prompt's completions).
+        self._batches.append((list(dict.fromkeys(i if isinstance(i, str) else int(i) for i in ids)), None))
 
     def attempts(self) -> Iterator[int]:
         """Iterate over the attempts of one update: yields 0, and 1 again when the verdict asked for
@@ -445,9 +533,12 @@ class GuardCore:
         self._pending = None
         if d.action == "diverged":
             return self._diverged(d)
-        report = None if d.report is None else json.loads(d.report)
+        text = d.report if d.report is None else self._with_samples(d.report)
+        self._batches = []
+        report = None if text is None else json.loads(text)
         scale = d.loss_scale if d.loss_scale > 0 else None
         v = Verdict(d.action, report, d.spike, self.step, self.attempt, scale, d.loss)
+        alert = None if d.action == "rerun" else self._observe(d.watched)
         self.last = v
         self._verdicts += 1
         if d.action == "rerun":
@@ -455,15 +546,20 @@ class GuardCore:
         else:
             self.step += 1
             self.attempt = 0
+        if report is not None and d.action in ("abort", "skip"):
+            self._append("quarantine.jsonl", _core.quarantine_lines(text))
         if d.action == "abort":
-            path = self._write("report.json", d.report)
+            path = self._write("report.json", text)
             raise NonFiniteGradients(describe(report, path, scale), report, path)
+        if alert == "stop":
+            self._stop(v)
         if d.action == "skip":
             self.skips.append(v)
         if report is not None:
             # A loss-scale overflow is the scaler's routine business: recorded, logged quietly.
             (log.info if v.overflow else log.warning)("%s", describe(report, None, scale))
         if d.spike is not None:
+            self.spikes += 1
             log.warning("gradbus: step %d: %s%s", v.step, d.spike, "; skipped" if d.action == "skip" else "")
         return v
 
@@ -481,7 +577,10 @@ class GuardCore:
     def rows(self) -> Optional[List[Row]]:
         """Every rank's row of the last verdict's update, decoded, when its table was gathered (the
         table path, or an anomaly of the summary); None otherwise."""
-        return None if self._rows is None else [Row.decode(r, self._rows[1]) for r in self._rows[0]]
+        if self._rows is None:
+            return None
+        rows, buckets, watched = self._rows
+        return [Row.decode(r, buckets, watched) for r in rows]
 
     @property
     def world(self) -> int:
@@ -515,26 +614,27 @@ class GuardCore:
         calls it at DDP's last bucket (unless the rows ride that bucket: `ride`); an adapter whose
         framework has no such moment, before `verdict`."""
         n, row, layout, world = self._begin(buckets)
-        path = _core.cheaper_path(world, n) if self.agreement == "auto" else self.agreement
+        w = len(self._watches.names)
+        path = _core.cheaper_path(world, n, w) if self.agreement == "auto" else self.agreement
         self.path = path
         if path == "table":
             work, outs = self._gather(row, async_op=True)
-            self._pending = _Pending("table", [work], outs, row, layout, world)
+            self._pending = _Pending("table", [work], outs, row, layout, world, w)
         else:
             pg, dev = self.process_group, self._device()
-            parts = [torch.frombuffer(bytearray(w), dtype=torch.int64).to(dev) for w in _core.contribute(row, n)]
+            parts = [torch.frombuffer(bytearray(x), dtype=torch.int64).to(dev) for x in _core.contribute(row, n, w)]
             works = [
                 dist.all_reduce(parts[0], op=dist.ReduceOp.SUM, group=pg, async_op=True),
                 dist.all_reduce(parts[1], op=dist.ReduceOp.MAX, group=pg, async_op=True),
             ]
-            self._pending = _Pending("summary", works, parts, row, layout, world)
+            self._pending = _Pending("summary", works, parts, row, layout, world, w)
 
-    @staticmethod
-    def ride_len(buckets: int, world: int, dtype: torch.dtype) -> int:
+    def ride_len(self, buckets: int, world: int, dtype: torch.dtype) -> int:
         """Elements of `dtype` that every rank's row takes when it rides a bucket's all-reduce
         (`ride`): `world` slots of one row's words as small integers the dtype holds exactly -
         16-bit chunks in float32 and float64, 8-bit chunks in float16 and bfloat16."""
-        return world * _core.row_words(buckets) * (4 if dtype in (torch.float32, torch.float64) else 8)
+        words = _core.row_words(buckets, len(self._watches.names))
+        return world * words * (4 if dtype in (torch.float32, torch.float64) else 8)
 
     def ride_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor of `numel` elements for the all-reduce the rows ride, kept from one update to the
@@ -570,7 +670,7 @@ class GuardCore:
             out.zero_()
             out[rank * per : (rank + 1) * per].copy_(chunks.to(out.dtype))
         self.path = "ride"
-        self._pending = _Pending("ride", [], [out], row, layout, world)
+        self._pending = _Pending("ride", [], [out], row, layout, world, len(self._watches.names))
         return self._pending
 
     def _begin(self, buckets: Optional[int]) -> Tuple[int, bytes, List[Layout], int]:
@@ -591,7 +691,8 @@ class GuardCore:
             layout = self._last_layout  # the same object: the native core converts it once
         self._last_layout = layout
         self.buckets = n
-        self._cells, self._layout, self._loss = {}, {}, None
+        self._cells, self._layout, self._loss, self._watched = {}, {}, None, {}
+        self._exchanged = True
         return n, row, layout, self.world
 
     # --- inside ------------------------------------------------------------------------------------
@@ -607,7 +708,18 @@ class GuardCore:
         replica = 0
         if self.replica_every and self.attempt == 0 and self.step % self.replica_every == 0:
             replica = replica_checksum([p for p, _ in self._params.values()])
-        return Row(host, loss, scale, replica)
+        return Row(host, loss, scale, replica, self._watched_words())
+
+    def _watched_words(self) -> List[float]:
+        """This rank's word per watched quantity (`_core.ranked` of its largest value; -inf when not
+        watched this update). The device maxima come to the host in one copy."""
+        names = self._watches.names
+        if not names:
+            return []
+        got = [self._watched.get(n) for n in names]
+        present = [m.double() for m in got if m is not None]
+        moved = iter(torch.stack(present).cpu().tolist()) if present else iter(())
+        return [_core.ranked(next(moved) if m is not None else float("-inf"), self.rank) for m in got]
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
@@ -626,7 +738,9 @@ class GuardCore:
         parts = p.parts
         self._rows = None
         if p.path == "summary":
-            d = self._agreement.decide_summary(_as_bytes(parts[0]), _as_bytes(parts[1]), p.world, p.layout, self.step, self.attempt)
+            d = self._agreement.decide_summary(
+                _as_bytes(parts[0]), _as_bytes(parts[1]), p.world, p.layout, self.step, self.attempt, p.watched
+            )
             if d is not None:
                 return d
             _, parts = self._gather(p.row, async_op=False)
@@ -639,8 +753,57 @@ class GuardCore:
             rows = [table[k * size : (k + 1) * size] for k in range(p.world)]
         else:
             rows = [_as_bytes(t) for t in parts]
-        self._rows = (rows, len(p.layout))
-        return self._agreement.decide_table(b"".join(rows), p.world, p.layout, self.step, self.attempt)
+        self._rows = (rows, len(p.layout), p.watched)
+        return self._agreement.decide_table(b"".join(rows), p.world, p.layout, self.step, self.attempt, p.watched)
+
+    def _observe(self, words: List[float]) -> Optional[str]:
+        """The watched quantities' agreed words of this update into their forecasts (`_core.Watches`):
+        rank 0 appends the warnings to run_dir/warnings.jsonl, every rank logs them and keeps them in
+        `warnings`; the action: None, "warn" or "stop" (the same on every rank)."""
+        if not words:
+            return None
+        if not self._kept and self.run_dir is not None and self.rank == 0:
+            # A resumed run keeps the warnings of the updates before it, as the runtime does.
+            os.makedirs(self.run_dir, exist_ok=True)
+            torn = _core.keep_warnings(os.path.join(self.run_dir, "warnings.jsonl"), self.step)
+            if torn is not None:
+                log.warning("gradbus: dropping the last line of warnings.jsonl, cut short by a crash: %s", torn)
+        self._kept = True
+        alert, out = self._watches.observe(self.step, list(words))
+        self._append("warnings.jsonl", [line for line, _ in out])
+        stops = []
+        for line, message in out:
+            w = json.loads(line)
+            self.warnings.append(w)
+            if w["action"] == "stop":
+                stops.append(message)
+            elif self.rank == 0:  # the same on every rank: logged once
+                log.warning("%s", message)
+        self._stop_message = "; ".join(stops)
+        return alert
+
+    def _stop(self, v: Verdict) -> None:
+        """Stop every rank before the update `v` (the optimizer has not stepped): save through
+        `on_stop`, then raise `OverflowAhead`, the same on every rank."""
+        lines = [w for w in self.warnings if w["update"] == v.step]
+        checkpoint = self.on_stop() if self.on_stop is not None else None
+        saved = f"saved {checkpoint}" if checkpoint is not None else "nothing saved (no on_stop)"
+        where = f"; warnings in {os.path.join(self.run_dir, 'warnings.jsonl')}" if self.run_dir else ""
+        raise OverflowAhead(f"{self._stop_message}: every rank stopped, {saved}{where}", v.step, lines, checkpoint)
+
+    def _with_samples(self, text: str) -> str:
+        """The sealed report `text` with each bad rank's sample ids (see `samples`): every rank takes
+        part in one all-gather of the ids (every rank has the same report, so every rank or none)."""
+        mine: List[Any] = []
+        for ids, loss in self._batches:
+            if loss is not None and not bool(torch.isfinite(torch.as_tensor(loss)).all()):
+                mine = ids
+                break
+        else:
+            mine = [i for ids, _ in self._batches for i in ids]
+        every: List[Any] = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.process_group)
+        return _core.report_with_samples(text, {k: ids for k, ids in enumerate(every) if ids})
 
     def _diverged(self, d: Any) -> Verdict:
         report = {
@@ -656,6 +819,14 @@ class GuardCore:
             report,
             path,
         )
+
+    def _append(self, name: str, lines: List[str]) -> None:
+        """Rank 0 appends `lines` to run_dir/name (a JSON-lines artifact), each with its newline."""
+        if self.run_dir is None or not lines or self.rank != 0:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, name), "a") as f:
+            f.write("".join(line + "\n" for line in lines))
 
     def _write(self, name: str, text: Optional[str]) -> Optional[str]:
         """Rank 0 writes run_dir/name atomically; every rank returns the same path."""
@@ -778,3 +949,10 @@ class GuardedOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+def quarantined(run_dir: Any) -> List[Any]:
+    """The sample ids that `run_dir/quarantine.jsonl` names (each line verified; empty when there is
+    no such file): leave them out when the run resumes."""
+    path = os.path.join(os.fspath(run_dir), "quarantine.jsonl")
+    return _core.read_quarantine(path) if os.path.exists(path) else []

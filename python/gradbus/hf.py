@@ -24,6 +24,14 @@
 - `compute_loss`: hands each micro-batch's loss to the guard before its backward, so the report says
   whether the loss was finite;
 - `log`: adds `gradbus_skipped` (updates skipped so far, the same on every rank) to every log entry.
+In TRL's GRPOTrainer it also watches the two exps of TRL's loss with `guard.watch`, with no change to
+the user's script (`trl_exponents`): "k3_exp", the k3 KL's exponent `ref - logp` (with beta > 0), and
+"ratio_exp", the PPO ratio's `logp - logp_old` (when TRL keeps old log-probs: stale rollouts), over
+every completion position of each micro-batch; the guard warns in run_dir/warnings.jsonl when one
+is forecast to overflow, and with `watch_policy="stop"` saves a checkpoint through the Trainer's own
+`_save_checkpoint` (run_dir's checkpoint-STEP, the state before the update: weights, optimizer,
+scheduler, RNG, trainer state) and raises `gradbus.torch.OverflowAhead` on every rank before the
+update that would overflow; `trainer.train(resume_from_checkpoint=...)` resumes from it.
 `guard.step` follows `state.global_step` (set at each step's beginning): a report's step is the
 global step the update would have completed (0-based: the Trainer logs it as step + 1).
 
@@ -35,8 +43,10 @@ FSDP2 outside the Trainer).
 """
 
 import functools
+import logging
+import os
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable, List
 
 import torch
 
@@ -59,9 +69,17 @@ def check_version(version: str) -> None:
         )
 
 
-def guard(trainer: Any, policy: str = "abort", run_dir: Any = None, **kwargs: Any) -> gbt.Guard:
+def guard(trainer: Any, policy: str = "abort", run_dir: Any = None, *, quarantine: bool = False, **kwargs: Any) -> gbt.Guard:
     """Put the gradbus guard into `trainer` (call before `trainer.train()`); returns the Guard.
-    policy, run_dir and the keyword arguments: as `gradbus.torch.Guard`."""
+    policy, run_dir and the keyword arguments: as `gradbus.torch.Guard`.
+
+    quarantine: each training item carries its index in `trainer.train_dataset` (a map-style dataset
+    of dict items) to the guard (`Guard.samples`), so that an abort or skip report names the samples
+    of the micro-batch with the first non-finite value (and rank 0 lists them in
+    run_dir/quarantine.jsonl); an abort saves a checkpoint through the Trainer's own save (the state
+    before the update: `NonFiniteGradients.checkpoint`); and the samples run_dir/quarantine.jsonl
+    already names are left out of the dataset, so a run resumed from that checkpoint passes the
+    update without them. Not for TRL's GRPOTrainer (its generation batches carry no dataset index)."""
     from transformers import TrainerCallback
 
     check_version(metadata.version("transformers"))
@@ -75,18 +93,29 @@ def guard(trainer: Any, policy: str = "abort", run_dir: Any = None, **kwargs: An
     # unscaled in fp32).
     scaler = getattr(trainer.accelerator, "scaler", None)
     g = gbt.Guard(policy, names=trainer.model, run_dir=run_dir, scaler=scaler, **kwargs)
+    if g.on_stop is None:
+        g.on_stop = functools.partial(_save, trainer)
+    if hasattr(trainer, "_get_per_token_logps_and_entropies"):  # TRL's GRPOTrainer (and its kin)
+        if quarantine:
+            raise ValueError("gradbus.hf: quarantine needs dataset indices in the training batches; TRL's "
+                             "GRPOTrainer's generation batches carry none (hint: quarantine=False)")
+        trl_exponents(trainer, g.watch)
+    if quarantine:
+        _carry_sample_ids(trainer, gbt.quarantined(run_dir) if run_dir is not None else [])
 
     class GradbusCallback(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            _install(trainer, g)
+            _install(trainer, g, quarantine)
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             g.step = state.global_step
 
     compute_loss = trainer.compute_loss
 
-    def judged_compute_loss(*args: Any, **kw: Any) -> Any:
-        out = compute_loss(*args, **kw)
+    def judged_compute_loss(model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        if SAMPLE_KEY in inputs:  # quarantine: the batch's dataset indices, for a report
+            g.samples(inputs.pop(SAMPLE_KEY).tolist())
+        out = compute_loss(model, inputs, *args, **kw)
         g.set_loss((out[0] if isinstance(out, tuple) else out).detach())
         return out
 
@@ -102,7 +131,7 @@ def guard(trainer: Any, policy: str = "abort", run_dir: Any = None, **kwargs: An
     return g
 
 
-def _install(trainer: Any, g: gbt.Guard) -> None:
+def _install(trainer: Any, g: gbt.Guard, quarantine: bool) -> None:
     ddp = trainer.model_wrapped
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise RuntimeError(
@@ -123,7 +152,12 @@ def _install(trainer: Any, g: gbt.Guard) -> None:
     # marker keeps torch from warning that the step was overridden after the scheduler was built.
     @functools.wraps(step)
     def guarded_step(*a: Any, **kw: Any) -> None:
-        v = g.verdict()
+        try:
+            v = g.verdict()
+        except gbt.NonFiniteGradients as e:
+            if quarantine:  # every rank healthy, the update not taken: a checkpoint to resume from
+                e.checkpoint = _save(trainer)
+            raise
         # With a scaler, accelerate's step runs scaler.step and scaler.update (the scaler skips an
         # overflow and lowers its scale).
         gbt.apply_verdict(v, g.scaler, lambda: step(*a, **kw))
@@ -134,3 +168,79 @@ def _install(trainer: Any, g: gbt.Guard) -> None:
         opt._is_overflow = not v.proceeded
 
     opt.step = guarded_step
+
+
+def _save(trainer: Any) -> str:
+    """The Trainer's own checkpoint of the state now (before the update being judged), on every
+    rank as its saves expect: `output_dir/checkpoint-<global_step>`, which resume_from_checkpoint
+    takes."""
+    trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+    return os.path.join(trainer.args.output_dir, f"checkpoint-{trainer.state.global_step}")
+
+
+def trl_exponents(trainer: Any, watch: Callable[[str, torch.Tensor], None]) -> None:
+    """Hand `watch(name, x)` the arguments of the two exps of TRL's GRPO loss for every micro-batch,
+    read where TRL computes them (trl 1.16's `_compute_loss`: the per-token log-probs of the loss's
+    own forward from `_get_per_token_logps_and_entropies`, and the inputs' `ref_per_token_logps` and
+    `old_per_token_logps`): "k3_exp" = ref - logp (the k3 KL's exp(ref - logp), with beta > 0) and
+    "ratio_exp" = logp - logp_old (the PPO ratio's exp; its sequence-level variant takes a mean of
+    these, which their maximum bounds), each over every completion position (exp is evaluated at
+    all of them, padding included). Changes nothing TRL computes; wraps the two methods on this
+    trainer object only."""
+    logps_of, compute_loss = trainer._get_per_token_logps_and_entropies, trainer._compute_loss
+    kept: dict = {}
+
+    def keeping_logps(*a: Any, **kw: Any) -> Any:
+        out = logps_of(*a, **kw)
+        if torch.is_grad_enabled():  # the loss's own forward (generation and ref run under no_grad)
+            kept["logps"] = out[0]
+        return out
+
+    def watched_loss(model: Any, inputs: Any, *a: Any, **kw: Any) -> Any:
+        out = compute_loss(model, inputs, *a, **kw)
+        logps = kept.pop("logps").detach()
+        with torch.no_grad():
+            if inputs.get("ref_per_token_logps") is not None:
+                watch("k3_exp", inputs["ref_per_token_logps"] - logps)
+            if inputs.get("old_per_token_logps") is not None:
+                watch("ratio_exp", logps - inputs["old_per_token_logps"])
+        return out
+
+    trainer._get_per_token_logps_and_entropies, trainer._compute_loss = keeping_logps, watched_loss
+
+
+SAMPLE_KEY = "gradbus_sample_id"
+"""The key under which a training item carries its dataset index (`guard(..., quarantine=True)`)."""
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """A map-style dataset of dict items without the `left_out` indices, each item carrying its index
+    in the original dataset under SAMPLE_KEY. With nothing left out it serves the same items in the
+    same order, so the Trainer's sampler draws the same batches."""
+
+    def __init__(self, ds: Any, left_out: List[Any]):
+        out = set(left_out)
+        self.ds, self.keep = ds, [i for i in range(len(ds)) if i not in out]
+
+    def __len__(self) -> int:
+        return len(self.keep)
+
+    def __getitem__(self, i: int) -> dict:
+        j = self.keep[i]
+        return {**self.ds[j], SAMPLE_KEY: j}
+
+
+def _carry_sample_ids(trainer: Any, left_out: List[Any]) -> None:
+    """The quarantine's plumbing: the training set as `_Indexed` (without `left_out`), and SAMPLE_KEY
+    kept by the Trainer's column removal (it is popped again before the model sees the batch)."""
+    if left_out:
+        logging.getLogger("gradbus").warning("gradbus.hf: leaving out %d quarantined sample(s): %s", len(left_out), left_out)
+    trainer.train_dataset = _Indexed(trainer.train_dataset, left_out)
+    columns = trainer._set_signature_columns_if_needed
+
+    def with_sample_ids() -> None:
+        columns()
+        if SAMPLE_KEY not in trainer._signature_columns:
+            trainer._signature_columns.append(SAMPLE_KEY)
+
+    trainer._set_signature_columns_if_needed = with_sample_ids

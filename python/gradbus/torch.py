@@ -52,6 +52,7 @@ from gradbus.guard import (  # noqa: F401  (the public names of gradbus.torch, d
     GuardCore,
     GuardedOptimizer,
     NonFiniteGradients,
+    OverflowAhead,
     ReplicasDiverged,
     Row,
     Verdict,
@@ -59,6 +60,7 @@ from gradbus.guard import (  # noqa: F401  (the public names of gradbus.torch, d
     _torch_health,
     apply_verdict,
     describe,
+    quarantined,
     replica_checksum,
 )
 
@@ -88,6 +90,11 @@ class Guard(GuardCore):
         cheaper of the two below, as `gradbus run` does: the table for small jobs, the summary at
         scale), "summary" (the O(buckets) summary; the table only on an anomaly) or "table" (the
         per-rank table on every update). The verdicts and reports are the same on every path.
+    watch_policy: what a watched quantity (`watch`) forecast to reach its ceiling does: "warn" (a
+        line in run_dir/warnings.jsonl and the log) or "stop" (also: past the stop threshold, call
+        `on_stop` and raise `OverflowAhead` on every rank before the optimizer step).
+    on_stop: the save a stop calls on every rank (the framework's own checkpoint; its return value
+        is `OverflowAhead.checkpoint`).
     """
 
     RIDES = True

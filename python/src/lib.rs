@@ -37,20 +37,27 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+mod watch;
+
 /// The guard's values in the agreement (`LocalScalars::values`, by name): the rank's local sum of
 /// squares over every bucket (the gradient norm of spike detection), and its loss scale (which every
 /// rank must share: its minimum and maximum are compared).
+/// After them, one value `watch:I` per quantity the guard watches (`guard.watch`): the rank's
+/// largest value with its rank (`watch::ranked`; -inf: none this update), whose maximum over ranks
+/// the agreement carries on both paths.
 const VALUES: [&str; 2] = ["sumsq", "loss_scale"];
 
-fn values() -> ValueNames {
-    ValueNames::new(&VALUES)
+fn values(watched: usize) -> ValueNames {
+    let names: Vec<String> =
+        VALUES.iter().map(|v| v.to_string()).chain((0..watched).map(|i| format!("watch:{i}"))).collect();
+    ValueNames::new(&names)
 }
 
 /// The shape of the guard's row (`gradbus_collectives::wire`, the runtime's one row codec): no
 /// header, the local health per bucket, no reduced health (see the module doc), the report of
-/// `VALUES`.
-fn shape(buckets: usize) -> RowShape {
-    RowShape { head: 0, buckets, reduced: false, values: VALUES.len() }
+/// `VALUES` and the `watched` quantities.
+fn shape(buckets: usize, watched: usize) -> RowShape {
+    RowShape { head: 0, buckets, reduced: false, values: VALUES.len() + watched }
 }
 
 /// Little-endian 8-byte words of a byte string (a row, a gathered table, all-reduced words).
@@ -84,10 +91,14 @@ fn cell_health(c: [f64; 4], bucket: usize) -> Result<Health, String> {
 }
 
 /// One rank's row, decoded: its health per bucket and its report.
-fn decode_row(row: &[u64], buckets: usize) -> Result<(Vec<Health>, LocalScalars), String> {
-    let s = shape(buckets);
+fn decode_row(row: &[u64], buckets: usize, watched: usize) -> Result<(Vec<Health>, LocalScalars), String> {
+    let s = shape(buckets, watched);
     if row.len() != s.len() {
-        return Err(format!("health row has {} words, expected {} for {buckets} buckets", row.len(), s.len()));
+        return Err(format!(
+            "health row has {} words, expected {} for {buckets} buckets and {watched} watched",
+            row.len(),
+            s.len()
+        ));
     }
     let v = s.decode(row);
     Ok(((0..buckets).map(|b| v.local(b)).collect(), v.report()))
@@ -98,18 +109,18 @@ fn neutral(buckets: usize) -> Vec<Health> {
     vec![Health::default(); buckets]
 }
 
-/// The gathered table (`world` rows of `shape(buckets)`) as the runtime's `HealthTable`.
-fn decode_table(table: &[u64], world: usize, buckets: usize) -> Result<HealthTable, String> {
-    let n = shape(buckets).len();
+/// The gathered table (`world` rows of `shape(buckets, watched)`) as the runtime's `HealthTable`.
+fn decode_table(table: &[u64], world: usize, buckets: usize, watched: usize) -> Result<HealthTable, String> {
+    let n = shape(buckets, watched).len();
     if world == 0 || table.len() != world * n {
         return Err(format!(
-            "health table has {} words, expected {world} ranks x {n} words ({buckets} buckets) = {} (hint: every rank must run the same DDP model with the same buckets)",
+            "health table has {} words, expected {world} ranks x {n} words ({buckets} buckets, {watched} watched) = {} (hint: every rank must run the same DDP model with the same buckets, and watch the same quantities)",
             table.len(),
             world * n
         ));
     }
-    let rows = shape(buckets).rows(table)?;
-    Ok(table_of(&rows, &values(), Reduced { health: neutral(buckets), reference: vec![0; buckets] }, None))
+    let rows = shape(buckets, watched).rows(table)?;
+    Ok(table_of(&rows, &values(watched), Reduced { health: neutral(buckets), reference: vec![0; buckets] }, None))
 }
 
 /// A `Layout` over DDP's buckets: bucket `b` is a contiguous range of a virtual flat buffer (buckets
@@ -185,44 +196,54 @@ fn checksum_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<u64> {
     }))
 }
 
-/// This rank's row (`shape(buckets)`'s words, as little-endian bytes) from its cells (per bucket:
+/// This rank's row (`shape(buckets, watched)`'s words, as little-endian bytes) from its cells (per bucket:
 /// nan, inf, sumsq, first_bad or -1, as floats), its loss, its loss scale (0: no scaler) and its
-/// replica checksum (0: not checked this update). The row's sum of squares (a value of the
-/// agreement) is the cells' in bucket order.
+/// replica checksum (0: not checked this update), and its word per watched quantity. The row's sum
+/// of squares (a value of the agreement) is the cells' in bucket order.
 #[pyfunction]
+#[pyo3(signature = (cells, loss, loss_scale, replica, watched=Vec::new()))]
 fn encode_row<'py>(
     py: Python<'py>,
     cells: Vec<[f64; 4]>,
     loss: f64,
     loss_scale: f64,
     replica: u64,
+    watched: Vec<f64>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let local = cells.iter().enumerate().map(|(b, &c)| cell_health(c, b)).collect::<Result<Vec<_>, _>>();
     let local = local.map_err(PyValueError::new_err)?;
     let sumsq = local.iter().map(|h| h.sumsq).sum();
-    // In the order of `VALUES`.
-    let report = LocalScalars { loss, values: vec![sumsq, loss_scale], replica, ..LocalScalars::default() };
+    // In the order of `values`.
+    let n = watched.len();
+    let values = [sumsq, loss_scale].into_iter().chain(watched).collect();
+    let report = LocalScalars { loss, values, replica, ..LocalScalars::default() };
     // No peaks yet: the silent-data-corruption guard's checks are off in the PyTorch guard.
     let peaks = vec![0; local.len()];
-    Ok(PyBytes::new(py, &to_bytes(shape(local.len()).encode(&[], (&local, &peaks), None, &report))))
+    Ok(PyBytes::new(py, &to_bytes(shape(local.len(), n).encode(&[], (&local, &peaks), None, &report))))
 }
 
-/// A row of `encode_row`, decoded: (cells as `encode_row` takes them, loss, loss scale, replica).
+/// A row of `encode_row`, decoded: (cells as `encode_row` takes them, loss, loss scale, replica,
+/// watched words).
 #[pyfunction]
 #[allow(clippy::type_complexity)]
-#[pyo3(name = "decode_row")]
-fn decode_row_py(row: &[u8], buckets: usize) -> PyResult<(Vec<(f64, f64, f64, f64)>, f64, f64, u64)> {
+#[pyo3(name = "decode_row", signature = (row, buckets, watched=0))]
+fn decode_row_py(
+    row: &[u8],
+    buckets: usize,
+    watched: usize,
+) -> PyResult<(Vec<(f64, f64, f64, f64)>, f64, f64, u64, Vec<f64>)> {
     let w = words(row, "health row").map_err(PyValueError::new_err)?;
-    let (local, report) = decode_row(&w, buckets).map_err(PyValueError::new_err)?;
+    let (local, report) = decode_row(&w, buckets, watched).map_err(PyValueError::new_err)?;
     let cells =
         local.iter().map(|h| (h.nan as f64, h.inf as f64, h.sumsq, h.first_bad.map_or(-1.0, |i| i as f64))).collect();
-    Ok((cells, report.loss, report.values[1], report.replica))
+    Ok((cells, report.loss, report.values[1], report.replica, report.values[VALUES.len()..].to_vec()))
 }
 
-/// Words of one rank's row over `buckets` buckets.
+/// Words of one rank's row over `buckets` buckets and `watched` quantities.
 #[pyfunction]
-fn row_words(buckets: usize) -> usize {
-    shape(buckets).len()
+#[pyo3(signature = (buckets, watched=0))]
+fn row_words(buckets: usize, watched: usize) -> usize {
+    shape(buckets, watched).len()
 }
 
 /// A float element type of a ride segment whose 16-bit chunks it holds exactly (f32, f64).
@@ -329,15 +350,17 @@ fn ride_rows<'py>(py: Python<'py>, ptr: usize, numel: usize, itemsize: usize) ->
 /// words), each as little-endian int64 bytes for `torch.distributed.all_reduce` (SUM, resp. MAX with
 /// the top bit flipped, see `FLIP`).
 #[pyfunction]
+#[pyo3(signature = (row, buckets, watched=0))]
 fn contribute<'py>(
     py: Python<'py>,
     row: &[u8],
     buckets: usize,
+    watched: usize,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
     let w = words(row, "health row").map_err(PyValueError::new_err)?;
-    let (local, report) = decode_row(&w, buckets).map_err(PyValueError::new_err)?;
+    let (local, report) = decode_row(&w, buckets, watched).map_err(PyValueError::new_err)?;
     let (health, reference) = (neutral(buckets), vec![0; buckets]);
-    let s = Summary::of_rank(&values(), 0, &local, Some((&health, &reference)), &report);
+    let s = Summary::of_rank(&values(watched), 0, &local, Some((&health, &reference)), &report);
     let max = s.max_words().into_iter().map(|x| x ^ FLIP);
     Ok((PyBytes::new(py, &to_bytes(s.sum_words())), PyBytes::new(py, &to_bytes(max))))
 }
@@ -347,8 +370,9 @@ fn contribute<'py>(
 /// "table" or "summary". A function of numbers every rank has alike, so every rank picks the same
 /// path.
 #[pyfunction]
-fn cheaper_path(world: usize, buckets: usize) -> &'static str {
-    gradbus_collectives::AgreementPath::cheaper(world, shape(buckets), Calibration::GLOO).name()
+#[pyo3(signature = (world, buckets, watched=0))]
+fn cheaper_path(world: usize, buckets: usize, watched: usize) -> &'static str {
+    gradbus_collectives::AgreementPath::cheaper(world, shape(buckets, watched), Calibration::GLOO).name()
 }
 
 /// The runtime's cost model (`gradbus_collectives::choice::cost`) of the guard's agreement among
@@ -358,7 +382,7 @@ fn cheaper_path(world: usize, buckets: usize) -> &'static str {
 /// that calibrates it.
 #[pyfunction]
 fn agreement_cost(py: Python<'_>, world: usize, buckets: usize) -> PyResult<Bound<'_, PyDict>> {
-    let c = gradbus_collectives::choice::cost(world, shape(buckets), Calibration::GLOO);
+    let c = gradbus_collectives::choice::cost(world, shape(buckets, 0), Calibration::GLOO);
     let d = PyDict::new(py);
     for (k, v) in [
         ("row_bytes", c.row_bytes),
@@ -376,8 +400,10 @@ fn agreement_cost(py: Python<'_>, world: usize, buckets: usize) -> PyResult<Boun
 
 /// (SUM words, MAX words) of a summary for `buckets` buckets: the lengths `contribute` returns.
 #[pyfunction]
-fn summary_words(buckets: usize) -> (usize, usize) {
-    (Summary::sum_len(buckets, VALUES.len()), Summary::max_len(buckets, VALUES.len()))
+#[pyo3(signature = (buckets, watched=0))]
+fn summary_words(buckets: usize, watched: usize) -> (usize, usize) {
+    let v = VALUES.len() + watched;
+    (Summary::sum_len(buckets, v), Summary::max_len(buckets, v))
 }
 
 /// What every rank concludes about one update (the same on every rank).
@@ -403,6 +429,9 @@ struct Decision {
     grad_norm: f64,
     /// Whether the summary alone decided (false: the table was gathered).
     summary: bool,
+    /// Per watched quantity, the maximum over ranks of their `watch::ranked` words (for
+    /// `Watches::observe`).
+    watched: Vec<f64>,
 }
 
 /// One rank's side of the agreement: the policy, and the runtime's judge (`gradbus_collectives::Judge`:
@@ -462,6 +491,7 @@ impl Agreement {
             loss: t.mean_loss(),
             grad_norm: t.value("sumsq").sum().sqrt() / world as f64 / if scale > 0.0 { scale } else { 1.0 },
             summary: !t.is_detailed(),
+            watched: t.summary.names().iter().filter(|n| n.starts_with("watch:")).map(|n| t.value(n).max()).collect(),
         };
         let diverged = t.replica_outliers();
         if !diverged.is_empty() {
@@ -548,7 +578,8 @@ impl Agreement {
     /// The decision from the all-reduced summary (`sum`, `max`: the element-wise SUM and MAX of every
     /// rank's `contribute` words, as bytes); `None` when the summary shows an anomaly: then every
     /// rank all-gathers its row and calls `decide_table`. `layout[b]` = [(name, numel), ...].
-    #[pyo3(signature = (sum, max, world, layout, step, attempt))]
+    #[pyo3(signature = (sum, max, world, layout, step, attempt, watched=0))]
+    #[allow(clippy::too_many_arguments)]
     fn decide_summary(
         &mut self,
         sum: &[u8],
@@ -557,6 +588,7 @@ impl Agreement {
         layout: &Bound<'_, PyAny>,
         step: u64,
         attempt: u32,
+        watched: usize,
     ) -> PyResult<Option<Decision>> {
         let layout = self.layout(layout)?;
         let buckets = layout.buckets.len();
@@ -564,17 +596,17 @@ impl Agreement {
             words(sum, "summary").map_err(PyValueError::new_err)?,
             words(max, "summary").map_err(PyValueError::new_err)?,
         );
-        if (s.len(), m.len()) != summary_words(buckets) || world == 0 {
+        if (s.len(), m.len()) != summary_words(buckets, watched) || world == 0 {
             return Err(PyValueError::new_err(format!(
                 "summary of {} + {} words for {world} ranks, expected {} + {} for {buckets} buckets (hint: every rank must run the same DDP model with the same buckets)",
                 s.len(),
                 m.len(),
-                summary_words(buckets).0,
-                summary_words(buckets).1
+                summary_words(buckets, watched).0,
+                summary_words(buckets, watched).1
             )));
         }
         let m: Vec<u64> = m.into_iter().map(|x| x ^ FLIP).collect();
-        let summary = Summary::from_words(buckets, &values(), &s, &m);
+        let summary = Summary::from_words(buckets, &values(watched), &s, &m);
         if summary.anomaly().is_some() {
             return Ok(None);
         }
@@ -584,7 +616,7 @@ impl Agreement {
 
     /// The decision from the gathered table (`world` rows of `contribute`'s row, concatenated, as
     /// bytes); records it in the history.
-    #[pyo3(signature = (table, world, layout, step, attempt))]
+    #[pyo3(signature = (table, world, layout, step, attempt, watched=0))]
     fn decide_table(
         &mut self,
         table: &[u8],
@@ -592,10 +624,11 @@ impl Agreement {
         layout: &Bound<'_, PyAny>,
         step: u64,
         attempt: u32,
+        watched: usize,
     ) -> PyResult<Decision> {
         let layout = self.layout(layout)?;
         let w = words(table, "health table").map_err(PyValueError::new_err)?;
-        let t = decode_table(&w, world, layout.buckets.len()).map_err(PyValueError::new_err)?;
+        let t = decode_table(&w, world, layout.buckets.len(), watched).map_err(PyValueError::new_err)?;
         self.judge(&t, &layout, step, attempt)
     }
 
@@ -644,5 +677,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(agreement_cost, m)?)?;
     m.add_class::<Agreement>()?;
     m.add_class::<Decision>()?;
+    watch::register(m)?;
     Ok(())
 }

@@ -104,8 +104,8 @@ def test_a_row_decodes_to_what_the_guard_encoded():
     cells = [(0.0, 0.0, 1.5, -1.0), (3.0, 2.0, 0.25, 17.0)]
     r = row(cells, loss=-0.75, scale=1024.0, replica=0xFEDCBA9876543210)
     assert len(r) == 8 * gradbus.row_words(2) == 8 * (2 * (gradbus.CELL + 1) + 5)
-    assert gradbus.decode_row(r, 2) == (cells, -0.75, 1024.0, 0xFEDCBA9876543210)
-    with pytest.raises(ValueError, match="health row has 15 words, expected 10 for 1 buckets"):
+    assert gradbus.decode_row(r, 2) == (cells, -0.75, 1024.0, 0xFEDCBA9876543210, [])
+    with pytest.raises(ValueError, match="health row has 15 words, expected 10 for 1 buckets and 0 watched"):
         gradbus.decode_row(r, 1)
 
 
@@ -189,7 +189,7 @@ def test_ranks_with_different_loss_scales_stop_with_a_hint():
 
 def test_agreement_rejects_a_table_of_the_wrong_shape_and_bad_counts():
     a = gradbus.Agreement("skip")
-    with pytest.raises(ValueError, match="expected 2 ranks x 15 words \\(2 buckets\\)"):
+    with pytest.raises(ValueError, match="expected 2 ranks x 15 words \\(2 buckets, 0 watched\\)"):
         a.decide_table(bytes(8 * 9), 2, LAYOUT, 0, 0)
     with pytest.raises(ValueError, match="bucket #1: nan is -1"):
         row([OK, (-1.0, 0.0, 0.0, -1.0)])

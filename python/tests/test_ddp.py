@@ -93,9 +93,9 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
         plant["step"], [plant["rank"]], plant["param"], plant["element"])
     assert (report["nan"], report["inf"], report["verdict"], report["loss_finite"]) == (int(nan), int(not nan), "abort", True)
     assert report["cause"] == "local_gradients", report
-    assert report["format"] == 2 and re.fullmatch(r"[0-9a-f]{8}", report["crc32c"]), report
+    assert report["format"] == 3 and re.fullmatch(r"[0-9a-f]{8}", report["crc32c"]), report
     assert set(report["gradbus"]) == {"version", "commit"}, report
-    assert report["per_rank"] == [{"rank": plant["rank"], "nan": int(nan), "inf": int(not nan), "first_bucket": report["bucket"]}]
+    assert report["per_rank"] == [{"rank": plant["rank"], "nan": int(nan), "inf": int(not nan), "first_bucket": report["bucket"], "samples": []}]
     msg = errors.pop()
     assert f"param {plant['param']} element {plant['element']}" in msg and f"rank(s) [{plant['rank']}]" in msg, msg
     # Weights and Adam state after the raise are those before the poisoned update (it was never

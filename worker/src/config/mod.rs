@@ -228,14 +228,14 @@ pub struct CheckpointConfig {
 pub struct WarnConfig {
     /// Warn when a log-ratio fed to an exp comes within this many nats of ln(f32::MAX) = 88.72.
     pub headroom: f32,
-    /// Warn when the trend of that log-ratio (least squares over 3 updates) forecasts the ceiling
+    /// Warn when the trend of that log-ratio (least squares over 4 updates) forecasts the ceiling
     /// within this many updates (0 = off).
     pub forecast: f32,
 }
 
 impl Default for WarnConfig {
     fn default() -> Self {
-        WarnConfig { headroom: 20.0, forecast: 5.0 }
+        WarnConfig { headroom: 20.0, forecast: 7.0 }
     }
 }
 
@@ -462,7 +462,7 @@ impl Config {
                 self.warn.forecast,
                 finite_nonneg(self.warn.forecast.into()),
                 "must be finite and >= 0 (updates; 0 = off)",
-                "5",
+                "7",
             ),
             rule(
                 "spike.window",
