@@ -108,6 +108,11 @@ fn an_aborted_run_marks_the_abort_and_the_warnings_and_names_the_replay() {
     }
     let warn = out.lines().find(|l| l.starts_with("warnings (headroom < 20): ")).unwrap_or_else(|| panic!("{out}"));
     assert!(warn.contains("first at step ") && warn.contains("before the abort"), "{out}");
+    // ... and the warnings the run wrote: warnings.jsonl's count and first update, as written.
+    let w = gradbus_artifacts::read_warnings(&r.fail.join("warnings.jsonl")).expect("warnings.jsonl");
+    let written = out.lines().find(|l| l.starts_with("warnings.jsonl: ")).unwrap_or_else(|| panic!("{out}"));
+    assert!(written.starts_with(&format!("warnings.jsonl: {} update(s); first at step ", w.len())), "{out}");
+    assert!(!w.is_empty() && written.contains("loss.exp") && written.contains("before the abort"), "{out}");
     assert!(out.contains(&format!("replay: gradbus replay {} --trace", r.fail.display())), "{out}");
     // The SVG: the abort marker and its label, the warning markers and the margin line.
     for p in PANELS {

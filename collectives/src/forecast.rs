@@ -79,9 +79,27 @@ pub const DEFAULT_WINDOW: usize = 4;
 
 /// The agreed maxima of one quantity over the last updates, and the forecast they give.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(from = "Stored")]
 pub struct Forecast {
     window: usize,
     recent: VecDeque<f64>,
+}
+
+/// A forecast as a checkpoint holds it, read back with [`Forecast::new`]'s clamp (a window of at
+/// least 2) and the window's newest values only.
+#[derive(Deserialize)]
+struct Stored {
+    window: usize,
+    recent: VecDeque<f64>,
+}
+
+impl From<Stored> for Forecast {
+    fn from(s: Stored) -> Forecast {
+        let mut f = Forecast::new(s.window);
+        let skip = s.recent.len().saturating_sub(f.window);
+        f.recent.extend(s.recent.into_iter().skip(skip));
+        f
+    }
 }
 
 /// One update's value against its ceiling, and the forecast.
@@ -168,7 +186,9 @@ pub struct Rule {
 impl Rule {
     /// The defaults for a ceiling `limit`, chosen on the k3 exponent `ref - logp` measured per update
     /// (the agreed maximum over 2 ranks) in TRL's GRPOTrainer (python/examples/trl_grpo.py) and in
-    /// the plain PyTorch GRPO loop (python/examples/grpo_loop.py), seeds 0-4: on stale rollouts it
+    /// the plain PyTorch GRPO loop (python/examples/grpo_loop.py), seeds 0-4 (the tables per seed,
+    /// stale runs and controls: docs/hf-trainer.md for TRL, docs/pytorch.md for the loop, where the
+    /// thresholds are explained; both printed by `python python/bench/early_warning.py`): on stale rollouts it
     /// overflows float32 at updates 7-9 (TRL) and 7-8 (the loop); the on-policy
     /// (`--num-iterations 1`) and plain-k3 (`--no-kl-bias-correction`) controls stay below 25.
     /// - warn at a forecast of 7 updates or fewer: the stale runs' first warning came 4-5 (TRL) and
@@ -289,5 +309,10 @@ mod tests {
         let mut c: Forecast = serde_json::from_str(&serde_json::to_string(&b).unwrap()).unwrap();
         out.extend(SEED0[4..].iter().map(|&x| c.observe(x, 88.7)));
         assert_eq!(out, all);
+        // A stored window under 2, or longer than its window, reads back clamped: no panic.
+        let d: Forecast = serde_json::from_str(r#"{"window":0,"recent":[]}"#).unwrap();
+        assert_eq!(d, Forecast::new(2));
+        let mut e: Forecast = serde_json::from_str(r#"{"window":2,"recent":[1.0,2.0,3.0]}"#).unwrap();
+        assert_eq!(e.observe(4.0, 88.7).updates, Some(88.7 - 4.0), "the window holds 2, 3");
     }
 }

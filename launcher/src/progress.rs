@@ -82,7 +82,8 @@ pub struct Snapshot {
     pub grad_norm: f32,
     /// Updates skipped so far.
     pub skipped: u32,
-    /// Updates whose log-ratio headroom fell under the warning margin (the highest count).
+    /// Updates that warned of an exp overflow ahead (`warn.*`: the headroom, or its forecast; one
+    /// line each in warnings.jsonl), the highest count.
     pub warnings: u32,
 }
 
@@ -111,7 +112,7 @@ impl Snapshot {
             String::new()
         };
         let warn = if self.warnings > 0 {
-            format!("  WARNING: exp headroom low in {} update(s)", self.warnings)
+            format!("  WARNING: exp warnings in {} update(s) (warnings.jsonl)", self.warnings)
         } else {
             String::new()
         };
@@ -261,7 +262,7 @@ mod tests {
         assert!(!Snapshot::of(&[p(3, 0.1, 0)]).unwrap().figures(None).contains("WARNING"));
         let warned = Progress { warnings: 4, ..p(3, 0.1, 0) };
         let text = Snapshot::of(&[p(3, 0.1, 0), warned]).unwrap().figures(None);
-        assert!(text.contains("WARNING: exp headroom low in 4 update(s)"), "{text}");
+        assert!(text.contains("WARNING: exp warnings in 4 update(s) (warnings.jsonl)"), "{text}");
     }
 
     #[test]

@@ -7,12 +7,11 @@
 //! so every rank holds the same state and reaches the same verdict and warnings; a checkpoint saves
 //! it whole.
 
-use gradbus_collectives::forecast::{Alert, Forecast, Outlook, Rule, DEFAULT_WINDOW};
+use gradbus_collectives::forecast::{exp_ceiling, Alert, Forecast, Outlook, Rule, DEFAULT_WINDOW};
 use gradbus_collectives::sdc::{Checks, Finding};
 use gradbus_collectives::{Action, HealthTable, Layout, OnSpike, StepId, Verdict, Watched};
 
-use crate::config::Config;
-use crate::loss::EXP_OVERFLOW;
+use crate::config::{Config, WarnConfig};
 use crate::update::Agreed;
 
 /// Verdict history, spike detectors, headroom forecast and warnings of one rank (the same on every
@@ -71,22 +70,97 @@ impl Judge {
         let on_spike = if cfg.spike.skip { OnSpike::Skip } else { OnSpike::Warn };
         let watched = Watched { loss: agreed.loss, grad_norm: agreed.grad_norm };
         let (verdict, spike, sdc) = self.verdicts.judge(table, layout, &cfg.policy(), at, watched, on_spike, None);
-        let mut warning = None;
-        if !matches!(verdict.action, Action::Rerun | Action::Repair) {
-            let limit = EXP_OVERFLOW as f64;
-            let outlook = self.forecast.observe(limit - agreed.headroom, limit);
-            // The runtime has no stop policy: every alert is a warning.
-            let rule = Rule {
-                warn_updates: cfg.warn.forecast as f64,
-                warn_headroom: cfg.warn.headroom as f64,
-                stop_updates: 0.0,
-                stop_headroom: 0.0,
-            };
-            if rule.alert(&outlook) >= Some(Alert::Warn) {
-                self.warnings += 1;
-                warning = Some(outlook);
-            }
-        }
+        let logratio = agreed.values.max_logratio_response.max(agreed.values.max_logratio_masked);
+        let warning = self.warn(verdict.action, logratio, &cfg.warn);
         Judged { verdict, spike, warning, sdc }
+    }
+
+    /// Feed an update's agreed largest log-ratio fed to an exp of the loss to the forecast, against
+    /// float32's ceiling (`forecast::exp_ceiling`, the PyTorch guard's too), once per update: not
+    /// on an attempt whose verdict is `Rerun` or `Repair` (the attempt after it feeds it). The outlook when `warn` says it
+    /// warns (every alert is a warning: the runtime has no stop policy), counted in `warnings`.
+    fn warn(&mut self, action: Action, logratio: f64, warn: &WarnConfig) -> Option<Outlook> {
+        if matches!(action, Action::Rerun | Action::Repair) {
+            return None;
+        }
+        let outlook = self.forecast.observe(logratio, exp_ceiling("float32").expect("float32 has a ceiling"));
+        let rule = Rule {
+            warn_updates: warn.forecast as f64,
+            warn_headroom: warn.headroom as f64,
+            stop_updates: 0.0,
+            stop_headroom: 0.0,
+        };
+        let warns = rule.alert(&outlook) >= Some(Alert::Warn);
+        self.warnings += warns as u32;
+        warns.then_some(outlook)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gradbus_artifacts::read_warnings;
+    use gradbus_collectives::StepId;
+
+    use super::*;
+    use crate::metrics::MetricsWriter;
+
+    fn judge() -> Judge {
+        Judge {
+            verdicts: gradbus_collectives::Judge::new(128, 6.0),
+            forecast: Forecast::new(DEFAULT_WINDOW),
+            warnings: 0,
+            trace: false,
+        }
+    }
+
+    /// The forecast alone warns (the headroom rule off), and the warning is the line rank 0 writes.
+    #[test]
+    fn the_forecast_warns_alone_and_rank_0_writes_the_line() {
+        let ceiling = exp_ceiling("float32").unwrap();
+        let only_forecast = WarnConfig { headroom: 0.0, forecast: 7.0 };
+        let mut j = judge();
+        // Headrooms 78.7, 68.7, 58.7, 48.7: the 4th completes the trend, 10 nats per update, 4.9
+        // updates to go.
+        let out: Vec<Option<Outlook>> =
+            [10.0, 20.0, 30.0, 40.0].iter().map(|&x| j.warn(Action::Proceed, x, &only_forecast)).collect();
+        assert_eq!(out[..3], [None, None, None], "no trend, and the headroom rule is off");
+        let o = out[3].expect("the forecast of 4.9 updates warns");
+        assert!((o.updates.unwrap() - (ceiling - 40.0) / 10.0).abs() < 1e-12 && o.limit == ceiling, "{o:?}");
+        assert_eq!(j.warnings, 1);
+
+        // Rank 0 writes it to warnings.jsonl (update = step x updates per step + update); rank 1
+        // writes nothing.
+        let dir = tempfile::tempdir().unwrap();
+        let at = StepId { step: 2, minibatch: 1, attempt: 0 };
+        MetricsWriter::open(dir.path(), 0, 4, 0).unwrap().warn(at, &o, 1).unwrap();
+        let lines = read_warnings(&dir.path().join("warnings.jsonl")).unwrap();
+        assert_eq!(lines.len(), 1);
+        let l = &lines[0];
+        assert_eq!((l.update, l.quantity.as_str(), l.value, l.limit, l.rank), (9, "loss.exp", 40.0, ceiling, 1));
+        assert_eq!((l.forecast_updates, l.action), (o.updates, Alert::Warn));
+        let other = tempfile::tempdir().unwrap();
+        MetricsWriter::open(other.path(), 0, 4, 1).unwrap().warn(at, &o, 1).unwrap();
+        assert!(!other.path().join("warnings.jsonl").exists());
+    }
+
+    #[test]
+    fn a_forecast_of_0_is_off_and_a_rerun_does_not_move_the_window() {
+        let off = WarnConfig { headroom: 0.0, forecast: 0.0 };
+        let mut j = judge();
+        assert!([10.0, 20.0, 30.0, 40.0, 50.0].iter().all(|&x| j.warn(Action::Proceed, x, &off).is_none()));
+        assert_eq!(j.warnings, 0);
+
+        // A rerun or repaired attempt's value stays out: the same outlooks as without it.
+        let on = WarnConfig { headroom: 0.0, forecast: 7.0 };
+        let (mut a, mut b) = (judge(), judge());
+        for x in [10.0, 20.0, 30.0] {
+            a.warn(Action::Proceed, x, &on);
+            b.warn(Action::Proceed, x, &on);
+        }
+        assert_eq!(a.warn(Action::Rerun, 80.0, &on), None);
+        assert_eq!(a.warn(Action::Repair, 85.0, &on), None);
+        assert_eq!(a.warn(Action::Proceed, 40.0, &on), b.warn(Action::Proceed, 40.0, &on));
+        assert_eq!(a.forecast, b.forecast);
+        assert_eq!((a.warnings, b.warnings), (1, 1));
     }
 }

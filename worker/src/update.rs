@@ -108,7 +108,9 @@ impl UpdateValues {
     }
 
     /// The values by name, in the order they travel (`LocalScalars::values`). The two largest
-    /// log-ratios travel with `rank` (`forecast::ranked`: the agreed maximum names its rank).
+    /// log-ratios travel with `rank` (`forecast::ranked`: the agreed maximum names its rank); a
+    /// finite log-ratio keeps its bits through it, a NaN one counts as +inf (past the ceiling: a
+    /// warning, where the agreement used to ignore a NaN rank's maximum).
     fn named(self, rank: usize) -> [(&'static str, f64); 5] {
         [
             ("reward", self.reward),

@@ -1,9 +1,10 @@
-//! What `gradbus report` reads of a run directory: `metrics.jsonl` as the updates it draws, and
-//! `report.json` after an abort, each verified by gradbus-artifacts.
+//! What `gradbus report` reads of a run directory: `metrics.jsonl` as the updates it draws,
+//! `warnings.jsonl` (the warnings the run wrote) and `report.json` after an abort, each verified by
+//! gradbus-artifacts.
 
 use std::path::Path;
 
-use gradbus_artifacts::{self as artifacts, ArtifactError, MetricsLine};
+use gradbus_artifacts::{self as artifacts, ArtifactError, MetricsLine, WarningLine};
 use gradbus_collectives::Report;
 
 use crate::error::Error;
@@ -61,12 +62,14 @@ pub struct RunData {
     pub updates: Vec<Update>,
     /// `report.json`, when the run aborted: the report every rank agreed on.
     pub abort: Option<Report>,
+    /// `warnings.jsonl`'s lines, when the run wrote the file (every run since its format 1).
+    pub warnings: Option<Vec<WarningLine>>,
     /// Whether `dumps/` exists (for the replay command).
     pub has_dumps: bool,
 }
 
-/// Read `metrics.jsonl` and `report.json` of a run directory, each verified (checksum, format
-/// version, every key); an error names the file, line and key.
+/// Read `metrics.jsonl`, `warnings.jsonl` and `report.json` of a run directory, each verified
+/// (checksum, format version, every key); an error names the file, line and key.
 pub fn load(run_dir: &Path) -> Result<RunData, Error> {
     let path = run_dir.join("metrics.jsonl");
     if !path.is_file() {
@@ -80,15 +83,30 @@ pub fn load(run_dir: &Path) -> Result<RunData, Error> {
         .into_iter()
         .map(Update::from)
         .collect();
-    let rpath = run_dir.join("report.json");
-    let abort = match rpath.is_file() {
-        true => Some(
-            artifacts::read_report(&rpath)
-                .map_err(|e| Error::usage(e.to_string(), "report.json is written by `gradbus run` on an abort"))?,
-        ),
-        false => None,
-    };
-    Ok(RunData { updates, abort, has_dumps: run_dir.join("dumps").is_dir() })
+    let abort = optional(
+        run_dir,
+        "report.json",
+        artifacts::read_report,
+        "report.json is written by `gradbus run` on an abort",
+    )?;
+    let warnings =
+        optional(run_dir, "warnings.jsonl", artifacts::read_warnings, "warnings.jsonl is written by `gradbus run`")?;
+    Ok(RunData { updates, abort, warnings, has_dumps: run_dir.join("dumps").is_dir() })
+}
+
+/// `name` in the run directory read (and verified) by `read`, when it exists; an error names the
+/// file, with `hint`.
+fn optional<T>(
+    run_dir: &Path,
+    name: &str,
+    read: fn(&Path) -> Result<T, ArtifactError>,
+    hint: &str,
+) -> Result<Option<T>, Error> {
+    let path = run_dir.join(name);
+    match path.is_file() {
+        true => read(&path).map(Some).map_err(|e| Error::usage(e.to_string(), hint)),
+        false => Ok(None),
+    }
 }
 
 /// Parse the lines of a `metrics.jsonl` (blank lines skipped); errors name `file:LINE` and the key.

@@ -36,9 +36,10 @@ pub use text::summary;
 pub const HELP: &str = "\
 gradbus report RUN_DIR [--margin NATS] [--window N] [--z-limit Z]
 
-Reads RUN_DIR/metrics.jsonl (and RUN_DIR/report.json after an abort), prints a summary - steps,
-updates, skips by cause, reruns, headroom warnings, loss and gradient-norm spikes, the abort and the
-replay command - and writes RUN_DIR/report.svg: loss, reward, global gradient norm (log scale),
+Reads RUN_DIR/metrics.jsonl (and RUN_DIR/warnings.jsonl, and RUN_DIR/report.json after an abort),
+prints a summary - steps, updates, skips by cause, reruns, the updates under the headroom margin,
+the warnings the run wrote (warnings.jsonl: the headroom or its forecast, as warn.* set them), loss
+and gradient-norm spikes, the abort and the replay command - and writes RUN_DIR/report.svg: loss, reward, global gradient norm (log scale),
 per-bucket gradient norms (log scale) and the log-ratio headroom to exp overflow (88.72), with
 skipped, rerun and aborted updates, warnings and spikes marked. The SVG is a pure function of the
 metrics (no times, no dates): the same run directory gives the same bytes.
@@ -126,7 +127,7 @@ pub fn execute(args: Vec<OsString>) -> Result<Code, Error> {
 mod tests {
     use std::path::Path;
 
-    use gradbus_artifacts::{self as artifacts, MetricsLine};
+    use gradbus_artifacts::{self as artifacts, MetricsLine, WarningLine};
 
     use super::svg::{axis_tick, linear_axis, tick};
     use super::*;
@@ -231,7 +232,7 @@ mod tests {
                 line(i as u64 / 4, i as u64 % 4, 0, &l, "proceed", "60.0", "")
             })
             .collect();
-        let data = RunData { updates: parse(&lines), abort: None, has_dumps: false };
+        let data = RunData { updates: parse(&lines), abort: None, warnings: None, has_dumps: false };
         let o = Options { run_dir: dir.path().into(), ..opts() };
         let a = analyze(&data, &o);
         let path = dir.path().join("r.svg");
@@ -291,6 +292,19 @@ mod tests {
                 "per_rank":[],"loss_finite":false,"classification":"deterministic"}))
                 .unwrap(),
             ),
+            warnings: Some(
+                [(5, 9.5, Some(3.2)), (6, 10.0, None)]
+                    .map(|(update, headroom, forecast_updates)| WarningLine {
+                        update,
+                        quantity: "loss.exp".into(),
+                        value: 88.72 - headroom,
+                        limit: 88.72,
+                        rank: 1,
+                        forecast_updates,
+                        action: gradbus_collectives::Alert::Warn,
+                    })
+                    .to_vec(),
+            ),
             has_dumps: true,
         };
         let a = analyze(&data, &opts());
@@ -304,6 +318,11 @@ mod tests {
         );
         assert!(s.contains("reruns: 1 (step 5 update 0)"), "{s}");
         assert!(s.contains("first at step 3 update 0 (headroom 10.00), 5 update(s) before the abort"), "{s}");
+        // The warnings the run wrote, as written: update 5 is step 2 update 1, 5 before the abort.
+        assert!(
+            s.contains("warnings.jsonl: 2 update(s); first at step 2 update 1 (loss.exp 79.22 on rank 1, limit 88.72, forecast 3.2 update(s)), 5 update(s) before the abort"),
+            "{s}"
+        );
         assert!(
             s.contains("abort: step 5 update 0 (attempt 1): rank(s) [0], bucket #0, param head.w element 7, 3 NaN, 1 Inf, loss NOT finite; verdict abort (deterministic)"),
             "{s}"
@@ -317,7 +336,7 @@ mod tests {
             .map(|i| line(i, 0, 0, &format!("{}", 1.0 + (i % 7) as f64 * 0.01), "proceed", "70.0", ""))
             .collect();
         lines.push(line(300, 0, 0, "50.0", "proceed", "70.0", ""));
-        let data = RunData { updates: parse(&lines), abort: None, has_dumps: false };
+        let data = RunData { updates: parse(&lines), abort: None, warnings: None, has_dumps: false };
         let a = analyze(&data, &opts());
         assert_eq!(a.loss_spikes.len(), 1);
         assert_eq!(a.loss_spikes[0].update, 300);
@@ -338,7 +357,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut lines: Vec<String> = (0..40).map(|i| line(i / 2, i % 2, 0, "1.0", "proceed", "30.0", "")).collect();
         lines.push(line(20, 0, 0, "1.0", "skip", "15.0", "1"));
-        let mut data = RunData { updates: parse(&lines), abort: None, has_dumps: false };
+        let mut data = RunData { updates: parse(&lines), abort: None, warnings: None, has_dumps: false };
         let o = Options { run_dir: dir.path().into(), ..opts() };
         let a = analyze(&data, &o);
         let (p1, p2) = (dir.path().join("a.svg"), dir.path().join("b.svg"));

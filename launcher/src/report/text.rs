@@ -1,7 +1,11 @@
 //! The report's text summary: counts of each verdict, the skips' causes, the reruns, the first
-//! warning, the spikes, the abort and the replay command.
+//! update under the headroom margin, the warnings the run wrote (warnings.jsonl), the spikes, the
+//! abort and the replay command.
 
 use std::fmt::Write as _;
+
+use gradbus_artifacts::WarningLine;
+use gradbus_collectives::Report;
 
 use super::{Analysis, Options, RunData};
 
@@ -63,6 +67,9 @@ pub fn summary(data: &RunData, a: &Analysis, opts: &Options) -> String {
             );
         }
     }
+    if let Some(w) = &data.warnings {
+        let _ = writeln!(s, "{}", written_warnings(w, data.abort.as_ref(), a.per_step));
+    }
     for (name, spikes) in [("loss", &a.loss_spikes), ("grad norm", &a.norm_spikes)] {
         let items: Vec<String> =
             spikes.iter().map(|f| format!("{} = {:.4} ({})", at(f.update), f.spike.value, f.spike.rules())).collect();
@@ -99,4 +106,25 @@ fn list(items: &[String]) -> String {
     } else {
         format!("{}; ... and {} more", items[..8].join("; "), items.len() - 8)
     }
+}
+
+/// The line of the warnings the run wrote (`warnings.jsonl`: what its progress bar counted): how
+/// many, the first (its update, value, rank and forecast) and how many updates before the abort.
+fn written_warnings(w: &[WarningLine], abort: Option<&Report>, per_step: u64) -> String {
+    let Some(first) = w.first() else { return "warnings.jsonl: none".to_string() };
+    let (step, update) = (first.update / per_step, first.update % per_step);
+    let forecast =
+        first.forecast_updates.map_or_else(|| "no trend".to_string(), |f| format!("forecast {f:.1} update(s)"));
+    let before = match abort.map(|r| r.step * per_step + r.minibatch as u64) {
+        Some(ab) if ab >= first.update => format!(", {} update(s) before the abort", ab - first.update),
+        _ => String::new(),
+    };
+    format!(
+        "warnings.jsonl: {} update(s); first at step {step} update {update} ({} {:.2} on rank {}, limit {:.2}, {forecast}){before}",
+        w.len(),
+        first.quantity,
+        first.value,
+        first.rank,
+        first.limit,
+    )
 }
