@@ -12,12 +12,15 @@ weights' checksums agree. A benchmark: it prints numbers, asserts only that the 
 
     bench/sdc-cost.py                    # builds release first; 3 runs per mode and size
     bench/sdc-cost.py --reps 5 --steps 6 --big-steps 3
+    bench/sdc-cost.py --reps 10 --steps 8 --split   # and each check alone: a second table
 """
-import argparse, json, os, re, statistics, subprocess, sys, tempfile
+import argparse, atexit, json, os, re, shutil, statistics, subprocess, sys, tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = os.path.join(ROOT, "target/release/gradbus")
 OFF = ["--set", "sdc.replicas=false", "--set", "sdc.outliers=false"]
+# --split: each check alone (the reduce's peaks and chunk hashes run with either).
+HALVES = {"replicas": ["--set", "sdc.outliers=false"], "outliers": ["--set", "sdc.replicas=false"]}
 BIG = ["--set", "model.channels=256", "--set", "model.layers=4"]
 
 
@@ -42,6 +45,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="runs per mode and size (default 3)")
     ap.add_argument("--steps", type=int, default=4, help="steps of the tiny runs (16 updates each; default 4)")
     ap.add_argument("--big-steps", type=int, default=2, help="steps of the 3.2M runs (default 2)")
+    ap.add_argument("--split", action="store_true", help="also run each check alone (a second table)")
     a = ap.parse_args()
     subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "gradbus"], cwd=ROOT, check=True)
     cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
@@ -51,14 +55,17 @@ def main():
           "| on / off of the runs' medians | load |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     tmp = tempfile.mkdtemp(prefix="gradbus-sdc-cost-")
+    atexit.register(shutil.rmtree, tmp, True)  # the run directories go with the script
+    halves = []
     for size, steps, sets in [("tiny", a.steps, []), ("3.2M", a.big_steps, BIG)]:
-        times = {"on": [], "off": []}
-        medians = {"on": [], "off": []}
+        modes = {"on": [], "off": OFF, **(HALVES if a.split else {})}
+        times = {m: [] for m in modes}
+        medians = {m: [] for m in modes}
         sums, params, loads = set(), "?", [load()]
         for rep in range(a.reps):
-            for mode in (("on", "off") if rep % 2 == 0 else ("off", "on")):
+            for mode in (list(modes) if rep % 2 == 0 else list(reversed(modes))):
                 d = os.path.join(tmp, f"{size}-{mode}-{rep}")
-                params, t, checksum = run(d, steps, sets + (OFF if mode == "off" else []))
+                params, t, checksum = run(d, steps, sets + modes[mode])
                 times[mode] += t
                 medians[mode].append(statistics.median(t))
                 sums.add(checksum)
@@ -68,6 +75,14 @@ def main():
         same = "" if len(sums) == 1 else " (final weights DIFFER between runs)"
         print(f"| {size} | {params} | {len(times['on'])} | {on:.3f} | {off:.3f} | {on / off:.4f} | {on - off:+.3f} "
               f"| {mm:.4f} | {'-'.join(loads)} |{same}")
+        for half in HALVES if a.split else {}:
+            h = statistics.median(times[half])
+            halves.append(f"| {size} | {half} only | {h:.3f} | {off:.3f} | {h / off:.4f} | {h - off:+.3f} |")
+    if halves:
+        print()
+        print("| size | check | median ms | off: median ms | ratio | difference, ms |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        print("\n".join(halves))
     print()
     print("on: the default (sdc.replicas, sdc.outliers); off: both false. ms: rank 0's time_update_ms "
           "(forward, backward, reduce, agreement, optimizer) of the updates after each run's first step.")

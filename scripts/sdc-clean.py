@@ -16,7 +16,7 @@ Exits 1 if any clean run makes a finding or the seed case does not abort where i
 
     scripts/sdc-clean.py            # builds release first; about 4-8 minutes on 2 cores
 """
-import json, math, os, subprocess, sys, tempfile
+import atexit, json, math, os, shutil, subprocess, sys, tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = os.path.join(ROOT, "target/release/gradbus")
@@ -61,6 +61,7 @@ def run(tmp, name, np_, config, sets):
 def main():
     subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "gradbus"], cwd=ROOT, check=True)
     tmp = tempfile.mkdtemp(prefix="gradbus-sdc-clean-")
+    atexit.register(shutil.rmtree, tmp, True)  # the run directories go with the script
     print("| run | exit | updates | buckets judged | findings | max excess | max spread | max isolation "
           "| closest to flagging | abort |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

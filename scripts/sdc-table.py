@@ -27,7 +27,7 @@ Exits 1 unless every `reduced` and `weight` row, and every `grad` row of exponen
 
     scripts/sdc-table.py            # builds release first; about 1-2 minutes on 2 cores
 """
-import json, os, re, struct, subprocess, sys, tempfile
+import atexit, json, os, re, shutil, struct, subprocess, sys, tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = os.path.join(ROOT, "target/release/gradbus")
@@ -128,6 +128,7 @@ def finding(run_dir):
 def main():
     subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "gradbus"], cwd=ROOT, check=True)
     tmp = tempfile.mkdtemp(prefix="gradbus-sdc-table-")
+    atexit.register(shutil.rmtree, tmp, True)  # the run directories go with the script
     code, err = run(os.path.join(tmp, "clean"), "")
     assert code == 0, err
     clean = {"params": state_params(os.path.join(tmp, "clean")), "replicas": replicas(os.path.join(tmp, "clean"))}
