@@ -301,3 +301,28 @@ fn summary_and_table_agreement_give_bitwise_identical_metrics_over_mpi_and_hier(
         assert_eq!(summary, table, "{name}: the paths' metrics differ");
     }
 }
+
+/// Issue 29's replica repair over MPI (`MPI_Bcast` from the donor): a flipped exponent bit in rank
+/// 1's weights after an update is found at the next one and repaired from the majority, over flat
+/// MPI and the hierarchical transport (2 fake nodes), and the run then goes on with the clean run's
+/// bits: every other update's loss and weights' checksum are the clean run's.
+#[test]
+fn a_weight_flip_is_repaired_over_flat_mpi_and_hier_to_the_clean_bits() {
+    let d = tempfile::tempdir().unwrap();
+    let flip = "[[faults]]\nkind = \"bitflip\"\nrank = 1\nstep = 0\nminibatch = 7\ntarget = \"weight\"\n\
+                param = \"head.weight\"\nelement = 3\nbit = 30\ntransient = false\n";
+    let bits = |m: &[serde_json::Value]| -> Vec<String> {
+        let kept = m.iter().filter(|l| l["verdict"] != "repair");
+        kept.map(|l| format!("{} {} {} {}", l["step"], l["minibatch"], l["loss"], l["checksum"])).collect()
+    };
+    for (name, env) in [("flat", ("GRADBUS_TRANSPORT", "mpi")), ("hier", ("GRADBUS_FAKE_NODES", "2"))] {
+        let (clean, flipped) = (d.path().join(format!("{name}-clean")), d.path().join(format!("{name}-flip")));
+        worker_under_mpirun(&clean, &[env]);
+        worker_under_mpirun(&flipped, &[env, ("GRADBUS_FAULTS", flip)]);
+        let m = metrics(&flipped);
+        let repairs: Vec<_> = m.iter().filter(|l| l["verdict"] == "repair").collect();
+        assert_eq!(repairs.len(), 1, "{name}: {repairs:?}");
+        assert!(repairs[0]["sdc"].as_str().unwrap_or("").contains("repaired from rank"), "{name}: {}", repairs[0]);
+        assert_eq!(bits(&m), bits(&metrics(&clean)), "{name}: the run after the repair is the clean run");
+    }
+}
