@@ -224,7 +224,8 @@ def worker(rank, world, cfg, port, out):
         sk = cfg.get("skip", {})  # the runtime's skip.* keys bound the skip policy as there
         guard = gbt.Guard(policy=cfg["guard"], names=policy, run_dir=cfg.get("run_dir"),
                           max_consecutive=sk.get("max_consecutive", 3), max_fraction=sk.get("max_fraction", 0.1),
-                          window=sk.get("window", 100), agreement=cfg.get("agreement") or "auto")
+                          window=sk.get("window", 100), agreement=cfg.get("agreement") or "auto",
+                          sdc=bool(cfg.get("sdc")), replica_every=1 if cfg.get("sdc") else 0)
         ddp.register_comm_hook(guard, gbt.allreduce_hook)
         opt = gbt.GuardedOptimizer(opt, guard)
     try:
@@ -360,6 +361,8 @@ def main():
     ap.add_argument("--run-dir", help="with --guard: where rank 0 writes report.json on abort")
     ap.add_argument("--agreement", choices=["auto", "summary", "table", "ride"],
                     help="with --guard: the guard's agreement path (default auto: the rows ride the last bucket at 2 ranks)")
+    ap.add_argument("--sdc", action="store_true",
+                    help="with --guard: the silent-data-corruption checks on every update (sdc=True, replica_every=1)")
     ap.add_argument("--device", choices=["cpu", "cuda"],
                     help="where the model trains (default: the config's `device`, else cpu)")
     ap.add_argument("--comm-hook", choices=["allreduce"],
@@ -367,6 +370,7 @@ def main():
     a = ap.parse_args()
     cfg = load_config(a.config, a.set)
     cfg["guard"], cfg["run_dir"], cfg["comm_hook"], cfg["agreement"] = a.guard, a.run_dir, a.comm_hook, a.agreement
+    cfg["sdc"] = a.sdc
     cfg["device"] = a.device or cfg.get("device", "cpu")
     if cfg["device"] not in ("cpu", "cuda"):
         sys.exit(f"device = {cfg['device']!r}: expected cpu or cuda")

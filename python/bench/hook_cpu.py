@@ -4,9 +4,13 @@ the number is the hook's own work - the Rust scan of every bucket, the Python bo
 agreement and `decide` - and not the scheduling of several ranks on a busy machine. Alternates
 PyTorch's Python `default_hooks.allreduce_hook`, the gradbus guard (policy skip) and the guard with
 its replica check on every update (`replica_every=1`: the parameters hashed on every update, so its
-difference to the guard is the cost of one check) on the same model, `--iters` backward+step per
-round, and prints CPU milliseconds per update (process time, so a loaded machine inflates it less
-than wall time) and the differences. A benchmark: asserts nothing.
+difference to the guard is the cost of one check), and the guard with its silent-data-corruption
+checks (`sdc=True`: the reduced buckets hashed twice - as the all-reduce returned them and as the
+optimizer consumes them - and every bucket's peak tallied for the outlier rule; and with
+`replica_every=1` on top: the weights hashed after the step and read back before the next) on the
+same model, `--iters` backward+step per round, and prints CPU milliseconds per update (process time,
+so a loaded machine inflates it less than wall time) and the differences. A benchmark: asserts
+nothing.
 
 Usage: hook_cpu.py [--params-m 10] [--iters 30] [--rounds 3]
 """
@@ -28,13 +32,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import gradbus.torch as gbt  # noqa: E402
 
 
-def setup(width, layers, guard, replica_every=0):
+def setup(width, layers, guard, replica_every=0, sdc=False):
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     ddp = DDP(net)
     opt = torch.optim.SGD(net.parameters(), lr=1e-6)
     if guard:
-        g = gbt.Guard(policy="skip", names=net, replica_every=replica_every)
+        g = gbt.Guard(policy="skip", names=net, replica_every=replica_every, sdc=sdc)
         ddp.register_comm_hook(g, gbt.allreduce_hook)
         return ddp, gbt.GuardedOptimizer(opt, g)
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -67,6 +71,8 @@ def main():
         "allreduce_hook": setup(width, layers, False),
         "gradbus guard": setup(width, layers, True),
         "guard + replica": setup(width, layers, True, replica_every=1),
+        "guard + sdc": setup(width, layers, True, sdc=True),
+        "sdc + replica": setup(width, layers, True, replica_every=1, sdc=True),
     }
     for ddp, opt in variants.values():
         round_ms(ddp, opt, x, 3)  # warm-up: DDP's bucket rebuild, allocations
@@ -82,6 +88,9 @@ def main():
           f"gradbus guard {guard:.2f} CPU ms/update; the guard adds {guard - base:+.2f} ms ({(guard / base - 1) * 100:+.1f}%)")
     print(f"replica check: {replica:.2f} CPU ms/update when every update checks, {replica - guard:+.2f} ms per check "
           f"({(replica / guard - 1) * 100:+.1f}% of a guarded update; every 100 updates: {(replica / guard - 1):+.2f}%)")
+    sdc, both = statistics.median(ms["guard + sdc"]), statistics.median(ms["sdc + replica"])
+    print(f"sdc=True (reduced buckets + outliers): {sdc:.2f} CPU ms/update, {sdc - guard:+.2f} ms ({(sdc / guard - 1) * 100:+.1f}%) "
+          f"over the guard; with replica_every=1 too: {both:.2f}, {both - guard:+.2f} ms ({(both / guard - 1) * 100:+.1f}%)")
     dist.destroy_process_group()
 
 

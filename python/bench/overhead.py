@@ -27,9 +27,11 @@ VARIANTS = {
     "allreduce_hook": ["--comm-hook", "allreduce"],
     "gradbus guard": ["--guard", "skip"],
     "guard, table": ["--guard", "skip", "--agreement", "table"],
+    "guard + sdc": ["--guard", "skip", "--sdc"],
 }
 """The guard with its default agreement (at 2 ranks the rows ride the last bucket's all-reduce), and
-with the per-rank table all-gathered every update (the default before issue 31), as a baseline."""
+with the per-rank table all-gathered every update (the default before issue 31), as a baseline; and
+the guard with its silent-data-corruption checks on every update (`sdc=True, replica_every=1`)."""
 
 
 def one(config, np, sets, extra):

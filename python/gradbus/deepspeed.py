@@ -269,7 +269,9 @@ def _wrap_step(opt: Any, g: Guard) -> None:
         v = g._verdict()  # raises NonFiniteGradients on abort, on every rank
         g._skip = None if v.proceeded else v
         try:
-            return step(*a, **kw)
+            out = step(*a, **kw)
+            g.stepped()  # the replica check's own check (sdc): the weights as this step wrote them
+            return out
         finally:
             g._skip = None
 

@@ -13,7 +13,8 @@ offset; everything else is here and in the native core (`gradbus._core`, the run
 
 The per-rank row (`Row`) is the one place that says what a rank tells the others about one update:
 its cells (per bucket: NaN count, Inf count, sum of squares, first non-finite element), its loss,
-its loss scale, its replica checksum. `GuardCore._row` fills it; `Row.encode` hands it to the native
+its loss scale, its replica checksum, and for the silent-data-corruption checks its peaks, its own
+finding about its state and the checksums of the reduced buckets it consumed at the previous update. `GuardCore._row` fills it; `Row.encode` hands it to the native
 core, which encodes it with the runtime's one row codec (`collectives/src/wire.rs`). To carry a new
 per-rank field: add it to `Row` (with its default), fill it in `GuardCore._row` (an adapter may
 override `_row` and call the core's), and pass it through `_core.encode_row` / `_core.decode_row`
@@ -65,10 +66,13 @@ class NonFiniteGradients(RuntimeError):
 
 
 class ReplicasDiverged(RuntimeError):
-    """The replica check found parameters that differ between ranks; the same on every rank.
+    """The replica check found state that differs between ranks and the guard cannot repair it; the
+    same on every rank.
 
-    `report` is a dict: step, attempt, ranks (those whose checksum differs from rank 0's), checksums
-    (every rank's, hex); `path` is where rank 0 wrote it (run_dir/replicas.json), or None.
+    `report` is a dict: step, attempt, ranks (the damaged ones, or every rank when none can be told
+    healthy), donor (a healthy rank, or None), why (per rank of `ranks`: what differs), checksums
+    (every rank's replica word, hex); `path` is where rank 0 wrote it (run_dir/replicas.json), or
+    None.
     """
 
     def __init__(self, message: str, report: Dict[str, Any], path: Optional[str]):
@@ -95,12 +99,26 @@ class OverflowAhead(RuntimeError):
         self.checkpoint = checkpoint
 
 
+class OutlierGradients(RuntimeError):
+    """The silent-data-corruption guard's outlier rule (`sdc=True`) flagged finite gradients of one
+    rank many binades above the others' and its own history, again on the rerun, and the policy
+    aborts; the same on every rank. `report` is the runtime's report (cause "outlier": rank, bucket,
+    param, element of the largest value; classification "deterministic"); `path` is where rank 0
+    wrote it (run_dir/report.json), or None."""
+
+    def __init__(self, message: str, report: Dict[str, Any], path: Optional[str]):
+        super().__init__(message)
+        self.report = report
+        self.path = path
+
+
 @dataclass
 class Verdict:
     """The agreed verdict on one update, the same on every rank."""
 
     action: str
-    """"proceed", "skip", "rerun" or "abort"."""
+    """"proceed", "skip", "rerun", "repair" (a damaged replica was repaired: recompute the update)
+    or "abort"."""
     report: Optional[Dict[str, Any]]
     """The report when some gradient was non-finite (or a rerun came back finite)."""
     spike: Optional[str]
@@ -111,6 +129,11 @@ class Verdict:
     """The loss scale of the update (None without a loss scaler)."""
     loss: Optional[float] = None
     """The ranks' mean loss (of the losses given to `backward`/`set_loss`; 0.0 for a rank without)."""
+    finding: Optional[str] = None
+    """The silent-data-corruption guard's finding, one line (a repair, an outlier), if any."""
+    repair: Optional[Tuple[int, List[int]]] = None
+    """"repair": (the donor rank, the damaged ranks): `GuardedOptimizer.step` copies the donor's
+    weights and optimizer state into the damaged ranks; the update is then recomputed."""
 
     @property
     def proceeded(self) -> bool:
@@ -130,6 +153,11 @@ def describe(report: Dict[str, Any], path: Optional[str], loss_scale: Optional[f
     """One line about a non-finite report, the same on every rank. `path`: where an abort's report
     was written (a skip's report stays in `Guard.skips`; a rerun's in the verdict)."""
     r = report
+    if r.get("cause") == "outlier":
+        where = {"abort": f"; {_where(path)}", "skip": "; report in guard.skips"}.get(r["verdict"], "")
+        return (f"gradbus: finite outlier gradients at step {r['step']} (attempt {r['attempt']}): rank(s) {r['ranks']}, "
+                f"bucket #{r['bucket']}, largest value {r['param']} element {r['element']}; verdict {r['verdict']} "
+                f"({r['classification']}){where}")
     if r["verdict"] == "proceed":  # a rerun that came back finite
         return (f"gradbus: step {r['step']}: the recomputation (attempt {r['attempt']}) is finite: "
                 f"a {r['classification']} fault; proceeding with it")
@@ -201,6 +229,21 @@ def health(flat: torch.Tensor, scan: str = "auto") -> Cell:
         if first is None and f is not None:
             first = s + f
     return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
+
+
+def peak(flat: torch.Tensor, scan: str = "auto") -> Optional[Tuple[float, int]]:
+    """The largest finite |value| of a flat gradient buffer and its first index (None when empty):
+    the kernels' own scan for contiguous float32 CPU memory with `scan` "auto" (in place; the
+    caller guarantees, as for `health`, that nothing writes `flat` meanwhile), else torch ops on
+    the buffer's device (non-finite values count as 0)."""
+    if flat.numel() == 0:
+        return None
+    if scan == "auto" and flat.device.type == "cpu" and flat.is_contiguous() and flat.dtype == torch.float32:
+        return _core.peak_f32(flat.data_ptr(), flat.numel())
+    x = flat.detach().reshape(-1)
+    a = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
+    i = int(a.argmax())  # the first index of the largest value
+    return (float(a[i]), i)
 
 
 # --- the replica checksum --------------------------------------------------------------------------
@@ -280,17 +323,23 @@ class Row:
     watched: List[float] = field(default_factory=list)
     """Per watched quantity (`GuardCore.watch`, in the order of `Watches.names`): the rank's largest
     value with its rank, as `_core.ranked` words (-inf: not watched this update)."""
+    peaks: Optional[List[Optional[Tuple[float, int]]]] = None
+    """Per bucket: the largest finite |value| and its offset (the outlier rule, `sdc`), or None."""
+    state: int = 0
+    """The rank's own finding about its state (the runtime's `StateFault` word; 0: nothing)."""
+    reduced: Optional[List[int]] = None
+    """Per bucket: the checksum of the reduced gradient the rank's optimizer consumed at the
+    previous update (`sdc`; 0 or None: not checked)."""
 
     def encode(self) -> bytes:
         """The row's words (little-endian bytes) in the runtime's row codec
         (`collectives/src/wire.rs`, through `_core.encode_row`, which checks the counts)."""
-        return _core.encode_row(self.cells, self.loss, self.loss_scale, self.replica, self.watched)
+        return _core.encode_row(self.cells, self.loss, self.loss_scale, self.replica, self.watched, self.peaks, self.state, self.reduced)
 
     @staticmethod
     def decode(data: bytes, buckets: int, watched: int = 0) -> "Row":
         """The row of `encode`'s bytes over `buckets` buckets and `watched` quantities."""
-        cells, loss, loss_scale, replica, words = _core.decode_row(data, buckets, watched)
-        return Row(cells, loss, loss_scale, replica, words)
+        return Row(*_core.decode_row(data, buckets, watched))
 
     @staticmethod
     def size(buckets: int, watched: int = 0) -> int:
@@ -357,6 +406,9 @@ class GuardCore:
 
     RIDES = False
     """Whether the adapter can carry the rows on a gradient all-reduce of its framework (`ride`)."""
+    SDC = False
+    """Whether the adapter supports the silent-data-corruption checks (`sdc=True`: it hashes the
+    reduced buckets its optimizer consumes, tallies peaks, and can repair a replica in place)."""
 
     def __init__(
         self,
@@ -376,6 +428,7 @@ class GuardCore:
         agreement: str = "auto",
         watch_policy: str = "warn",
         on_stop: Optional[Callable[[], Any]] = None,
+        sdc: bool = False,
     ):
         if policy not in POLICIES:
             raise ValueError(f"gradbus.torch.Guard: policy {policy!r}: expected one of {POLICIES}")
@@ -388,6 +441,11 @@ class GuardCore:
             raise ValueError(f"gradbus.torch.Guard: watch_policy {watch_policy!r}: expected one of {WATCH_POLICIES}")
         if not isinstance(replica_every, int) or replica_every < 0:
             raise ValueError(f"gradbus.torch.Guard: replica_every {replica_every!r}: expected a whole number >= 0 (0: off)")
+        if sdc and not self.SDC:
+            raise ValueError(
+                f"{type(self).__module__}.Guard: sdc=True is not supported by this adapter "
+                "(hint: the silent-data-corruption checks are DDP's, gradbus.torch.Guard; see docs/pytorch.md)"
+            )
         if scaler is not None and not hasattr(scaler, "get_scale"):
             raise ValueError(f"gradbus.torch.Guard: scaler {scaler!r} is not a torch.amp.GradScaler")
         if scaler is not None and not scaler.is_enabled():
@@ -400,15 +458,17 @@ class GuardCore:
         self.policy = policy
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         self.process_group = process_group
-        self._agreement = _core.Agreement(policy, max_consecutive, max_fraction, window, spike, min_scale=min_scale)
+        self._agreement = _core.Agreement(policy, max_consecutive, max_fraction, window, spike, min_scale=min_scale, outliers=sdc)
         self._scan = scan
         self._params = params or {}
-        if replica_every and not self._params:
+        if (replica_every or sdc) and not self._params:
             raise ValueError(
-                "gradbus.torch.Guard: replica_every needs the parameters to hash (hint: pass names=model)"
+                f"gradbus.torch.Guard: {'replica_every' if replica_every else 'sdc'} needs the parameters to hash "
+                "(hint: pass names=model)"
             )
         self.scaler = scaler
         self.replica_every = replica_every
+        self.sdc = sdc
         self.agreement = agreement
         self.step = 0
         """Updates judged so far (skipped ones included): the step of the next report (assign your
@@ -448,6 +508,15 @@ class GuardCore:
         self._exchanged = False
         self._kept = False
         self._stop_message = ""
+        self._peaks: Dict[int, Optional[Tuple[float, int]]] = {}
+        self._written: Optional[int] = None
+        """The parameters' checksum right after the last optimizer step, when the next update
+        checks the replicas (`stepped`): the rank's own check that its weights did not change."""
+        self._state = 0
+        """The rank's own finding about its state for its next row (`StateFault`'s word)."""
+        self._optimizer: Any = None
+        """The optimizer whose state a repair copies (set by `GuardedOptimizer`); without one a
+        damaged replica stops the job (`ReplicasDiverged`)."""
 
     # --- called by the user ------------------------------------------------------------------------
 
@@ -506,9 +575,10 @@ class GuardCore:
         self._batches.append((list(dict.fromkeys(i if isinstance(i, str) else int(i) for i in ids)), None))
 
     def attempts(self) -> Iterator[int]:
-        """Iterate over the attempts of one update: yields 0, and 1 again when the verdict asked for
-        a rerun (policy "rerun"). The body must compute the update and call `verdict()` (or the
-        guarded optimizer's `step()`) once."""
+        """Iterate over the attempts of one update: yields 0, and again (1, 2...) while the verdict
+        asks for the update to be recomputed: a rerun (policy "rerun", or an outlier with `sdc`) or a
+        replica repair. The body must compute the update and call `verdict()` (or the guarded
+        optimizer's `step()`) once."""
         while True:
             before = self._verdicts
             yield self.attempt
@@ -517,7 +587,7 @@ class GuardCore:
                     "gradbus.torch.Guard.attempts: the attempt ended without a verdict "
                     "(hint: call opt.step() of the GuardedOptimizer, or guard.verdict(), in the loop body)"
                 )
-            if self.last is None or self.last.action != "rerun":
+            if self.last is None or self.last.action not in ("rerun", "repair"):
                 return
 
     def verdict(self) -> Verdict:
@@ -531,17 +601,22 @@ class GuardCore:
             )
         d = self._finish(self._pending)
         self._pending = None
-        if d.action == "diverged":
+        if d.action == "diverged" or d.action == "repair" and (not self.SDC or self._optimizer is None):
             return self._diverged(d)
         text = d.report if d.report is None else self._with_samples(d.report)
         self._batches = []
         report = None if text is None else json.loads(text)
         scale = d.loss_scale if d.loss_scale > 0 else None
-        v = Verdict(d.action, report, d.spike, self.step, self.attempt, scale, d.loss)
-        alert = None if d.action == "rerun" else self._observe(d.watched)
+        repair = (d.donor, list(d.diverged)) if d.action == "repair" else None
+        v = Verdict(d.action, report, d.spike, self.step, self.attempt, scale, d.loss, d.finding, repair)
+        alert = None if d.action in ("rerun", "repair") else self._observe(d.watched)
         self.last = v
         self._verdicts += 1
-        if d.action == "rerun":
+        if d.finding is not None:
+            log.warning("gradbus: %s%s", d.finding, "" if repair is None else f" ({'; '.join(f'rank {k}: {w}' for k, w in zip(d.diverged, d.why))})")
+        if repair is not None:
+            self.repair(self._optimizer, repair)
+        if d.action in ("rerun", "repair"):
             self.attempt += 1
         else:
             self.step += 1
@@ -550,18 +625,54 @@ class GuardCore:
             self._append("quarantine.jsonl", _core.quarantine_lines(text))
         if d.action == "abort":
             path = self._write("report.json", text)
+            if report.get("cause") == "outlier":
+                raise OutlierGradients(describe(report, path, scale), report, path)
             raise NonFiniteGradients(describe(report, path, scale), report, path)
         if alert == "stop":
             self._stop(v)
         if d.action == "skip":
             self.skips.append(v)
-        if report is not None:
+        if report is not None and d.finding is None:
             # A loss-scale overflow is the scaler's routine business: recorded, logged quietly.
             (log.info if v.overflow else log.warning)("%s", describe(report, None, scale))
         if d.spike is not None:
             self.spikes += 1
             log.warning("gradbus: step %d: %s%s", v.step, d.spike, "; skipped" if d.action == "skip" else "")
         return v
+
+    @property
+    def detections(self) -> int:
+        """The silent-data-corruption guard's findings so far (repairs, replicas that differ,
+        outliers; the same on every rank)."""
+        return self._agreement.detections
+
+    def stepped(self) -> None:
+        """Called right after the optimizer step ran (`GuardedOptimizer.step` does): when the next
+        update checks the replicas, hash the parameters as the step left them, so that the next
+        update's read-back tells whether this rank's weights changed in between (its own check,
+        which names the rank even at 2 ranks)."""
+        if self.replica_every and self.step % self.replica_every == 0:
+            self._written = replica_checksum([p for p, _ in self._params.values()])
+
+    def repair(self, optimizer: Any, repair: Tuple[int, List[int]]) -> None:
+        """Copy the donor rank's parameters and optimizer state (every tensor of `optimizer.state`,
+        per parameter in `param_groups` order and key order) into every rank, on every rank (a
+        "repair" verdict: `verdict` calls it with `GuardedOptimizer`'s optimizer): broadcasts over
+        the process group. The update is then recomputed (`attempts`)."""
+        donor, damaged = repair
+        pg = self.process_group
+        src = donor if pg is None else dist.get_global_rank(pg, donor)
+        with torch.no_grad():
+            for p, _ in self._params.values():
+                dist.broadcast(p.data, src, group=pg)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    st = optimizer.state.get(p, {})
+                    for k in sorted(st):
+                        if torch.is_tensor(st[k]):
+                            dist.broadcast(st[k], src, group=pg)
+        self._written = None
+        log.warning("gradbus: step %d: rank(s) %s repaired from rank %d (weights and optimizer state)", self.step, damaged, donor)
 
     @property
     def skipped(self) -> int:
@@ -602,11 +713,13 @@ class GuardCore:
         """`health(flat)` with this guard's scan setting (see the module function)."""
         return health(flat, self._scan)
 
-    def record(self, index: int, entries: Layout, cell: Cell) -> None:
-        """Record bucket `index`'s local health `cell` (from `health`) and its layout `entries`, the
-        (name, numel) of what it holds back to back; the same layout on every rank."""
+    def record(self, index: int, entries: Layout, cell: Cell, peak: Optional[Tuple[float, int]] = None) -> None:
+        """Record bucket `index`'s local health `cell` (from `health`), its layout `entries`, the
+        (name, numel) of what it holds back to back (the same layout on every rank), and its peak
+        (from `peak`; the outlier rule's, with `sdc`)."""
         self._layout[index] = entries
         self._cells[index] = cell
+        self._peaks[index] = peak
 
     def exchange(self, buckets: Optional[int] = None) -> None:
         """Start the agreement over the buckets 0..buckets-1 recorded since the last verdict (default:
@@ -622,7 +735,7 @@ class GuardCore:
             self._pending = _Pending("table", [work], outs, row, layout, world, w)
         else:
             pg, dev = self.process_group, self._device()
-            parts = [torch.frombuffer(bytearray(x), dtype=torch.int64).to(dev) for x in _core.contribute(row, n, w)]
+            parts = [torch.frombuffer(bytearray(x), dtype=torch.int64).to(dev) for x in _core.contribute(row, n, w, self.rank)]
             works = [
                 dist.all_reduce(parts[0], op=dist.ReduceOp.SUM, group=pg, async_op=True),
                 dist.all_reduce(parts[1], op=dist.ReduceOp.MAX, group=pg, async_op=True),
@@ -691,7 +804,7 @@ class GuardCore:
             layout = self._last_layout  # the same object: the native core converts it once
         self._last_layout = layout
         self.buckets = n
-        self._cells, self._layout, self._loss, self._watched = {}, {}, None, {}
+        self._cells, self._layout, self._loss, self._watched, self._peaks = {}, {}, None, {}, {}
         self._exchanged = True
         return n, row, layout, self.world
 
@@ -708,7 +821,12 @@ class GuardCore:
         replica = 0
         if self.replica_every and self.attempt == 0 and self.step % self.replica_every == 0:
             replica = replica_checksum([p for p, _ in self._params.values()])
-        return Row(host, loss, scale, replica, self._watched_words())
+            if self._written is not None and self._written != replica:
+                self._state |= 1  # StateFault.weights: changed since this rank's optimizer step
+        self._written = None
+        state, self._state = self._state, 0
+        peaks = [self._peaks.get(b) for b in range(n)] if self.sdc else None
+        return Row(host, loss, scale, replica, self._watched_words(), peaks, state)
 
     def _watched_words(self) -> List[float]:
         """This rank's word per watched quantity (`_core.ranked` of its largest value; -inf when not
@@ -810,12 +928,17 @@ class GuardCore:
             "step": self.step,
             "attempt": self.attempt,
             "ranks": list(d.diverged),
+            "donor": d.donor,
+            "why": list(d.why),
             "checksums": [f"{c:016x}" for c in d.replicas],
         }
         path = self._write("replicas.json", json.dumps(report))
+        healthy = (f"rank {d.donor} holds a healthy copy, but this adapter cannot repair in place"
+                   if d.donor is not None else "no rank can be told healthy (no majority, and no rank found its own state changed)")
+        why = "; ".join(f"rank {k}: {w}" for k, w in zip(d.diverged, d.why))
         raise ReplicasDiverged(
-            f"gradbus: replicas differ at step {self.step}: rank(s) {report['ranks']} hold parameters that differ "
-            f"from rank 0's (checksums {report['checksums']}); {_where(path)}",
+            f"gradbus: replicas differ at step {self.step}: rank(s) {report['ranks']} hold state that differs "
+            f"({why}); {healthy}; {_where(path)}",
             report,
             path,
         )
@@ -916,12 +1039,15 @@ class GuardedOptimizer:
     def __init__(self, optimizer: Any, guard: GuardCore):
         self.optimizer = optimizer
         self.guard = guard
+        guard._optimizer = optimizer  # a "repair" verdict copies its state (adapters with SDC)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         run = self._runner(*args, **kwargs)
         v = self.guard.verdict()
         out: List[Any] = []
         ran = apply_verdict(v, self.guard.scaler, lambda: out.append(run()))
+        if ran:
+            self.guard.stepped()
         return self._result(v, out[0] if ran else None)
 
     def _runner(self, *args: Any, **kwargs: Any) -> Callable[[], Any]:

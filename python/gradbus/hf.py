@@ -89,6 +89,12 @@ def guard(trainer: Any, policy: str = "abort", run_dir: Any = None, *, quarantin
             "and the Trainer has none: the update would be dropped and the next batch judged as its "
             "recomputation (hint: policy 'skip' or 'abort')"
         )
+    if kwargs.get("sdc"):
+        raise ValueError(
+            "gradbus.hf: sdc=True reruns an outlier's update and recomputes a repaired one, and the Trainer has "
+            "no loop that recomputes an update (hint: replica_every=N alone, which stops the job on a damaged "
+            "replica; or a plain DDP loop with guard.attempts(), docs/pytorch.md)"
+        )
     # fp16: accelerate's GradScaler (None for bf16, fp32, and fp16 on the CPU, which accelerate runs
     # unscaled in fp32).
     scaler = getattr(trainer.accelerator, "scaler", None)

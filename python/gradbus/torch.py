@@ -27,9 +27,16 @@ which raises the same `NonFiniteGradients` on every rank and has rank 0 write `r
 
 With a `torch.amp.GradScaler` (fp16), a non-finite update is the scaler's: skipped on every rank,
 the scale lowered, the skip recorded with its report (`Guard.skips`); an overflow at a scale at or
-below `min_scale`, or past the skip fraction of the window, aborts. With `replica_every=N`, every
-N-th update each rank also hashes its parameters on their device; ranks whose hash differs from rank
-0's stop every rank with `ReplicasDiverged`.
+below `min_scale`, or past the skip fraction of the window, aborts.
+
+Silent data corruption (docs/pytorch.md): with `replica_every=N`, every N-th update each rank also
+hashes its parameters on their device (and right after its previous step, its own check); with
+`sdc=True`, every update each rank hashes every reduced bucket as its all-reduce returned it and as
+its optimizer consumes it (the latter rides the next update's row), and tallies every bucket's
+peak for the runtime's outlier rule. The runtime's rules (`collectives/src/sdc.rs`) name the damaged
+ranks and a donor: `GuardedOptimizer` copies the donor's weights and optimizer state into them and
+the update is recomputed ("repair"); with no healthy copy to tell, every rank raises
+`ReplicasDiverged`. An outlier is rerun, then judged by the policy (`OutlierGradients` on abort).
 
 The guard's core (the row, the exchange, the decision, the reports, `GuardedOptimizer`) is
 `gradbus.guard`, shared with the other adapters; this module is DDP's side of it.
@@ -53,6 +60,7 @@ from gradbus.guard import (  # noqa: F401  (the public names of gradbus.torch, d
     GuardedOptimizer,
     NonFiniteGradients,
     OverflowAhead,
+    OutlierGradients,
     ReplicasDiverged,
     Row,
     Verdict,
@@ -61,6 +69,7 @@ from gradbus.guard import (  # noqa: F401  (the public names of gradbus.torch, d
     apply_verdict,
     describe,
     quarantined,
+    peak,
     replica_checksum,
 )
 
@@ -85,7 +94,12 @@ class Guard(GuardCore):
     min_scale: the loss scale floor: an overflow at a scale at or below it aborts (1.0, as DeepSpeed's
         `min_loss_scale` and Megatron's `--min-loss-scale`).
     replica_every: every N-th update (0: never) each rank hashes its parameters (those of `names`)
-        on their device; a mismatch raises `ReplicasDiverged` on every rank.
+        on their device; a damaged replica is repaired from a healthy one (with `GuardedOptimizer`),
+        or raises `ReplicasDiverged` on every rank when none can be told healthy.
+    sdc: the silent-data-corruption checks on every update: the reduced buckets identical across
+        ranks (checked one update late) and the runtime's outlier rule on each rank's local
+        gradients (rerun, then the policy). Needs `names`; reruns and repairs need the
+        `attempts()` loop.
     agreement: "auto" (the runtime's cost model picks, for this world size and bucket count, the
         cheaper of the two below, as `gradbus run` does: the table for small jobs, the summary at
         scale), "summary" (the O(buckets) summary; the table only on an anomaly) or "table" (the
@@ -98,12 +112,72 @@ class Guard(GuardCore):
     """
 
     RIDES = True
+    SDC = True
 
     def __init__(self, policy: str = "abort", names: Any = None, run_dir: Optional[str] = None, process_group: Any = None, **kwargs: Any):
         super().__init__(policy, self._names(names), run_dir, process_group, **kwargs)
         # (bucket index, parameter ids) -> ([(name, numel), ...], total): keyed by the ids of the
         # parameters, which `_params` (or DDP) keeps alive.
         self._bucket_layouts: Dict[Tuple[int, ...], Tuple[List[Tuple[str, int]], int]] = {}
+        # sdc: this update's bucket parameters, the checksums of what each bucket's all-reduce
+        # returned (taken in its future's callback), and what the next row carries.
+        self._bucket_params: Dict[int, List[torch.Tensor]] = {}
+        self._returned: Dict[int, int] = {}
+        self._consumed: Optional[List[int]] = None
+        self._hashed: Optional[Tuple[List[int], int]] = None
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        super().backward(loss, **kwargs)
+        if self.sdc and self._pending is not None:
+            # DDP has written the reduced gradients (a backward that ran the hook: not under
+            # no_sync), and nothing else has touched them yet (clipping, unscale_ come later).
+            self._hashed = self._bucket_hashes(own_check=True)
+
+    def verdict(self) -> Verdict:
+        hashed, self._hashed = self._hashed, None
+        v = super().verdict()
+        if self.sdc:
+            self._consumed = None
+            if v.proceeded:
+                # Without guard.backward, hashed now (after whatever the script did to the
+                # gradients, the same on every rank), and without the own check.
+                self._consumed, state = hashed if hashed is not None else self._bucket_hashes(own_check=False)
+                self._state |= state
+        return v
+
+    def _bucket_hashes(self, own_check: bool) -> Tuple[List[int], int]:
+        """With `sdc`: each bucket's reduced gradients hashed as DDP wrote them (the parameters'
+        .grad, in the bucket's order), which every rank's must match (they ride the next row), and
+        with `own_check` this rank's own finding: the first bucket whose hash differs from what its
+        all-reduce returned (`StateFault.consumed`'s word, 0: none)."""
+        hashes, state = [], 0
+        for b in range(self.buckets):
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._bucket_params[b]]
+            h = replica_checksum(grads)
+            if own_check and not state and h != self._returned.get(b):
+                state = 2 | b << 8  # StateFault.consumed, bucket b
+            hashes.append(h)
+        return hashes, state
+
+    def _returned_sum(self, b: int, flat: torch.Tensor) -> None:
+        """With `sdc`: the checksum of what bucket `b`'s all-reduce returned (`flat`, the bucket's
+        parameters back to back), as `_bucket_hashes` hashes the gradients."""
+        if self.sdc:
+            views, o = [], 0
+            for p in self._bucket_params[b]:
+                views.append(flat[o : o + p.numel()])
+                o += p.numel()
+            self._returned[b] = replica_checksum(views)
+
+    def _row(self, n: int) -> Row:
+        row = super()._row(n)
+        if self.sdc:
+            # Compared bucket by bucket: dropped when DDP has rebuilt its buckets into another count
+            # since (every rank alike: DDP rebuilds them the same way everywhere, once, early).
+            if self._consumed is not None and len(self._consumed) == n:
+                row.reduced = self._consumed
+            self._consumed = None
+        return row
 
     def rides(self, world: int) -> bool:
         """Whether the rows ride the last bucket's all-reduce (no collective of the guard's): with
@@ -149,7 +223,8 @@ class Guard(GuardCore):
             )
         # DDP calls the hook after autograd has written every gradient in the bucket, and does not
         # write the bucket until the hook returns.
-        self.record(b, entries, self.health(buf))
+        self._bucket_params[b] = params
+        self.record(b, entries, self.health(buf), peak(buf, self._scan) if self.sdc else None)
 
 
 def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -164,9 +239,15 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
     # Scale then sum, as DDP's built-in reduction does (a multiply by 1/world: the Python
     # default_hooks.allreduce_hook divides instead, which differs in the last bit when the world size
     # is not a power of two), so that a guarded clean run is bitwise the run without any hook.
+    b = bucket.index()
+
+    def returned(t: torch.Tensor) -> torch.Tensor:
+        guard._returned_sum(b, t)
+        return t
+
     if not (bucket.is_last() and guard.rides(world)):
         buf.mul_(1.0 / world)
-        fut = dist.all_reduce(buf, group=pg, async_op=True).get_future().then(lambda f: f.value()[0])
+        fut = dist.all_reduce(buf, group=pg, async_op=True).get_future().then(lambda f: returned(f.value()[0]))
         if bucket.is_last():
             guard.exchange(bucket.index() + 1)
         return fut
@@ -177,7 +258,7 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
     work = dist.all_reduce(flat, group=pg, async_op=True)
     pending.works.append(work)
     # DDP copies the returned sum into the gradients (it is not the bucket's own buffer).
-    return work.get_future().then(lambda f: f.value()[0][:n])
+    return work.get_future().then(lambda f: returned(f.value()[0][:n]))
 
 
 def _compress_hook(dtype: torch.dtype, guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -200,6 +281,7 @@ def _compress_hook(dtype: torch.dtype, guard: Guard, bucket: dist.GradBucket) ->
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(fut.value()[0][:n])
+        guard._returned_sum(bucket.index(), buffer)
         return buffer
 
     work = dist.all_reduce(flat, group=pg, async_op=True)

@@ -24,13 +24,15 @@
 //! reduce" - which for DDP's mean is also "after it" (|sum g/N| <= max |g|: a sum of finite
 //! gradients scaled first cannot overflow).
 
+use gradbus_collectives::agreement::{peak_word, BucketStat};
 use gradbus_collectives::choice::Calibration;
+use gradbus_collectives::sdc::{Checks, Guard as SdcGuard, OutlierRule};
 use gradbus_collectives::wire::{table_of, RowShape, CELL};
 use gradbus_collectives::{
-    Bucket, HealthTable, Judge, Layout, LocalScalars, LossScale, OnSpike, Policy, Reduced, Slot, StepId, Summary, ValueNames,
-    Watched,
+    Action, Bucket, Cause, HealthTable, Judge, Layout, LocalScalars, LossScale, OnSpike, Policy, Reduced, Slot, StepId,
+    Summary, ValueNames, Watched,
 };
-use gradbus_kernels::{health_scan, Checksum, Health};
+use gradbus_kernels::{health_scan, Checksum, Health, Peak};
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -54,10 +56,29 @@ fn values(watched: usize) -> ValueNames {
 }
 
 /// The shape of the guard's row (`gradbus_collectives::wire`, the runtime's one row codec): no
-/// header, the local health per bucket, no reduced health (see the module doc), the report of
-/// `VALUES` and the `watched` quantities.
+/// header, the local health and peak per bucket, the reduced part (its health neutral, see the
+/// module doc; its checksum per bucket: the reduced gradient this rank's optimizer consumed at the
+/// previous update, 0 when not checked), the report of `VALUES` and the `watched` quantities (with
+/// the replica checksum and the rank's own finding about its state).
 fn shape(buckets: usize, watched: usize) -> RowShape {
-    RowShape { head: 0, buckets, reduced: false, values: VALUES.len() + watched }
+    RowShape { head: 0, buckets, reduced: true, values: VALUES.len() + watched }
+}
+
+/// The replica word the judge compares across ranks (`sdc::check_state`): the weights' checksum
+/// (0 when not checked this update) folded with the checksums of the reduced buckets the rank
+/// consumed at the previous update (all 0 when not checked: then the weights' checksum as it
+/// is). Both must be bitwise identical on every rank; one word lets the runtime's one replica rule
+/// (majority, the donor, a rank's own finding) judge them both.
+fn replica_word(replica: u64, reduced: &[u64]) -> u64 {
+    if reduced.iter().all(|&h| h == 0) {
+        return replica;
+    }
+    reduced.iter().fold(replica, |h, &x| {
+        let mut z = (h ^ x).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    })
 }
 
 /// Little-endian 8-byte words of a byte string (a row, a gathered table, all-reduced words).
@@ -90,8 +111,19 @@ fn cell_health(c: [f64; 4], bucket: usize) -> Result<Health, String> {
     Ok(Health { nan: count(c[0], "nan")?, inf: count(c[1], "inf")?, sumsq: c[2], first_bad })
 }
 
-/// One rank's row, decoded: its health per bucket and its report.
-fn decode_row(row: &[u64], buckets: usize, watched: usize) -> Result<(Vec<Health>, LocalScalars), String> {
+/// One rank's row, decoded.
+struct RowParts {
+    /// Health per bucket.
+    local: Vec<Health>,
+    /// Peak per bucket (`None`: not tallied).
+    peaks: Vec<Option<(f32, u64)>>,
+    /// Checksum per bucket of the reduced gradient consumed at the previous update (0: none).
+    reduced: Vec<u64>,
+    /// The report, its replica word as the row carries it (the weights' checksum).
+    report: LocalScalars,
+}
+
+fn decode_row(row: &[u64], buckets: usize, watched: usize) -> Result<RowParts, String> {
     let s = shape(buckets, watched);
     if row.len() != s.len() {
         return Err(format!(
@@ -101,7 +133,12 @@ fn decode_row(row: &[u64], buckets: usize, watched: usize) -> Result<(Vec<Health
         ));
     }
     let v = s.decode(row);
-    Ok(((0..buckets).map(|b| v.local(b)).collect(), v.report()))
+    Ok(RowParts {
+        local: (0..buckets).map(|b| v.local(b)).collect(),
+        peaks: (0..buckets).map(|b| v.peak(b)).collect(),
+        reduced: v.reduced().reference,
+        report: v.report(),
+    })
 }
 
 /// The hook's neutral reduced health (see the module doc): the same on every rank and both paths.
@@ -119,8 +156,22 @@ fn decode_table(table: &[u64], world: usize, buckets: usize, watched: usize) -> 
             world * n
         ));
     }
-    let rows = shape(buckets, watched).rows(table)?;
-    Ok(table_of(&rows, &values(watched), Reduced { health: neutral(buckets), reference: vec![0; buckets] }, None))
+    // The judge sees each rank's replica word folded with its reduced checksums (`replica_word`):
+    // the words are patched in a copy, so that the rows stay as the ranks sent them.
+    let mut judged = table.to_vec();
+    let at = n - LocalScalars::words(VALUES.len() + watched) + 1 + VALUES.len() + watched;
+    for row in judged.chunks_exact_mut(n) {
+        let reduced = shape(buckets, watched).decode(row).reduced().reference;
+        row[at] = replica_word(row[at], &reduced);
+    }
+    let rows = shape(buckets, watched).rows(&judged)?;
+    Ok(table_of(&rows, &values(watched), unreduced(buckets), None))
+}
+
+/// The reduced part every rank contributes alike (see the module doc): neutral health, no
+/// reference checksums.
+fn unreduced(buckets: usize) -> Reduced {
+    Reduced { health: neutral(buckets), reference: vec![0; buckets] }
 }
 
 /// A `Layout` over DDP's buckets: bucket `b` is a contiguous range of a virtual flat buffer (buckets
@@ -196,12 +247,16 @@ fn checksum_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<u64> {
     }))
 }
 
-/// This rank's row (`shape(buckets, watched)`'s words, as little-endian bytes) from its cells (per bucket:
-/// nan, inf, sumsq, first_bad or -1, as floats), its loss, its loss scale (0: no scaler) and its
-/// replica checksum (0: not checked this update), and its word per watched quantity. The row's sum
-/// of squares (a value of the agreement) is the cells' in bucket order.
+/// This rank's row (`shape(buckets, watched)`'s words, as little-endian bytes) from its cells (per
+/// bucket: nan, inf, sumsq, first_bad or -1, as floats), its loss, its loss scale (0: no scaler),
+/// its replica checksum (0: not checked this update), its word per watched quantity, and for the
+/// silent-data-corruption checks its peaks (per bucket: (largest |value|, its offset in the
+/// bucket), or None), its own finding about its state (`StateFault`'s word, 0: nothing) and the
+/// checksums of the reduced buckets it consumed at the previous update (0: none). The row's sum of
+/// squares (a value of the agreement) is the cells' in bucket order.
 #[pyfunction]
-#[pyo3(signature = (cells, loss, loss_scale, replica, watched=Vec::new()))]
+#[pyo3(signature = (cells, loss, loss_scale, replica, watched=Vec::new(), peaks=None, state=0, reduced=None))]
+#[allow(clippy::too_many_arguments)]
 fn encode_row<'py>(
     py: Python<'py>,
     cells: Vec<[f64; 4]>,
@@ -209,21 +264,33 @@ fn encode_row<'py>(
     loss_scale: f64,
     replica: u64,
     watched: Vec<f64>,
+    peaks: Option<Vec<Option<(f32, u64)>>>,
+    state: u64,
+    reduced: Option<Vec<u64>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let local = cells.iter().enumerate().map(|(b, &c)| cell_health(c, b)).collect::<Result<Vec<_>, _>>();
     let local = local.map_err(PyValueError::new_err)?;
+    let n = local.len();
+    let peaks: Vec<u64> = peaks.unwrap_or_else(|| vec![None; n]).into_iter().map(peak_word).collect();
+    let reduced = reduced.unwrap_or_else(|| vec![0; n]);
+    if (peaks.len(), reduced.len()) != (n, n) {
+        return Err(PyValueError::new_err(format!(
+            "health row: {} peaks and {} reduced checksums for {n} buckets",
+            peaks.len(),
+            reduced.len()
+        )));
+    }
     let sumsq = local.iter().map(|h| h.sumsq).sum();
     // In the order of `values`.
-    let n = watched.len();
+    let w = watched.len();
     let values = [sumsq, loss_scale].into_iter().chain(watched).collect();
-    let report = LocalScalars { loss, values, replica, ..LocalScalars::default() };
-    // No peaks yet: the silent-data-corruption guard's checks are off in the PyTorch guard.
-    let peaks = vec![0; local.len()];
-    Ok(PyBytes::new(py, &to_bytes(shape(local.len(), n).encode(&[], (&local, &peaks), None, &report))))
+    let report = LocalScalars { loss, values, replica, state };
+    let row = shape(n, w).encode(&[], (&local, &peaks), Some((&neutral(n), &reduced)), &report);
+    Ok(PyBytes::new(py, &to_bytes(row)))
 }
 
 /// A row of `encode_row`, decoded: (cells as `encode_row` takes them, loss, loss scale, replica,
-/// watched words).
+/// watched words, peaks, state, reduced checksums).
 #[pyfunction]
 #[allow(clippy::type_complexity)]
 #[pyo3(name = "decode_row", signature = (row, buckets, watched=0))]
@@ -231,12 +298,37 @@ fn decode_row_py(
     row: &[u8],
     buckets: usize,
     watched: usize,
-) -> PyResult<(Vec<(f64, f64, f64, f64)>, f64, f64, u64, Vec<f64>)> {
+) -> PyResult<(Vec<(f64, f64, f64, f64)>, f64, f64, u64, Vec<f64>, Vec<Option<(f32, u64)>>, u64, Vec<u64>)> {
     let w = words(row, "health row").map_err(PyValueError::new_err)?;
-    let (local, report) = decode_row(&w, buckets, watched).map_err(PyValueError::new_err)?;
+    let p = decode_row(&w, buckets, watched).map_err(PyValueError::new_err)?;
     let cells =
-        local.iter().map(|h| (h.nan as f64, h.inf as f64, h.sumsq, h.first_bad.map_or(-1.0, |i| i as f64))).collect();
-    Ok((cells, report.loss, report.values[1], report.replica, report.values[VALUES.len()..].to_vec()))
+        p.local.iter().map(|h| (h.nan as f64, h.inf as f64, h.sumsq, h.first_bad.map_or(-1.0, |i| i as f64))).collect();
+    let r = p.report;
+    Ok((cells, r.loss, r.values[1], r.replica, r.values[VALUES.len()..].to_vec(), p.peaks, r.state, p.reduced))
+}
+
+/// The largest finite |value| of `numel` f32 at address `ptr` and its index (None for an empty
+/// buffer): the peak of a bucket for the outlier rule, by the kernels' own scan (`Peak`). The caller
+/// guarantees, as for `scan_f32`, a live contiguous float32 CPU tensor that nothing writes meanwhile.
+#[pyfunction]
+fn peak_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<Option<(f32, u64)>> {
+    if numel == 0 {
+        return Ok(None);
+    }
+    if ptr == 0 || ptr % std::mem::align_of::<f32>() != 0 {
+        return Err(PyValueError::new_err(format!(
+            "peak_f32: address {ptr:#x} is null or not aligned for f32 (hint: pass a float32 tensor's data_ptr())"
+        )));
+    }
+    let addr = ptr;
+    Ok(py.detach(move || {
+        // SAFETY: as in `scan_f32`: non-null, aligned, `numel` initialised f32 of a live tensor
+        // that nothing writes during the call; only read, and the slice does not outlive the call.
+        let x = unsafe { std::slice::from_raw_parts(addr as *const f32, numel) };
+        let mut p = Peak::default();
+        p.offer(x, 0, 0.0);
+        Some((p.value, p.at))
+    }))
 }
 
 /// Words of one rank's row over `buckets` buckets and `watched` quantities.
@@ -346,21 +438,27 @@ fn ride_rows<'py>(py: Python<'py>, ptr: usize, numel: usize, itemsize: usize) ->
     Ok(PyBytes::new(py, &bytes.map_err(PyValueError::new_err)?))
 }
 
-/// This rank's contribution to the summary, from its row (`encode_row`'s bytes): (SUM words, MAX
+/// Rank `rank`'s contribution to the summary, from its row (`encode_row`'s bytes): (SUM words, MAX
 /// words), each as little-endian int64 bytes for `torch.distributed.all_reduce` (SUM, resp. MAX with
 /// the top bit flipped, see `FLIP`).
 #[pyfunction]
-#[pyo3(signature = (row, buckets, watched=0))]
+#[pyo3(signature = (row, buckets, watched=0, rank=0))]
 fn contribute<'py>(
     py: Python<'py>,
     row: &[u8],
     buckets: usize,
     watched: usize,
+    rank: usize,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
     let w = words(row, "health row").map_err(PyValueError::new_err)?;
-    let (local, report) = decode_row(&w, buckets, watched).map_err(PyValueError::new_err)?;
-    let (health, reference) = (neutral(buckets), vec![0; buckets]);
-    let s = Summary::of_rank(&values(watched), 0, &local, Some((&health, &reference)), &report);
+    let p = decode_row(&w, buckets, watched).map_err(PyValueError::new_err)?;
+    // As the table path judges it (`decode_table`): the replica word folded, the peaks tallied.
+    let report = LocalScalars { replica: replica_word(p.report.replica, &p.reduced), ..p.report };
+    let Reduced { health, reference } = unreduced(buckets);
+    let mut s = Summary::of_rank(&values(watched), rank, &p.local, Some((&health, &reference)), &report);
+    for ((e, h), &peak) in s.extremes.iter_mut().zip(&p.local).zip(&p.peaks) {
+        e.add(rank, &BucketStat { sumsq: h.sumsq, peak });
+    }
     let max = s.max_words().into_iter().map(|x| x ^ FLIP);
     Ok((PyBytes::new(py, &to_bytes(s.sum_words())), PyBytes::new(py, &to_bytes(max))))
 }
@@ -409,17 +507,26 @@ fn summary_words(buckets: usize, watched: usize) -> (usize, usize) {
 /// What every rank concludes about one update (the same on every rank).
 #[pyclass(module = "gradbus._core", get_all)]
 struct Decision {
-    /// "proceed", "skip", "rerun", "abort", or "diverged" (the replicas' checksums differ: the
-    /// verdict was not taken and the history is unchanged).
+    /// "proceed", "skip", "rerun", "abort", "repair" (some ranks' replicas are damaged and a
+    /// healthy one, `donor`, is known: copy its state into them and recompute the update), or
+    /// "diverged" (the replicas differ and none can be told healthy: the job must stop).
     action: String,
     /// The runtime's `report.json` text (sealed: format, crc32c) when some gradient was non-finite.
     report: Option<String>,
     /// A loss or gradient-norm spike, described, when spike detection is on and flagged one.
     spike: Option<String>,
-    /// "diverged": the ranks whose replica checksum differs from rank 0's.
+    /// "repair": the damaged ranks; "diverged": every rank (none can be told healthy).
     diverged: Vec<usize>,
-    /// "diverged": every rank's replica checksum.
+    /// "repair": the rank to copy the state from.
+    donor: Option<usize>,
+    /// "repair", "diverged": every rank's replica word (its weights' checksum folded with its
+    /// reduced buckets' checksums, see `replica_word`).
     replicas: Vec<u64>,
+    /// "repair", "diverged": per damaged rank, what differs: its own finding, the reduced buckets
+    /// whose checksum differs from the donor's (or rank 0's), its weights' checksum.
+    why: Vec<String>,
+    /// The silent-data-corruption guard's finding, one line (a repair, an outlier), if any.
+    finding: Option<String>,
     /// The agreed loss scale of the update (0.0: no scaler).
     loss_scale: f64,
     /// The ranks' mean loss (the exact sum rounded once, divided by the world).
@@ -448,6 +555,9 @@ struct Agreement {
     judge: Judge,
     /// What a spike of the agreed loss or gradient norm does (detection off without `spike`).
     on_spike: OnSpike,
+    /// The silent-data-corruption guard's outlier rule on (the replica check is always on: it
+    /// judges only updates whose rows carry checksums).
+    outliers: bool,
     /// The last layout object passed in and its `Layout`: the guard passes the same list object
     /// while its buckets do not change, and it is converted once (see `layout`).
     layout: Option<(Py<PyAny>, Arc<Layout>)>,
@@ -469,8 +579,16 @@ impl Agreement {
         }
     }
 
-    /// The verdict from an agreed table (either path); records it in the history.
-    fn judge(&mut self, t: &HealthTable, layout: &Layout, step: u64, attempt: u32) -> PyResult<Decision> {
+    /// The verdict from an agreed table (either path); records it in the history. `rows`: every
+    /// rank's decoded row on the table path (empty on the summary path).
+    fn judge(
+        &mut self,
+        t: &HealthTable,
+        rows: &[RowParts],
+        layout: &Layout,
+        step: u64,
+        attempt: u32,
+    ) -> PyResult<Decision> {
         let scales = t.value("loss_scale");
         if scales.min().to_bits() != scales.max().to_bits() {
             return Err(PyRuntimeError::new_err(format!(
@@ -486,20 +604,17 @@ impl Agreement {
             report: None,
             spike: None,
             diverged: Vec::new(),
+            donor: None,
             replicas: Vec::new(),
+            why: Vec::new(),
+            finding: None,
             loss_scale: scale,
             loss: t.mean_loss(),
             grad_norm: t.value("sumsq").sum().sqrt() / world as f64 / if scale > 0.0 { scale } else { 1.0 },
             summary: !t.is_detailed(),
             watched: t.summary.names().iter().filter(|n| n.starts_with("watch:")).map(|n| t.value(n).max()).collect(),
         };
-        let diverged = t.replica_outliers();
-        if !diverged.is_empty() {
-            out.action = "diverged".into();
-            out.diverged = diverged;
-            out.replicas = t.reports.iter().map(|r| r.replica).collect();
-            return Ok(out);
-        }
+        self.checks(layout.buckets.len());
         let at = StepId { step, minibatch: 0, attempt };
         let watched = Watched { loss: out.loss, grad_norm: out.grad_norm };
         // With a loss scaler every non-finite update is an overflow of the scale.
@@ -509,12 +624,73 @@ impl Agreement {
             max_fraction: self.max_fraction,
             window: self.window,
         });
-        let (verdict, spike, _) = self.judge.judge(t, layout, &self.policy, at, watched, self.on_spike, scaler);
+        let (verdict, spike, finding) = self.judge.judge(t, layout, &self.policy, at, watched, self.on_spike, scaler);
         out.action = verdict.action.as_str().into();
         out.spike = spike;
         out.report = verdict.report.as_ref().map(gradbus_artifacts::report_text);
+        let replicas = verdict.action == Action::Repair
+            || verdict.report.as_ref().is_some_and(|r| r.cause == Cause::Replicas && verdict.action == Action::Abort);
+        if replicas {
+            // The replica rule's decision (`sdc::check_state`): the damaged ranks and the donor, or
+            // every rank when none can be told healthy.
+            let (damaged, donor) = match finding.as_ref().and_then(|f| f.repair.clone()) {
+                Some((donor, damaged)) => (damaged, Some(donor)),
+                None => ((0..world).collect(), None),
+            };
+            out.action = if donor.is_some() { "repair" } else { "diverged" }.into();
+            out.replicas = t.reports.iter().map(|r| r.replica).collect();
+            if !rows.is_empty() {
+                let other = |k: usize| donor.unwrap_or(if k == 0 { 1 % world } else { 0 });
+                out.why = damaged.iter().map(|&k| what_differs(rows, k, other(k))).collect();
+            }
+            out.diverged = damaged;
+            out.donor = donor;
+        }
+        out.finding = finding.map(|f| f.text);
         Ok(out)
     }
+
+    /// The judge's silent-data-corruption checks for `buckets` buckets: the replica check, and the
+    /// outlier rule when on. Set anew (the outlier rule's history emptied) when the bucket count
+    /// changes (DDP rebuilds its buckets once, after the first update): the same on every rank.
+    fn checks(&mut self, buckets: usize) {
+        let outliers = self.outliers.then_some((OutlierRule::default(), buckets));
+        let have = self.judge.sdc.outliers.as_ref().map(|d| (d.rule(), d.buckets()));
+        if !self.judge.sdc.replicas || have != outliers {
+            self.judge.sdc = SdcGuard::new(Checks { replicas: true, outliers });
+        }
+    }
+}
+
+/// What differs in rank `k`'s row from rank `other`'s (both decoded rows of the gathered table):
+/// its own finding (`StateFault`), the buckets whose reduced checksum differs, its weights'
+/// checksum. One line, for the report.
+fn what_differs(rows: &[RowParts], k: usize, other: usize) -> String {
+    let (r, o) = (&rows[k], &rows[other]);
+    let mut out = Vec::new();
+    let f = gradbus_collectives::StateFault::of_word(r.report.state);
+    if f.weights {
+        out.push("its weights changed after its optimizer step (its own check)".to_string());
+    }
+    if let Some(b) = f.consumed {
+        out.push(format!(
+            "its optimizer consumed a reduced bucket #{b} other than its all-reduce's result (its own check)"
+        ));
+    }
+    let buckets: Vec<String> = (0..r.reduced.len())
+        .filter(|&b| r.reduced[b] != o.reduced[b])
+        .map(|b| format!("#{b} {:016x} (rank {other}: {:016x})", r.reduced[b], o.reduced[b]))
+        .collect();
+    if !buckets.is_empty() {
+        out.push(format!("the reduced gradient it consumed differs in bucket(s) {}", buckets.join(", ")));
+    }
+    if r.report.replica != o.report.replica {
+        out.push(format!("its weights hash to {:016x} (rank {other}: {:016x})", r.report.replica, o.report.replica));
+    }
+    if out.is_empty() {
+        out.push(format!("nothing differs from rank {other}"));
+    }
+    out.join("; ")
 }
 
 #[pymethods]
@@ -522,9 +698,10 @@ impl Agreement {
     /// `policy`: "abort", "skip" (bounded by `max_consecutive` skips in a row and `max_fraction` of
     /// the last `window` updates, the runtime's defaults) or "rerun". `spike`: None, "warn" or
     /// "skip", with the runtime's `spike.window` / `spike.z_limit` defaults. `min_scale`: the loss
-    /// scale floor (an overflow at a scale at or below it aborts).
+    /// scale floor (an overflow at a scale at or below it aborts). `outliers`: the
+    /// silent-data-corruption guard's outlier rule (`sdc::OutlierRule`'s defaults) on.
     #[new]
-    #[pyo3(signature = (policy, max_consecutive=3, max_fraction=0.1, window=100, spike=None, spike_window=128, z_limit=6.0, min_scale=1.0))]
+    #[pyo3(signature = (policy, max_consecutive=3, max_fraction=0.1, window=100, spike=None, spike_window=128, z_limit=6.0, min_scale=1.0, outliers=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         policy: &str,
@@ -535,6 +712,7 @@ impl Agreement {
         spike_window: usize,
         z_limit: f64,
         min_scale: f64,
+        outliers: bool,
     ) -> PyResult<Self> {
         if !(0.0..=1.0).contains(&max_fraction) || window == 0 {
             return Err(PyValueError::new_err(format!(
@@ -571,6 +749,7 @@ impl Agreement {
             min_scale,
             judge: Judge::new(spike_window, z_limit),
             on_spike,
+            outliers,
             layout: None,
         })
     }
@@ -611,7 +790,7 @@ impl Agreement {
             return Ok(None);
         }
         let t = HealthTable::summarized(world, summary).expect("no anomaly: the reducers agree");
-        self.judge(&t, &layout, step, attempt).map(Some)
+        self.judge(&t, &[], &layout, step, attempt).map(Some)
     }
 
     /// The decision from the gathered table (`world` rows of `contribute`'s row, concatenated, as
@@ -628,8 +807,11 @@ impl Agreement {
     ) -> PyResult<Decision> {
         let layout = self.layout(layout)?;
         let w = words(table, "health table").map_err(PyValueError::new_err)?;
-        let t = decode_table(&w, world, layout.buckets.len(), watched).map_err(PyValueError::new_err)?;
-        self.judge(&t, &layout, step, attempt)
+        let buckets = layout.buckets.len();
+        let t = decode_table(&w, world, buckets, watched).map_err(PyValueError::new_err)?;
+        let n = shape(buckets, watched).len();
+        let rows = w.chunks_exact(n).map(|r| decode_row(r, buckets, watched)).collect::<Result<Vec<_>, _>>();
+        self.judge(&t, &rows.map_err(PyValueError::new_err)?, &layout, step, attempt)
     }
 
     /// Updates skipped so far.
@@ -650,6 +832,12 @@ impl Agreement {
         self.judge.history.suspects.clone()
     }
 
+    /// The silent-data-corruption guard's findings so far (repairs, undecided replicas, outliers).
+    #[getter]
+    fn detections(&self) -> u64 {
+        self.judge.sdc.detections
+    }
+
     /// Skip flags of the most recent updates, newest last.
     #[getter]
     fn recent_skips(&self) -> Vec<bool> {
@@ -666,6 +854,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CELL", CELL)?;
     m.add_function(wrap_pyfunction!(scan_f32, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(peak_f32, m)?)?;
     m.add_function(wrap_pyfunction!(encode_row, m)?)?;
     m.add_function(wrap_pyfunction!(decode_row_py, m)?)?;
     m.add_function(wrap_pyfunction!(row_words, m)?)?;

@@ -68,7 +68,7 @@ def main():
                 cells[1] = (1.0, 0.0, 2.0, 17.0)
             loss = (rng.next() / (1 << 53)) * 3.0 ** (step == 20)
             rows.append(gradbus.encode_row(cells, loss, 0.0, 0))
-        parts = [gradbus.contribute(r, len(layout)) for r in rows]
+        parts = [gradbus.contribute(r, len(layout), rank=k) for k, r in enumerate(rows)]
         s = [sum(c) for c in zip(*(struct.unpack(f"<{n_sum}q", p[0]) for p in parts))]
         s = [((x + (1 << 63)) % (1 << 64)) - (1 << 63) for x in s]  # int64 wrapping, as the collective
         m = [max(c) for c in zip(*(struct.unpack(f"<{n_max}q", p[1]) for p in parts))]

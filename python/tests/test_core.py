@@ -61,14 +61,14 @@ OK = (0.0, 0.0, 1.0, -1.0)
 LAYOUT = [[("head.weight", 40), ("head.bias", 8)], [("mid.weight", 100)]]
 
 
-def row(cells, loss=0.5, scale=0.0, replica=0):
+def row(cells, loss=0.5, scale=0.0, replica=0, peaks=None, state=0, reduced=None):
     """One rank's row as the guard builds it: the runtime's row codec (`_core.encode_row`)."""
-    return gradbus.encode_row(cells, loss, scale, replica)
+    return gradbus.encode_row(cells, loss, scale, replica, peaks=peaks, state=state, reduced=reduced)
 
 
 def allreduce(rows, buckets):
     """What the two all-reduces make of every rank's contribution: int64 SUM and MAX, as bytes."""
-    sums, maxs = zip(*(gradbus.contribute(r, buckets) for r in rows))
+    sums, maxs = zip(*(gradbus.contribute(r, buckets, rank=k) for k, r in enumerate(rows)))
     n_sum, n_max = gradbus.summary_words(buckets)
 
     def words(b, n):
@@ -99,14 +99,19 @@ def same(d, e):
 
 def test_a_row_decodes_to_what_the_guard_encoded():
     # The runtime's row codec, both ways: cells as floats (counts, sum of squares, first bad or -1),
-    # loss, loss scale, replica; 4 words and a peak word (0: the guard tallies none) per bucket, then
-    # the report (loss, 2 values, replica, state).
+    # loss, loss scale, replica, peaks, state, reduced checksums; per bucket 4 words and a peak word
+    # (0: none tallied), then the reduced part (4 neutral words and a checksum per bucket), then the
+    # report (loss, 2 values, replica, state).
     cells = [(0.0, 0.0, 1.5, -1.0), (3.0, 2.0, 0.25, 17.0)]
     r = row(cells, loss=-0.75, scale=1024.0, replica=0xFEDCBA9876543210)
-    assert len(r) == 8 * gradbus.row_words(2) == 8 * (2 * (gradbus.CELL + 1) + 5)
-    assert gradbus.decode_row(r, 2) == (cells, -0.75, 1024.0, 0xFEDCBA9876543210, [])
-    with pytest.raises(ValueError, match="health row has 15 words, expected 10 for 1 buckets and 0 watched"):
+    assert len(r) == 8 * gradbus.row_words(2) == 8 * (2 * 2 * (gradbus.CELL + 1) + 5)
+    assert gradbus.decode_row(r, 2) == (cells, -0.75, 1024.0, 0xFEDCBA9876543210, [], [None, None], 0, [0, 0])
+    r = row(cells, peaks=[(2.5, 3), None], state=2 | 1 << 8, reduced=[0xFFFFFFFFFFFFFFFF, 5])
+    assert gradbus.decode_row(r, 2)[5:] == ([(2.5, 3), None], 2 | 1 << 8, [0xFFFFFFFFFFFFFFFF, 5])
+    with pytest.raises(ValueError, match="health row has 25 words, expected 15 for 1 buckets and 0 watched"):
         gradbus.decode_row(r, 1)
+    with pytest.raises(ValueError, match="1 peaks and 2 reduced checksums for 2 buckets"):
+        row(cells, peaks=[None])
 
 
 def test_agreement_names_rank_bucket_param_and_element():
@@ -145,18 +150,79 @@ def test_the_summary_path_decides_healthy_updates_as_the_table_path_bit_for_bit(
     assert a.skipped == b.skipped and a.recent_skips == b.recent_skips
 
 
-def test_replicas_that_differ_are_named_by_the_table_and_change_no_history():
+def test_replicas_that_differ_are_judged_by_the_runtimes_replica_rule():
+    # The runtime's rule (collectives/src/sdc.rs, check_state): the majority names the damaged rank
+    # and the donor; with 2 ranks only a rank's own finding can; else nobody can be told healthy.
     a = gradbus.Agreement("abort")
     rows = [row([OK, OK], replica=0xABCDEF0123456789), row([OK, OK], replica=0xABCDEF0123456789),
             row([OK, OK], replica=0xABCDEF0123456788)]
     s, m = allreduce(rows, 2)
     assert a.decide_summary(s, m, 3, LAYOUT, 9, 0) is None, "a replica mismatch is an anomaly"
     d = a.decide_table(b"".join(rows), 3, LAYOUT, 9, 0)
-    assert (d.action, d.diverged) == ("diverged", [2])
+    assert (d.action, d.diverged, d.donor) == ("repair", [2], 0)
     assert d.replicas == [0xABCDEF0123456789, 0xABCDEF0123456789, 0xABCDEF0123456788]
-    assert a.recent_skips == [], "no verdict recorded"
+    assert "its weights hash to abcdef0123456788 (rank 0: abcdef0123456789)" in d.why[0], d.why
+    assert a.recent_skips == [] and a.detections == 1, "a repair is no verdict of the history"
     same_rows = [row([OK, OK], replica=7)] * 3
-    assert a.decide_summary(*allreduce(same_rows, 2), 3, LAYOUT, 9, 0).action == "proceed"
+    assert a.decide_summary(*allreduce(same_rows, 2), 3, LAYOUT, 10, 0).action == "proceed"
+    # 2 ranks: undecided, unless a rank found its own weights changed (StateFault.weights, bit 0).
+    two = [row([OK, OK], replica=5), row([OK, OK], replica=6)]
+    d = a.decide_table(b"".join(two), 2, LAYOUT, 11, 0)
+    assert (d.action, d.diverged, d.donor) == ("diverged", [0, 1], None)
+    two[1] = row([OK, OK], replica=6, state=1)
+    d = a.decide_table(b"".join(two), 2, LAYOUT, 12, 0)
+    assert (d.action, d.diverged, d.donor) == ("repair", [1], 0)
+    assert "its weights changed after its optimizer step (its own check)" in d.why[0], d.why
+
+
+def test_reduced_checksums_are_compared_across_ranks_and_name_the_bucket():
+    # Each rank's checksums of the reduced buckets its optimizer consumed (previous update) ride its
+    # row; they fold into the replica word the runtime's rule judges, on both paths.
+    a, b = gradbus.Agreement("abort"), gradbus.Agreement("abort")
+    rows = [row([OK, OK], reduced=[11, 22]) for _ in range(3)]
+    d, t = both(a, b, rows)
+    assert d.action == t.action == "proceed" and d.summary
+    rows[1] = row([OK, OK], reduced=[11, 23])
+    d, t = both(a, b, rows, step=1)
+    assert same(d, t) and (d.action, d.diverged, d.donor) == ("repair", [1], 0)
+    assert "differs in bucket(s) #1 0000000000000017 (rank 0: 0000000000000016)" in d.why[0], d.why
+    # 2 ranks: its own finding (StateFault.consumed: bit 1, bucket from bit 8) names it.
+    two = [row([OK, OK], reduced=[11, 22]), row([OK, OK], reduced=[11, 23], state=2 | 1 << 8)]
+    d = a.decide_table(b"".join(two), 2, LAYOUT, 2, 0)
+    assert (d.action, d.diverged, d.donor) == ("repair", [1], 0)
+    assert "consumed a reduced bucket #1 other than its all-reduce's result" in d.why[0], d.why
+
+
+def test_the_outlier_rule_is_the_runtimes_and_reruns_then_judges():
+    # outliers=True: the runtime's outlier rule (sdc::OutlierDetector) on the rows' sums of squares
+    # and peaks. 4 healthy updates of history, then one element of 2^20 on rank 1 in bucket #1.
+    def rows(big=False):
+        c = (0.0, 0.0, 2.0 ** 40 + 1.0, -1.0) if big else (0.0, 0.0, 1.0, -1.0)
+        p = (2.0 ** 20, 70) if big else (0.1, 3)
+        return [row([OK, OK], peaks=[(0.1, 1), (0.1, 3)]), row([OK, c], peaks=[(0.1, 1), p])]
+    for paths in ("table", "summary"):
+        a = gradbus.Agreement("skip", outliers=True)
+
+        def decide(r, step, attempt):
+            if paths == "table":
+                return a.decide_table(b"".join(r), 2, LAYOUT, step, attempt)
+            return a.decide_summary(*allreduce(r, 2), 2, LAYOUT, step, attempt) or a.decide_table(b"".join(r), 2, LAYOUT, step, attempt)
+        assert [decide(rows(), s, 0).action for s in range(4)] == ["proceed"] * 4
+        d = decide(rows(True), 4, 0)
+        assert d.action == "rerun" and "rank 1 bucket #1" in d.finding, d.finding
+        # Transient: the rerun is clean: proceed, rank 1 suspect.
+        d = decide(rows(), 4, 1)
+        r = json.loads(d.report)
+        assert (d.action, r["cause"], r["classification"], a.suspects) == ("proceed", "outlier", "transient", [1])
+        # Deterministic: again on the rerun: the policy (skip), the report names rank, bucket, element.
+        assert decide(rows(True), 5, 0).action == "rerun"
+        d = decide(rows(True), 5, 1)
+        r = json.loads(d.report)
+        assert (d.action, r["cause"], r["ranks"], r["bucket"], r["param"], r["element"]) == ("skip", "outlier", [1], 1, "mid.weight", 70)
+        assert a.detections == 2, "one per update found (its rerun is no second finding)"
+    # Off by default: the same rows proceed.
+    a = gradbus.Agreement("skip")
+    assert [a.decide_table(b"".join(rows(s == 4)), 2, LAYOUT, s, 0).action for s in range(5)] == ["proceed"] * 5
 
 
 def test_with_a_loss_scale_overflows_skip_until_the_floor_or_the_budget():
@@ -189,7 +255,7 @@ def test_ranks_with_different_loss_scales_stop_with_a_hint():
 
 def test_agreement_rejects_a_table_of_the_wrong_shape_and_bad_counts():
     a = gradbus.Agreement("skip")
-    with pytest.raises(ValueError, match="expected 2 ranks x 15 words \\(2 buckets, 0 watched\\)"):
+    with pytest.raises(ValueError, match="expected 2 ranks x 25 words \\(2 buckets, 0 watched\\)"):
         a.decide_table(bytes(8 * 9), 2, LAYOUT, 0, 0)
     with pytest.raises(ValueError, match="bucket #1: nan is -1"):
         row([OK, (-1.0, 0.0, 0.0, -1.0)])
@@ -306,7 +372,8 @@ def test_guarded_optimizer_runs_the_gradscaler_as_a_plain_script_would():
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
 
     class Stand:
-        pass
+        def stepped(self):
+            self.steps = getattr(self, "steps", 0) + 1
 
     guard = Stand()
     guard.scaler = scaler
@@ -324,6 +391,7 @@ def test_guarded_optimizer_runs_the_gradscaler_as_a_plain_script_would():
     backward(1.0)
     step("proceed", None, None, 0, 0, 8.0, 0.0)
     assert torch.equal(w.detach(), torch.full((4,), 0.9)) and scaler.get_scale() == 16.0
+    assert guard.steps == 1, "the guard hears of the step (the replica check's own check)"
     # a spike skip after the script's own unscale_ (for clipping): no step, the scale kept, and the
     # scaler ready for the next iteration (else the next step would reuse this unscale_'s finding)
     backward(1.0)
@@ -334,6 +402,7 @@ def test_guarded_optimizer_runs_the_gradscaler_as_a_plain_script_would():
     backward(float("inf"))
     v = step("skip", {"classification": "loss-scale"}, None, 2, 0, 16.0, 0.0)
     assert v.overflow and torch.equal(w.detach(), torch.full((4,), 0.9)) and scaler.get_scale() == 8.0
+    assert guard.steps == 2, "not after the spike skip; after the overflow's scaler.step (which changed nothing)"
     # a verdict the scaler contradicts is an error, not a silent difference
     backward(float("inf"))
     with pytest.raises(RuntimeError, match="disagree"):

@@ -99,7 +99,7 @@ def test_watched_words_agree_on_both_paths():
     assert [_core.unranked(x) for x in d.watched] == [_core.unranked(x) for x in t.watched] == [(44.25, 1)]
     # Decoded rows carry the words back.
     assert Row.decode(rs[1], 1, 1).watched == [_core.ranked(44.25, 1)]
-    with pytest.raises(ValueError, match="has 22 words, expected 2 ranks x 10 words \\(1 buckets, 0 watched\\) = 20"):
+    with pytest.raises(ValueError, match="has 32 words, expected 2 ranks x 15 words \\(1 buckets, 0 watched\\) = 30"):
         _core.Agreement("abort").decide_table(b"".join(rs), 2, LAYOUT, 0, 0, 0)
 
 
