@@ -307,6 +307,43 @@ fn decode_row_py(
     Ok((cells, r.loss, r.values[1], r.replica, r.values[VALUES.len()..].to_vec(), p.peaks, r.state, p.reduced))
 }
 
+/// `replica_checksum`'s fold (python/gradbus/guard.py) over float32 CPU tensors given as
+/// (address, numel) pairs, in one call: each hashed by the runtime's replica checksum
+/// (`checksum_f32`), the hashes folded in order as the Python loop folds them (the same bits), with
+/// the GIL released. The caller guarantees, for every pair, what `checksum_f32` needs: a live
+/// contiguous float32 CPU tensor (or a contiguous part of one) that it keeps referenced for the
+/// call and that nothing writes meanwhile.
+#[pyfunction]
+fn checksum_f32_fold(py: Python<'_>, ptrs: Vec<usize>, numels: Vec<usize>) -> PyResult<u64> {
+    if ptrs.len() != numels.len() {
+        return Err(PyValueError::new_err(format!(
+            "checksum_f32_fold: {} addresses and {} lengths",
+            ptrs.len(),
+            numels.len()
+        )));
+    }
+    if let Some((&p, _)) =
+        ptrs.iter().zip(&numels).find(|(&p, &n)| n > 0 && (p == 0 || p % std::mem::align_of::<f32>() != 0))
+    {
+        return Err(PyValueError::new_err(format!(
+            "checksum_f32_fold: address {p:#x} is null or not aligned for f32 (hint: pass float32 tensors' data_ptr())"
+        )));
+    }
+    Ok(py.detach(move || {
+        ptrs.iter().zip(&numels).fold(0u64, |h, (&addr, &numel)| {
+            let mut c = Checksum::new();
+            if numel > 0 {
+                // SAFETY: `addr` is non-null and f32-aligned (checked above); the caller guarantees
+                // `numel` initialised f32 of a live tensor that it keeps referenced for this call
+                // and that nothing writes meanwhile. Only read; does not outlive the call.
+                c.update(unsafe { std::slice::from_raw_parts(addr as *const f32, numel) });
+            }
+            let h = (h ^ c.finish()).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            h ^ (h >> 31)
+        })
+    }))
+}
+
 /// The largest finite |value| of `numel` f32 at address `ptr` and its index (None for an empty
 /// buffer): the peak of a bucket for the outlier rule, by the kernels' own scan (`Peak`). The caller
 /// guarantees, as for `scan_f32`, a live contiguous float32 CPU tensor that nothing writes meanwhile.
@@ -854,6 +891,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CELL", CELL)?;
     m.add_function(wrap_pyfunction!(scan_f32, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum_f32_fold, m)?)?;
     m.add_function(wrap_pyfunction!(peak_f32, m)?)?;
     m.add_function(wrap_pyfunction!(encode_row, m)?)?;
     m.add_function(wrap_pyfunction!(decode_row_py, m)?)?;

@@ -361,6 +361,17 @@ def test_replica_checksums_change_with_any_one_element_and_only_with_the_bits():
     swapped = [w[0].flip(0)] + w[1:]
     assert replica_checksum(swapped) != base, "positions count, not just the values"
     assert replica_checksum([w[0].view(10, 100).t()] + w[1:]) == replica_checksum([w[0].view(10, 100).t().contiguous()] + w[1:])
+    # float32 CPU tensors only: one native call (checksum_f32_fold), the same bits as the loop's fold
+    # (taken by a non-contiguous tensor), and as folding checksum_f32 by hand.
+    f = [w[0], torch.randn(37, 5, generator=g), torch.zeros(0), torch.randn(3, generator=g)]
+    h = 0
+    for t in f:
+        h = (h ^ gradbus.checksum_f32(t.data_ptr(), t.numel())) * 0xBF58476D1CE4E5B9 & ((1 << 64) - 1)
+        h ^= h >> 31
+    assert replica_checksum(f) == h == replica_checksum([f[0], f[1].t().contiguous().t()] + f[2:])
+    assert not f[1].t().contiguous().t().is_contiguous()
+    with pytest.raises(ValueError, match="not aligned"):
+        gradbus._core.checksum_f32_fold([f[0].data_ptr() + 1], [4])
 
 
 def test_guarded_optimizer_runs_the_gradscaler_as_a_plain_script_would():
