@@ -151,3 +151,62 @@ impl Judge {
         found
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verdict::tests::{layout, table};
+
+    const WATCHED: Watched = Watched { loss: 0.5, grad_norm: 1.0 };
+
+    fn at(minibatch: u32) -> StepId {
+        StepId { step: 3, minibatch, attempt: 0 }
+    }
+
+    fn scale(scale: f64) -> Option<LossScale> {
+        Some(LossScale { scale, floor: 1.0, max_fraction: 0.5, window: 4 })
+    }
+
+    /// With a loss scaler, a non-finite update is the scaler's overflow: skipped (classification
+    /// loss-scale, whatever the policy) above the floor, an abort at it; past the skip budget,
+    /// decide's abort; a finite update proceeds with no report.
+    #[test]
+    fn a_loss_scalers_overflow_is_skipped_above_the_floor_and_aborts_at_it() {
+        let (layout, abort) = (layout(), Policy::Abort);
+        let nan = table(&[(1, 0, 5, true)]);
+        let mut j = Judge::new(16, 6.0);
+
+        let (v, spike, finding) = j.judge(&table(&[]), &layout, &abort, at(0), WATCHED, OnSpike::Off, scale(1024.0));
+        assert_eq!((v.action, v.report.is_none(), spike, finding.is_none()), (Action::Proceed, true, None, true));
+
+        let (v, ..) = j.judge(&nan, &layout, &abort, at(1), WATCHED, OnSpike::Off, scale(1024.0));
+        assert_eq!(v.action, Action::Skip, "an overflow above the floor is the scaler's skip, not the policy's abort");
+        let r = v.report.expect("a non-finite update has its report");
+        assert_eq!(
+            (r.verdict, r.classification, r.ranks.clone()),
+            (Action::Skip, Some(Classification::LossScale), vec![1])
+        );
+
+        let (v, ..) = j.judge(&nan, &layout, &abort, at(2), WATCHED, OnSpike::Off, scale(1.0));
+        assert_eq!(v.action, Action::Abort, "an overflow at the floor aborts");
+        let r = v.report.expect("report");
+        assert_eq!((r.verdict, r.classification), (Action::Abort, Some(Classification::LossScale)));
+
+        // The budget: 2 skips in a window of 4 (max_fraction 0.5); the third overflow aborts.
+        let mut j = Judge::new(16, 6.0);
+        let actions: Vec<Action> = (0..3)
+            .map(|m| j.judge(&nan, &layout, &abort, at(m), WATCHED, OnSpike::Off, scale(1024.0)).0.action)
+            .collect();
+        assert_eq!(actions, [Action::Skip, Action::Skip, Action::Abort]);
+    }
+
+    /// Without a scaler the policy decides: the same overflow aborts under Policy::Abort.
+    #[test]
+    fn without_a_scaler_the_policy_decides() {
+        let mut j = Judge::new(16, 6.0);
+        let (v, ..) =
+            j.judge(&table(&[(0, 2, 1, false)]), &layout(), &Policy::Abort, at(0), WATCHED, OnSpike::Off, None);
+        let r = v.report.expect("report");
+        assert_eq!((v.action, r.classification == Some(Classification::LossScale)), (Action::Abort, false));
+    }
+}

@@ -556,18 +556,18 @@ fn suspects(fp: &[(u64, u64, Option<u64>)], world: usize) -> Vec<usize> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::agreement::tests::{allreduce, names, random_rows};
     use crate::layout::ParamSpec;
     use gradbus_kernels::rng::Rng;
 
-    fn layout() -> Layout {
+    pub(crate) fn layout() -> Layout {
         Layout::new(&[ParamSpec::new("w0", 40), ParamSpec::new("w1", 20), ParamSpec::new("head", 10)], 0)
     }
 
     /// A table for 3 ranks over `layout()`, with `bad = (rank, bucket, offset in bucket, nan?)` planted.
-    fn table(bad: &[(usize, usize, u64, bool)]) -> HealthTable {
+    pub(crate) fn table(bad: &[(usize, usize, u64, bool)]) -> HealthTable {
         let (world, buckets) = (3, 3);
         let mut local = vec![Health { sumsq: 1.0, ..Health::default() }; world * buckets];
         for &(r, b, off, nan) in bad {
