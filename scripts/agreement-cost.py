@@ -14,8 +14,10 @@ prints:
   3. the measured and the modelled crossover per bucket count: the smallest world size measured
      (for the model with the fitted constants: of 1..65536) where the summary path is cheaper;
   4. the model at the sizes of issue 18 (8 to 16k ranks).
-The rows' value count (the "values" field: the worker's workload values) sizes the row and the
-summary. The model (recursive doubling, one exchange per doubling, r = ceil(log2 W)):
+The row's and the summary's sizes are read off the rows themselves (`row_bytes`, `summary_bytes`:
+the binary's own codec, collectives/src/wire.rs and agreement/codec.rs), as lines in the bucket
+count through the measured bucket counts (at least two), so that this script holds no copy of the
+codec's layout. The model (recursive doubling, one exchange per doubling, r = ceil(log2 W)):
   table path:   T = r alpha + (W - 1) row beta + W row cpu_table         (one MPI_Allgather)
   summary path: T = 2 r alpha + r S beta + S cpu_summary                 (two MPI_Allreduce)
 """
@@ -23,27 +25,41 @@ import json
 import math
 import sys
 
-LIMBS = 68  # ExactSum::WORDS (67 limbs + the count of terms other than -0.0)
+class Sizes:
+    """Bytes of a rank's row and of the summary as lines in the bucket count b, through the rows'
+    own `row_bytes` and `summary_bytes` (one value count per input): exact, since the codec gives
+    every bucket the same words; checked on every row."""
 
+    def __init__(self, rows):
+        by_b = {r["buckets"]: (r["row_bytes"], r["summary_bytes"]) for r in rows}
+        if len(by_b) < 2:
+            sys.exit("agreement-cost: rows of at least two bucket counts are needed (hint: --buckets 7,100)")
+        (b0, (r0, s0)), (b1, (r1, s1)) = sorted(by_b.items())[0], sorted(by_b.items())[-1]
+        self.row = (r0, (r1 - r0) / (b1 - b0), b0)
+        self.summary = (s0, (s1 - s0) / (b1 - b0), b0)
+        for r in rows:
+            assert (r["row_bytes"], r["summary_bytes"]) == (self.row_bytes(r["buckets"]), self.summary_bytes(r["buckets"])), r
 
-def row_bytes(b, v):
-    """A rank's row with v workload values (LocalScalars::words(v) = 2 + v)."""
-    return 8 * (2 + 8 * b + 2 + v)
+    @staticmethod
+    def _at(line, b):
+        base, per, b0 = line
+        return round(base + per * (b - b0))
 
+    def row_bytes(self, b):
+        return self._at(self.row, b)
 
-def summary_bytes(b, v):
-    stats = 1 + v  # the loss and the workload values
-    return 8 * ((2 * b + stats * (3 + LIMBS)) + (8 * b + 4 + 2 * stats))
+    def summary_bytes(self, b):
+        return self._at(self.summary, b)
 
 
 def rounds(w):
     return math.ceil(math.log2(w)) if w > 1 else 0
 
 
-def model(w, b, v, k):
+def model(w, b, k):
     """(table us, summary us) for constants k = (alpha, beta, cpu_table, cpu_summary), per byte."""
     alpha, beta, ct, cs = k
-    r, row, s = rounds(w), row_bytes(b, v), summary_bytes(b, v)
+    r, row, s = rounds(w), sizes.row_bytes(b), sizes.summary_bytes(b)
     return r * alpha + (w - 1) * row * beta + w * row * ct, 2 * r * alpha + r * s * beta + s * cs
 
 
@@ -69,12 +85,11 @@ rows = sorted(best.values(), key=lambda r: (r["world"], r["buckets"]))
 values = {r["values"] for r in rows}
 assert len(values) == 1, f"runs with different value counts: {sorted(values)}"
 v = values.pop()
-for r in rows:
-    assert r["row_bytes"] == row_bytes(r["buckets"], v) and r["summary_bytes"] == summary_bytes(r["buckets"], v), r
+sizes = Sizes(rows)
 # Two-point calibration on the 2-rank bare all-gathers (one exchange each): alpha from the smallest
 # row, beta from the slope to the largest.
 two = sorted((r for r in rows if r["world"] == 2), key=lambda r: r["buckets"])
-small, large = row_bytes(two[0]["buckets"], v), row_bytes(two[-1]["buckets"], v)
+small, large = two[0]["row_bytes"], two[-1]["row_bytes"]
 beta = (two[-1]["allgather_us"] - two[0]["allgather_us"]) / (large - small)
 alpha = two[0]["allgather_us"] - small * beta
 cpu_table = through_origin([r["table_bytes"] for r in rows], [r["table_cpu_us"] for r in rows])
@@ -104,13 +119,14 @@ for b in sorted(by_buckets):
     cheaper = [r["world"] for r in measured if r["summary_us"] < r["table_us"]]
     worlds = ", ".join(str(r["world"]) for r in measured)
     mtxt = f"{cheaper[0]} (measured {worlds})" if cheaper else f"none (measured {worlds})"
-    w = next((w for w in range(1, 65537) if model(w, b, v, fitted)[1] < model(w, b, v, fitted)[0]), None)
+    w = next((w for w in range(1, 65537) if model(w, b, fitted)[1] < model(w, b, fitted)[0]), None)
     print(f"| {b} | {mtxt} | {w} |")
 print()
 print("| world | buckets | table row B | table: bytes into each rank | summary B | summary: bytes into each rank "
       "| exchanges table / summary | model us table / summary (constants fitted above) |")
 print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for w, b in [(8, 7), (1024, 100), (1024, 1750), (16384, 100), (16384, 1750)]:
-    t, s = model(w, b, v, fitted)
-    print(f"| {w} | {b} | {row_bytes(b, v)} | {(w - 1) * row_bytes(b, v):,} | {summary_bytes(b, v):,} "
-          f"| {rounds(w) * summary_bytes(b, v):,} | {rounds(w)} / {2 * rounds(w)} | {t:,.0f} / {s:,.0f} |")
+    t, s = model(w, b, fitted)
+    rb, sb = sizes.row_bytes(b), sizes.summary_bytes(b)
+    print(f"| {w} | {b} | {rb} | {(w - 1) * rb:,} | {sb:,} "
+          f"| {rounds(w) * sb:,} | {rounds(w)} / {2 * rounds(w)} | {t:,.0f} / {s:,.0f} |")
