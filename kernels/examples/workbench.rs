@@ -32,7 +32,7 @@
 //! weights read back and hashed (the replica checksum, a pass of its own), the optimizer's scaling
 //! pass that hashes what it reads (`scale_and_checksum` against `scale`), and this rank's half of
 //! the bucket reduce with each source's peak and the checksum of its chunk of the sum
-//! (`reduce_with_peaks` + `checksum` against `reduce_in_place`).
+//! (`reduce_with_peaks`, which hashes the sum as it writes it, against `reduce_in_place`).
 //!
 //! `simd`: the path the kernels take here and every level this CPU runs (one line each), for scripts
 //! to print beside their numbers.
@@ -175,9 +175,15 @@ fn bench_sdc(sizes: &[usize]) {
             }));
             t_reduce_sdc = t_reduce_sdc.min(best(1, iters, || {
                 fresh(&mut a, &mut b);
-                let (mut tally, mut peaks) = ([Health::default(); 2], [Peak::default(); 2]);
-                black_box(reduce_with_peaks(&mut [&mut a[..], &mut b[..]], &mut tally, &mut peaks, None));
-                black_box(checksum(black_box(&a)));
+                let (mut tally, mut peaks, mut hash) = ([Health::default(); 2], [Peak::default(); 2], Checksum::new());
+                black_box(reduce_with_peaks(
+                    &mut [&mut a[..], &mut b[..]],
+                    &mut tally,
+                    &mut peaks,
+                    None,
+                    Some(&mut hash),
+                ));
+                black_box(hash.finish());
             }));
         }
         let (t_reduce, t_reduce_sdc) = (t_reduce - t_copy, t_reduce_sdc - t_copy);

@@ -61,6 +61,25 @@ impl Checksum {
         }
     }
 
+    /// Absorb the next piece of the buffer as read, and scale it (`x *= s`, element by element, bit
+    /// for bit `ops::scale`): one pass, each word hashed and scaled while in a register.
+    pub fn update_and_scale(&mut self, x: &mut [f32], s: f32) {
+        let head = ((LANES - (self.len as usize % LANES)) % LANES).min(x.len());
+        let (first, rest) = x.split_at_mut(head);
+        for v in first {
+            self.word(*v);
+            *v *= s;
+        }
+        let whole = rest.len() - rest.len() % LANES;
+        let (body, tail) = rest.split_at_mut(whole);
+        lanes::absorb_and_scale(&mut self.lanes, body, s);
+        self.len += whole as u64;
+        for v in tail {
+            self.word(*v);
+            *v *= s;
+        }
+    }
+
     #[inline]
     fn word(&mut self, v: f32) {
         let l = &mut self.lanes[self.len as usize % LANES];
@@ -81,13 +100,9 @@ pub fn checksum(x: &[f32]) -> u64 {
     c.finish()
 }
 
-/// Words scaled per step of [`scale_and_checksum`]: each piece is hashed, then scaled, while it is
-/// in cache (the AdamW pass hashes pieces of the same size).
-const PIECE: usize = 8192;
-
 /// `x *= s` element by element (bitwise `ops::scale`), returning for each of `ranges` (which tile
 /// `x`, in order) the replica checksum of that range of `x` as it was read: one pass over memory,
-/// each piece hashed and then scaled while in cache.
+/// each word hashed and scaled in one loop ([`Checksum::update_and_scale`]).
 ///
 /// # Panics
 /// When the ranges do not tile `x` (a program bug).
@@ -100,11 +115,7 @@ pub fn scale_and_checksum(x: &mut [f32], s: f32, ranges: &[std::ops::Range<usize
         .iter()
         .map(|r| {
             let mut c = Checksum::new();
-            for piece in x[r.clone()].chunks_mut(PIECE) {
-                c.update(piece);
-                // `ops::scale`'s loop, bit for bit (ops imports this module: no import back).
-                piece.iter_mut().for_each(|v| *v *= s);
-            }
+            c.update_and_scale(&mut x[r.clone()], s);
             c.finish()
         })
         .collect()
@@ -154,5 +165,25 @@ mod lanes {
     pub fn absorb(lanes: &mut [u32; LANES], x: &[f32]) {
         debug_assert_eq!(x.len() % LANES, 0);
         simd_dispatch!(body(lanes: &mut [u32; LANES], x: &[f32]))
+    }
+
+    /// `body` that also scales each word after hashing it (`ops::scale`'s `*v *= s`, bit for bit:
+    /// ops imports this module, no import back). x: (k * LANES).
+    #[inline(always)]
+    fn scale_body(lanes: &mut [u32; LANES], x: &mut [f32], s: f32) {
+        let mut acc = *lanes;
+        for c in x.chunks_exact_mut(LANES) {
+            let c: &mut [f32; LANES] = c.try_into().expect("a whole chunk");
+            for l in 0..LANES {
+                acc[l] = (acc[l] ^ c[l].to_bits()).wrapping_mul(FNV_PRIME);
+                c[l] *= s;
+            }
+        }
+        *lanes = acc;
+    }
+
+    pub fn absorb_and_scale(lanes: &mut [u32; LANES], x: &mut [f32], s: f32) {
+        debug_assert_eq!(x.len() % LANES, 0);
+        simd_dispatch!(scale_body(lanes: &mut [u32; LANES], x: &mut [f32], s: f32))
     }
 }

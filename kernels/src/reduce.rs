@@ -33,6 +33,7 @@
 //! (a block is a 4 KiB page, where the hardware prefetcher stops), and `reduce_plain`, the bus's
 //! unvalidated reduce, is the same loop less the squares: what validation costs is the squares.
 
+use crate::checksum::Checksum;
 use crate::health::{scan_block, Health, Peak, BLOCK};
 
 /// Rank-ordered in-place all-reduce of `slots` (all the same length). `tally[k]` receives the health
@@ -41,20 +42,23 @@ use crate::health::{scan_block, Health, Peak, BLOCK};
 /// Panics if the slots differ in length or `tally.len() != slots.len()`: callers build both from one
 /// layout, so a mismatch is a bug, not an input error.
 pub fn reduce_in_place(slots: &mut [&mut [f32]], tally: &mut [Health]) -> Health {
-    reduce::<true>(slots, tally, &mut [], None, fused::available())
+    reduce::<true>(slots, tally, &mut [], None, fused::available(), None)
 }
 
 /// `reduce_in_place` (`to = None`) or `reduce_to_one` (`Some(root)`) that also tallies each source's
 /// `Peak` into `peaks[k]` (one per slot, or none at all: no peaks; indices relative to the slices'
-/// start): the same sum and tallies, bit for bit, from the same pass.
+/// start) and, given `hash`, absorbs the sum into it as written (block by block while in cache: the
+/// same value as `checksum` of the written sum): the same sum and tallies, bit for bit, from the
+/// same pass.
 pub fn reduce_with_peaks(
     slots: &mut [&mut [f32]],
     tally: &mut [Health],
     peaks: &mut [Peak],
     to: Option<usize>,
+    hash: Option<&mut Checksum>,
 ) -> Health {
     assert!(peaks.is_empty() || peaks.len() == slots.len(), "one peak per slot, or none");
-    reduce::<true>(slots, tally, peaks, to, fused::available())
+    reduce::<true>(slots, tally, peaks, to, fused::available(), hash)
 }
 
 /// `reduce_in_place` that writes the sum into `slots[root]` only (the other slots keep their
@@ -62,27 +66,28 @@ pub fn reduce_with_peaks(
 /// leave a node's sum in its leader's slot.
 pub fn reduce_to_one(slots: &mut [&mut [f32]], tally: &mut [Health], root: usize) -> Health {
     assert!(root < slots.len(), "root {root} of {} slots", slots.len());
-    reduce::<true>(slots, tally, &mut [], Some(root), fused::available())
+    reduce::<true>(slots, tally, &mut [], Some(root), fused::available(), None)
 }
 
 /// `reduce_in_place` without the tallies: the same sum, bit for bit, by the same loop less the
 /// squares. The bus's unvalidated reduce, so that what validation costs is measured against the
 /// same adds, loads and prefetches.
 pub fn reduce_plain(slots: &mut [&mut [f32]]) {
-    reduce::<false>(slots, &mut [], &mut [], None, fused::available());
+    reduce::<false>(slots, &mut [], &mut [], None, fused::available(), None);
 }
 
 /// The one reduce loop: every slot (`to = None`) or one slot (`Some(root)`) receives the sum.
 /// `fused` (only where `fused::available()`) takes the fused add-and-square passes; `VALIDATE` =
 /// false leaves out the squares and the tallies (`reduce_plain`: `tally` is empty, the result
 /// `Health::default()`). `peaks`: empty, or one per slot (each source's `Peak`, offered every block
-/// before the sum overwrites it).
+/// before the sum overwrites it). `hash`: absorbs each block of the sum as it is written.
 fn reduce<const VALIDATE: bool>(
     slots: &mut [&mut [f32]],
     tally: &mut [Health],
     peaks: &mut [Peak],
     to: Option<usize>,
     fused: bool,
+    mut hash: Option<&mut Checksum>,
 ) -> Health {
     assert_eq!(if VALIDATE { slots.len() } else { 0 }, tally.len(), "one tally per slot");
     let Some(len) = slots.first().map(|s| s.len()) else {
@@ -133,6 +138,9 @@ fn reduce<const VALIDATE: bool>(
                 }
                 sum.merge(&scan_block(acc), lo as u64);
             }
+        }
+        if let Some(c) = hash.as_deref_mut() {
+            c.update(acc);
         }
         match to {
             None => slots.iter_mut().for_each(|slot| slot[lo..hi].copy_from_slice(acc)),
@@ -513,14 +521,16 @@ mod tests {
         srcs
     }
 
-    /// Slots after, tallies, peaks and sum health of one reduce.
-    fn run(srcs: &[Vec<f32>], to: Option<usize>, fused: bool) -> (Vec<Vec<f32>>, Vec<Health>, Vec<Peak>, Health) {
+    /// Slots after, tallies, peaks, sum health and the sum's checksum (as absorbed) of one reduce.
+    #[allow(clippy::type_complexity)]
+    fn run(srcs: &[Vec<f32>], to: Option<usize>, fused: bool) -> (Vec<Vec<f32>>, Vec<Health>, Vec<Peak>, Health, u64) {
         let mut slots = srcs.to_vec();
         let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(|v| v.as_mut_slice()).collect();
         let mut tally = vec![Health::default(); srcs.len()];
         let mut peaks = vec![Peak::default(); srcs.len()];
-        let sum = reduce::<true>(&mut refs, &mut tally, &mut peaks, to, fused);
-        (slots, tally, peaks, sum)
+        let mut hash = Checksum::new();
+        let sum = reduce::<true>(&mut refs, &mut tally, &mut peaks, to, fused, Some(&mut hash));
+        (slots, tally, peaks, sum, hash.finish())
     }
 
     /// The peak by its definition: the first block with the largest sum of squares (`scan_block`'s),
@@ -548,7 +558,7 @@ mod tests {
     fn run_plain(srcs: &[Vec<f32>], fused: bool) -> Vec<Vec<f32>> {
         let mut slots = srcs.to_vec();
         let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(|v| v.as_mut_slice()).collect();
-        reduce::<false>(&mut refs, &mut [], &mut [], None, fused);
+        reduce::<false>(&mut refs, &mut [], &mut [], None, fused, None);
         slots
     }
 
@@ -566,7 +576,8 @@ mod tests {
     fn check(srcs: &[Vec<f32>], to: Option<usize>, what: &str) {
         let views: Vec<&[f32]> = srcs.iter().map(|v| v.as_slice()).collect();
         let want = reference::rank_ordered_sum(&views);
-        let (slots, tally, peaks, sum) = run(srcs, to, false);
+        let (slots, tally, peaks, sum, hash) = run(srcs, to, false);
+        assert_eq!(hash, reference::checksum(&want), "{what}: the sum's checksum");
         for (k, p) in peaks.iter().enumerate() {
             assert_eq!(
                 (p.value.to_bits(), p.at),
@@ -593,7 +604,8 @@ mod tests {
             if to.is_none() {
                 assert_eq!(value_bits(&run_plain(srcs, true)), value_bits(&slots), "{what}: fused plain values");
             }
-            let (fslots, ftally, fpeaks, fsum) = run(srcs, to, true);
+            let (fslots, ftally, fpeaks, fsum, fhash) = run(srcs, to, true);
+            assert_eq!(fhash, hash, "{what}: fused sum's checksum");
             assert_eq!(value_bits(&fslots), value_bits(&slots), "{what}: fused values");
             assert_eq!(fpeaks, peaks, "{what}: fused peaks");
             for (k, (f, u)) in ftally.iter().zip(&tally).enumerate() {
@@ -674,7 +686,7 @@ mod tests {
         let mut srcs = vec![vec![0.25f32; 3000]; 2];
         srcs[0][1500] = f32::MAX;
         srcs[1][1500] = f32::MAX;
-        let (slots, tally, _, sum) = run(&srcs, None, fused::available());
+        let (slots, tally, _, sum, _) = run(&srcs, None, fused::available());
         assert_eq!(slots[0][1500], f32::INFINITY);
         assert_eq!((sum.nan, sum.inf, sum.first_bad), (0, 1, Some(1500)));
         for (k, t) in tally.iter().enumerate() {

@@ -161,7 +161,7 @@ fn checksum_sees_every_single_word_change_and_the_length() {
 
 #[test]
 fn scale_and_checksum_hashes_each_range_as_read_and_scales_like_scale() {
-    use gradbus_kernels::checksum::{checksum, combine, scale_and_checksum};
+    use gradbus_kernels::checksum::{checksum, combine, scale_and_checksum, Checksum};
     let mut rng = Rng::new(&[29, 1]);
     for &n in &[0, 1, 15, 100, 8192, 8193, 40_003] {
         let x = gradients(&mut rng, n, true);
@@ -175,10 +175,21 @@ fn scale_and_checksum_hashes_each_range_as_read_and_scales_like_scale() {
         let got = scale_and_checksum(&mut scaled, s, &ranges);
         let want: Vec<u64> = ranges.iter().map(|r| checksum(&x[r.clone()])).collect();
         assert_eq!(got, want, "n={n}: the checksum of each range as it was read");
+        let twin: Vec<u64> = ranges.iter().map(|r| reference::checksum(&x[r.clone()])).collect();
+        assert_eq!(got, twin, "n={n}: the twin's checksum of each range");
         let mut plain = x.clone();
         gradbus_kernels::ops::scale(&mut plain, s);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&scaled), bits(&plain), "n={n}: scaled as ops::scale scales");
+        let naive: Vec<f32> = x.iter().map(|v| v * s).collect();
+        assert_eq!(bits(&plain), bits(&naive), "n={n}: ops::scale is one multiply per element");
+        // The same pieces hashed and scaled by one streaming state (pieces that start mid-lane).
+        let (mut c, mut streamed) = (Checksum::new(), x.clone());
+        for r in &ranges {
+            c.update_and_scale(&mut streamed[r.clone()], s);
+        }
+        assert_eq!(c.finish(), reference::checksum(&x), "n={n}: pieces hashed as one buffer");
+        assert_eq!(bits(&streamed), bits(&naive), "n={n}: pieces scaled");
         assert_ne!(combine(&want), combine(&[want.as_slice(), &[0]].concat()), "one more piece");
     }
     let (a, b) = (checksum(&[1.0]), checksum(&[2.0]));

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use gradbus_kernels::checksum::{checksum, combine};
+use gradbus_kernels::checksum::{combine, Checksum};
 use gradbus_kernels::{reduce_with_peaks, Health, Peak};
 use memmap2::MmapRaw;
 
@@ -328,9 +328,10 @@ impl ShmBus {
         let (n, me) = (self.geo.n, self.cfg.local_rank);
         let mut tally = vec![Health::default(); n];
         let mut peaks = vec![Peak::default(); if self.sdc_tallies { n } else { 0 }];
-        let sum = reduce_with_peaks(slices, &mut tally, &mut peaks, to);
-        // The reference of this chunk of the sum: its checksum as written (in cache now).
-        let hash = if self.sdc_tallies { checksum(&*slices[to.unwrap_or(me)]) } else { 0 };
+        // The reference of this chunk of the sum: its checksum as written (each block while in cache).
+        let mut hash = self.sdc_tallies.then(Checksum::new);
+        let sum = reduce_with_peaks(slices, &mut tally, &mut peaks, to, hash.as_mut());
+        let hash = hash.map_or(0, |c| c.finish());
         let words = self.entry_words(self.update % 2, bucket, me);
         words[0].store(hash, Ordering::Relaxed);
         for (k, w) in words[1..].iter().enumerate() {

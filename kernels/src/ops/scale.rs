@@ -1,10 +1,16 @@
 //! Scale a gradient slice in place by one coefficient (the mean over ranks times the clip factor).
 //!
-//! Invariants: one f32 multiply per element, so the CUDA `scale` gives the same bits.
+//! Invariants: one f32 multiply per element, so the CUDA `scale` gives the same bits, whatever
+//! instruction set runs the loop (compiled for the CPU's best, like the hashing scale in
+//! `checksum::scale_and_checksum`, so that the guard-off pass is not the slower one).
 
 /// x: (N). `x[i] *= s`.
 pub fn scale(x: &mut [f32], s: f32) {
-    for v in x.iter_mut() {
-        *v *= s;
+    #[inline(always)]
+    fn body(x: &mut [f32], s: f32) {
+        for v in x.iter_mut() {
+            *v *= s;
+        }
     }
+    simd_dispatch!(body(x: &mut [f32], s: f32))
 }
