@@ -1,8 +1,8 @@
 //! Silent data corruption: what the agreed table says beyond NaN and Inf. Two pure decisions, fed
 //! only agreed numbers, so that every rank reaches the same one with no extra round trip:
 //!
-//! - **Replicas** ([`check_state`]): every rank's weights, read back from memory at the start of
-//!   an update, must hash alike (`LocalScalars::replica`), and every rank checks its own state
+//! - **Replicas** ([`check_state`]): every rank's weights, read back from memory during an update
+//!   before its agreement (on the CPU hashed as its backward pass reads them), must hash alike (`LocalScalars::replica`), and every rank checks its own state
 //!   against what it computed (`LocalScalars::state`: weights that no longer hash to what its
 //!   optimizer wrote; a consumed gradient that was not the reducers' sum). The damaged ranks are
 //!   those that found their own state damaged, and those whose weights differ from the majority of

@@ -93,6 +93,45 @@ impl Checksum {
     }
 }
 
+/// The replica checksum of a buffer taken while a pass that reads the buffer anyway reaches its
+/// parts (the backward pass reads each weight in layout order; hashed right before, it reads them
+/// from cache): [`Prefix::upto`] absorbs the buffer up to a point, once, in order (a point already
+/// passed absorbs nothing), [`Prefix::finish`] the rest. Always `checksum` of the whole buffer,
+/// whatever points the pass offers.
+#[derive(Clone, Debug, Default)]
+pub struct Prefix {
+    hash: Checksum,
+    /// Words of the buffer absorbed so far.
+    at: usize,
+}
+
+impl Prefix {
+    /// Nothing absorbed.
+    pub fn new() -> Prefix {
+        Prefix::default()
+    }
+
+    /// Absorb `x[..end]` (`x` the whole buffer, as every call gives it), what is not absorbed yet.
+    pub fn upto(&mut self, x: &[f32], end: usize) {
+        let end = end.min(x.len());
+        if end > self.at {
+            self.hash.update(&x[self.at..end]);
+            self.at = end;
+        }
+    }
+
+    /// Words absorbed so far (the buffer's first ones).
+    pub fn absorbed(&self) -> usize {
+        self.at
+    }
+
+    /// The checksum of the whole buffer `x`.
+    pub fn finish(mut self, x: &[f32]) -> u64 {
+        self.upto(x, x.len());
+        self.hash.finish()
+    }
+}
+
 /// The replica checksum of a whole buffer.
 pub fn checksum(x: &[f32]) -> u64 {
     let mut c = Checksum::new();

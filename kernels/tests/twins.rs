@@ -119,7 +119,7 @@ fn rng_streams_are_reproducible_and_distinct() {
 
 #[test]
 fn checksum_matches_reference_in_any_pieces() {
-    use gradbus_kernels::checksum::{checksum, Checksum, LANES};
+    use gradbus_kernels::checksum::{checksum, Checksum, Prefix, LANES};
     let mut rng = Rng::new(&[5]);
     for &n in &[0, 1, LANES - 1, LANES, LANES + 1, 3 * LANES + 7, 100_003] {
         let x = gradients(&mut rng, n, true);
@@ -134,6 +134,13 @@ fn checksum_matches_reference_in_any_pieces() {
             at += len;
         }
         assert_eq!(c.finish(), want, "n={n} in random pieces");
+        // Offered points in any order, some passed already, some past the end: still the whole.
+        let mut p = Prefix::new();
+        for _ in 0..rng.below(8) {
+            p.upto(&x, rng.below(n + 2));
+        }
+        assert!(p.absorbed() <= n);
+        assert_eq!(p.finish(&x), want, "n={n} by a prefix");
     }
 }
 

@@ -6,6 +6,7 @@
 
 use gradbus_collectives::GradSlots;
 use gradbus_kernels::backend::Backend;
+use gradbus_kernels::checksum::Prefix;
 
 use crate::config::Config;
 use crate::loss::{LossBufs, LossInputs, LossStats};
@@ -44,7 +45,7 @@ pub fn compute_gradients<B: Backend, G: GradSlots<B>, P: Probe>(
     probe: &mut P,
 ) -> LossStats {
     let stats = forward_loss(be, gpt, cfg, params, work, mb, probe);
-    backward(be, gpt, params, work, mb, grads, probe);
+    backward(be, gpt, params, work, mb, grads, probe, None);
     stats
 }
 
@@ -72,7 +73,9 @@ pub fn forward_loss<B: Backend, P: Probe>(
     crate::loss::rl_loss(be, &cfg.loss, logits, &inputs, &mut work.loss, probe)
 }
 
-/// Backward of the last [`forward_loss`] on `work` into `grads`.
+/// Backward of the last [`forward_loss`] on `work` into `grads`; given `hash`, it absorbs the
+/// weights as it reads them (`Gpt::backward_hashing`).
+#[allow(clippy::too_many_arguments)]
 pub fn backward<B: Backend, G: GradSlots<B>, P: Probe>(
     be: &B,
     gpt: &Gpt,
@@ -81,7 +84,8 @@ pub fn backward<B: Backend, G: GradSlots<B>, P: Probe>(
     mb: &Batch,
     grads: &mut G,
     probe: &mut P,
+    hash: Option<&mut Prefix>,
 ) {
     let Work { acts, loss } = work;
-    gpt.backward(be, params, acts, loss.dlogits(be, mb.b, mb.t), grads, probe);
+    gpt.backward_hashing(be, params, acts, loss.dlogits(be, mb.b, mb.t), grads, probe, hash);
 }

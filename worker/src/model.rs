@@ -18,6 +18,7 @@ use std::ops::Range;
 use gradbus_collectives::GradSlots;
 use gradbus_collectives::{Layout, ParamSpec};
 use gradbus_kernels::backend::Backend;
+use gradbus_kernels::checksum::Prefix;
 use gradbus_kernels::rng::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -513,6 +514,25 @@ impl Gpt {
         grads: &mut G,
         probe: &mut P,
     ) {
+        self.backward_hashing(be, params, acts, dlogits, grads, probe, None)
+    }
+
+    /// [`Gpt::backward`] that, given `hash` and host weights (`Backend::host`), absorbs the weights
+    /// into it as it goes: before it reads a parameter, the flat buffer up to that parameter's end
+    /// (backward reads the parameters in layout order, so each is hashed right before its first read
+    /// and read from cache). The caller finishes the checksum (`Prefix::finish`): the replica
+    /// checksum of the weights as read back, without a pass of its own.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_hashing<B: Backend, G: GradSlots<B>, P: Probe>(
+        &self,
+        be: &B,
+        params: &B::Buf,
+        acts: &mut Activations<B>,
+        dlogits: B::View<'_>,
+        grads: &mut G,
+        probe: &mut P,
+        hash: Option<&mut Prefix>,
+    ) {
         let GptConfig { vocab: v, channels: c, heads: nh, layers: nl, .. } = self.cfg;
         let a = acts;
         let (b, t) = (a.b, a.t);
@@ -521,7 +541,13 @@ impl Gpt {
         assert!(!a.cached, "backward: the last forward was KV-cached (it keeps no activations to differentiate)");
         let bwd = Phase::Backward;
         let (lnf_w, lnf_b, head) = (bp(nl, 0), bp(nl, 1), bp(nl, 2));
-        let w = |p| self.w(be, params, p);
+        let hash = std::cell::RefCell::new(hash.zip(be.host(be.all(params))));
+        let w = |p: usize| {
+            if let Some((h, x)) = hash.borrow_mut().as_mut() {
+                h.upto(x, self.ranges[p].end);
+            }
+            self.w(be, params, p)
+        };
         // The first n (3n, 4n) elements of a scratch buffer, zeroed.
         let zeroed = |x: &mut B::Buf, n| be.fill(be.view_mut(x, 0..n), 0.0);
 
@@ -737,6 +763,43 @@ mod tests {
         assert_eq!(layout.buckets[0].params[0], specs.len() - 1);
         let gpt = Gpt::new(&cfg, &layout);
         assert_eq!(gpt.param_range(specs.len() - 1), 0..16 * 64);
+    }
+
+    #[test]
+    fn backward_hashing_gives_the_gradients_and_the_replica_checksum_of_the_weights_it_read() {
+        // The replica check's read-back taken by backward as it reads each parameter: the same
+        // gradients bit for bit, the checksum of the whole buffer (padding too), all but the
+        // embeddings absorbed during backward (in layout order), and a flipped weight bit shows.
+        let cfg = GptConfig { channels: 32, layers: 3, ..GptConfig::default() };
+        let layout = Layout::new(&param_specs(&cfg), 1 << 12);
+        let gpt = Gpt::new(&cfg, &layout);
+        let mut params = vec![0.0; layout.len];
+        let mut rng = Rng::new(&[29]);
+        gpt.init(&mut params, &mut rng);
+        let (b, t, v) = (3, 7, cfg.vocab);
+        let tokens: Vec<u32> = (0..b * t).map(|_| rng.below(v) as u32).collect();
+        let dlogits: Vec<f32> = (0..b * t * v).map(|_| 1e-2 * rng.normal()).collect();
+        let mut acts = Activations::new(&Cpu, &cfg, b, t);
+        let mut grads = |params: &[f32], hash: Option<&mut Prefix>| {
+            let mut g = vec![0.0; layout.len];
+            gpt.forward(&Cpu, &params.to_vec(), &tokens, b, t, &mut acts, &mut NoProbe);
+            let mut slots = gradbus_collectives::ParamGrads::new(&mut g, &layout);
+            gpt.backward_hashing(&Cpu, &params.to_vec(), &mut acts, &dlogits[..], &mut slots, &mut NoProbe, hash);
+            g.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        let plain = grads(&params, None);
+        let mut read = Prefix::new();
+        assert_eq!(grads(&params, Some(&mut read)), plain, "the same gradients");
+        // All but the embeddings (last in the layout), which backward does not read.
+        let wpe = gpt.param_range(WPE);
+        assert!(read.absorbed() >= wpe.start, "backward read up to wpe: {} of {}", read.absorbed(), layout.len);
+        assert_eq!(read.finish(&params), gradbus_kernels::checksum::checksum(&params));
+        let mut flipped = params.clone();
+        let at = gpt.param_range(bp(1, QKV_W)).start + 5;
+        flipped[at] = f32::from_bits(flipped[at].to_bits() ^ 1);
+        let mut read = Prefix::new();
+        grads(&flipped, Some(&mut read));
+        assert_ne!(read.finish(&flipped), gradbus_kernels::checksum::checksum(&params), "a flipped bit shows");
     }
 
     #[test]

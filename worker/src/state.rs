@@ -5,7 +5,8 @@
 //! Invariants: the weights, `m` and `v` are one flat buffer each, laid out by the model's `Layout`;
 //! `checksum` is always the replica checksum of `params` as last WRITTEN (the init, a resume, a
 //! repair, the AdamW pass, which hashes as it writes), so reading the weights back and hashing them
-//! again ([`TrainState::self_check`]) tells whether memory changed them since. The optimizer's scaling
+//! again ([`TrainState::self_check`], or the backward pass as it reads them) tells whether memory
+//! changed them since. The optimizer's scaling
 //! pass hashes the reduced gradients it consumes, per bucket, so that the next update can check
 //! them against the reducers' reference.
 
@@ -13,7 +14,7 @@ use std::ops::Range;
 
 use gradbus_collectives::StateFault;
 use gradbus_kernels::backend::Backend;
-use gradbus_kernels::checksum::combine;
+use gradbus_kernels::checksum::{combine, Prefix};
 
 use crate::config::OptimConfig;
 
@@ -60,11 +61,16 @@ impl<B: Backend> TrainState<B> {
     }
 
     /// What this rank finds wrong with its own state, and the replica checksum of its weights as
-    /// read back now (one pass over the weights): weights that no longer hash to what was last
-    /// written, a consumed gradient whose bucket hash differs from the reducers' reference (a
-    /// reference of 0 is unknown: a transport that does not hash its sums).
-    pub fn self_check(&self, be: &B) -> (u64, StateFault) {
-        let replica = be.checksum(be.all(&self.params));
+    /// read back: weights that no longer hash to what was last written, a consumed gradient whose
+    /// bucket hash differs from the reducers' reference (a reference of 0 is unknown: a transport
+    /// that does not hash its sums). `read`: the weights as a pass that read them all since the
+    /// last write absorbed them (`Gpt::backward_hashing`), finished here; `None`: read back now,
+    /// one pass of its own.
+    pub fn self_check(&self, be: &B, read: Option<Prefix>) -> (u64, StateFault) {
+        let replica = match (read, be.host(be.all(&self.params))) {
+            (Some(read), Some(x)) => read.finish(x),
+            _ => be.checksum(be.all(&self.params)),
+        };
         let consumed =
             self.consumed.as_ref().and_then(|(got, want)| got.iter().zip(want).position(|(g, w)| *w != 0 && g != w));
         (replica, StateFault { weights: replica != self.checksum, consumed })

@@ -26,6 +26,7 @@ use gradbus_collectives::shm::ProgressWriter;
 use gradbus_collectives::{
     Action, BusBackend, Cause, GradBus, Layout, LocalScalars, Progress, Report, StateFault, StepId,
 };
+use gradbus_kernels::checksum::Prefix;
 use gradbus_kernels::rng::Rng;
 
 use crate::checkpoint;
@@ -199,7 +200,7 @@ impl<B: BusBackend> Trainer<B> {
             if every > 0 && self.step % every == 0 && self.info.rank == 0 {
                 // Never a damaged replica into a checkpoint: rank 0 checks its own state first
                 // (the next update's agreement repairs it; this checkpoint is left out).
-                let own = self.sdc_checks().then(|| self.state.self_check(&self.be).1).filter(|own| own.any());
+                let own = self.sdc_checks().then(|| self.state.self_check(&self.be, None).1).filter(|own| own.any());
                 if let Some(own) = own {
                     log::warn!(
                         "rank 0: checkpoint of step {} not written: its own state is damaged ({own:?}); the next update repairs it",
@@ -229,7 +230,7 @@ impl<B: BusBackend> Trainer<B> {
         let at = StepId { step: self.cfg.steps, minibatch: 0, attempt: 0 };
         for attempt in 0..=MAX_REPAIRS {
             let at = StepId { attempt, ..at };
-            let (replica, state) = self.state.self_check(&self.be);
+            let (replica, state) = self.state.self_check(&self.be, None);
             let bus = self.bus.transport_mut();
             bus.grads().fill(0.0);
             for b in 0..bus.layout().buckets.len() {
@@ -374,17 +375,19 @@ impl<B: BusBackend> Trainer<B> {
         let rank = self.info.rank;
         loop {
             let (be, start) = (&self.be, Instant::now());
-            // The state the previous update left, checked before it computes anything: the
-            // weights read back (one pass) and the consumed gradients against their reference.
             let checks = self.sdc_checks();
-            let (replica, state) = match checks {
-                true => self.state.self_check(be),
-                false => (self.state.checksum(), StateFault::default()),
-            };
             let (gpt, cfg, faults) = (&self.gpt, &self.cfg, &self.faults);
             let params = &self.state.params;
-            let stats =
-                forward_backward(be, gpt, cfg, params, &mut self.work, &mut self.bus, faults, self.overlap, mb, at)?;
+            // The weights the previous update wrote, hashed as backward reads them (each from cache,
+            // no pass of its own), and the consumed gradients against their reference: the state
+            // that update left, checked before this one's agreement.
+            let mut read = checks.then(Prefix::new);
+            let (work, bus, overlap) = (&mut self.work, &mut self.bus, self.overlap);
+            let stats = forward_backward(be, gpt, cfg, params, work, bus, faults, overlap, mb, at, read.as_mut())?;
+            let (replica, state) = match checks {
+                true => self.state.self_check(be, read),
+                false => (self.state.checksum(), StateFault::default()),
+            };
             warn_headroom(&stats, cfg.warn.headroom, rank, at);
             let values = UpdateValues::local(mb, &stats).to_report(rank);
             let report = LocalScalars { loss: stats.loss as f64, values, replica, state: state.word() };

@@ -8,6 +8,7 @@
 
 use gradbus_collectives::forecast::{ranked, unranked};
 use gradbus_collectives::{BusBackend, GradBus, HealthTable, StepId, ValueNames};
+use gradbus_kernels::checksum::Prefix;
 
 use crate::config::Config;
 use crate::error::WorkerError;
@@ -21,7 +22,8 @@ use crate::task::Batch;
 /// Forward, loss and backward onto the bus and the bucket all-reduces (overlapped with backward
 /// when `overlap` says so), with the planned faults of this update: a `reduced` bit flip lands in
 /// this rank's reduced gradients after the last reduce. Every fault but the plants into the local
-/// gradients fires on this thread, never on the backward thread.
+/// gradients fires on this thread, never on the backward thread. Given `hash`, backward absorbs the
+/// weights into it as it reads them (the replica check's read-back without a pass of its own).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_backward<B: BusBackend>(
     be: &B,
@@ -34,6 +36,7 @@ pub(crate) fn forward_backward<B: BusBackend>(
     overlap: bool,
     mb: &Batch,
     at: StepId,
+    hash: Option<&mut Prefix>,
 ) -> Result<LossStats, WorkerError> {
     faults.at_phase(FaultPhase::Forward, at);
     let stats = forward_loss(be, gpt, cfg, params, work, mb, &mut NoProbe);
@@ -44,7 +47,7 @@ pub(crate) fn forward_backward<B: BusBackend>(
         at,
         overlap,
         &mut |p, grad| faults.poison(be, at, &layout, p, grad),
-        |grads| backward(be, gpt, params, work, mb, grads, &mut NoProbe),
+        |grads| backward(be, gpt, params, work, mb, grads, &mut NoProbe, hash),
         &mut |b| {
             if b == 0 {
                 faults.at_phase(FaultPhase::BetweenBuckets, at);

@@ -290,6 +290,9 @@ impl Backend for Cpu {
     fn scale(&self, x: &mut [f32], s: f32) {
         ops::scale(x, s)
     }
+    fn host<'a>(&self, x: Self::View<'a>) -> Option<&'a [f32]> {
+        Some(x)
+    }
     fn scale_and_checksum(&self, x: &mut [f32], s: f32, ranges: &[Range<usize>]) -> Vec<u64> {
         crate::checksum::scale_and_checksum(x, s, ranges)
     }

@@ -324,6 +324,11 @@ pub trait Backend: Sync + Sized + 'static {
     ) -> u64;
     /// The replica checksum of `x` (`checksum::checksum`).
     fn checksum(&self, x: Self::View<'_>) -> u64;
+    /// `x` as host memory, where the backend keeps its buffers there (the CPU); `None` on a device
+    /// (passes that hash what they read on the host, `checksum::Prefix`, are then not taken).
+    fn host<'a>(&self, _x: Self::View<'a>) -> Option<&'a [f32]> {
+        None
+    }
     /// The fused health scan of `x` (`health::health_scan`): where a bucket lives, only this
     /// crosses to the host.
     fn health_scan(&self, x: Self::View<'_>) -> Health;
