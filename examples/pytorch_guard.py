@@ -60,7 +60,7 @@ def main() -> None:
             v = opt.step()  # the agreed verdict: the optimizer steps only on "proceed"
         if rank == 0 and (step % 5 == 0 or not v.proceeded or step == a.steps - 1):
             scale = "" if v.loss_scale is None else f", loss scale {v.loss_scale:g}"
-            print(f"step {step}: loss {v.loss:.4f}, {v.action}{scale}", flush=True)
+            print(f"step {step}: loss {loss.item():.4f} (rank 0), {v.action}{scale}", flush=True)
     if rank == 0:
         print(f"done: {a.steps} updates, {guard.skipped} skipped", flush=True)
     dist.destroy_process_group()

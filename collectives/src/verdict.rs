@@ -539,8 +539,20 @@ impl History {
                 }
             }
         }
+        self.ended(verdict.action == Action::Skip);
+    }
+
+    /// Remember a "proceed" decided without a table (no report, no rerun pending): what `record`
+    /// does for one.
+    pub fn proceeded(&mut self) {
+        self.consecutive_skips = 0;
+        self.ended(false);
+    }
+
+    /// The end of an update's attempts: skipped or not.
+    fn ended(&mut self, skipped: bool) {
         self.first_attempt = None;
-        self.recent.push_back(verdict.action == Action::Skip);
+        self.recent.push_back(skipped);
         while self.recent.len() > 1024 {
             self.recent.pop_front();
         }
@@ -653,6 +665,26 @@ pub(crate) mod tests {
         assert_eq!(actions.last(), Some(&Action::Abort));
         assert_eq!(actions.iter().filter(|&&a| a == Action::Skip).count(), 2);
         assert_eq!(decide(&bad, &l, &p, &h, AT).report.unwrap().classification, Some(Classification::SkipBudget));
+    }
+
+    #[test]
+    fn a_proceed_without_a_table_is_remembered_as_a_recorded_one() {
+        let (l, bad, good) = (layout(), table(&[(0, 1, 0, true)]), table(&[]));
+        let p = Policy::Skip { max_consecutive: 2, max_fraction: 0.5, window: 6 };
+        let (mut recorded, mut clean) = (History::default(), History::default());
+        for (k, t) in [&bad, &good, &bad, &good, &bad].into_iter().enumerate() {
+            let v = decide(t, &l, &p, &recorded, AT);
+            assert_eq!(v.action, decide(t, &l, &p, &clean, AT).action, "update {k}");
+            recorded.record(t, &v);
+            match v.action {
+                Action::Proceed => clean.proceeded(),
+                _ => clean.record(t, &v),
+            }
+            assert_eq!(
+                (clean.consecutive_skips, &clean.recent, clean.skipped),
+                (recorded.consecutive_skips, &recorded.recent, recorded.skipped)
+            );
+        }
     }
 
     #[test]

@@ -2,8 +2,9 @@
 """The guard's agreement paths on a small DDP update, against PyTorch's own hook: W processes over
 gloo on the CPU train the same small MLP (`--width`, 3 layers: ~100K parameters at 256, the GRPO
 twin's tiny size, one DDP bucket) with PyTorch's Python `default_hooks.allreduce_hook` and with the
-gradbus guard on each agreement path (`ride`: the rows in the last bucket's all-reduce, the default
-at 2 ranks; `table`: one all-gather; `summary`: two all-reduces), alternated in rounds of `--iters`
+gradbus guard on each agreement path (`auto`, the default: here the scan path, the reduced sums
+scanned and no rows on a healthy update; `ride`: the rows in the last bucket's all-reduce; `table`:
+one all-gather; `summary`: two all-reduces), alternated in rounds of `--iters`
 updates (forward, backward, step). Rank 0 prints per update the wall time and its process's CPU
 time (its own and its gloo threads': a busy machine disturbs it less than the wall), the medians of
 the rounds, and each against the hook's. A benchmark: asserts nothing.
@@ -25,7 +26,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-PATHS = ("ride", "table", "summary")
+PATHS = ("auto", "ride", "table", "summary")
 
 
 def worker(rank, world, port, width, iters, rounds, q):
@@ -71,7 +72,7 @@ def worker(rank, world, port, width, iters, rounds, q):
             cpu[k].append((time.process_time() - c0) * 1e6 / iters)
     if rank == 0:
         q.put(({k: statistics.median(w) for k, w in wall.items()}, {k: statistics.median(c) for k, c in cpu.items()},
-               sum(p.numel() for p in variants["ride"][0].parameters()), variants["ride"][2].path))
+               sum(p.numel() for p in variants["auto"][0].parameters()), variants["auto"][2].path))
     dist.destroy_process_group()
 
 
@@ -90,7 +91,8 @@ def main():
     mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, q), nprocs=a.world, join=True,
                        start_method="spawn")
     wall, cpu, params, path = q.get()
-    print(f"{a.world} ranks, {params} parameters, {a.iters} updates x {a.rounds} rounds; us per update, medians of the rounds")
+    print(f"{a.world} ranks, {params} parameters, {a.iters} updates x {a.rounds} rounds; us per update, medians of the rounds; "
+          f"'auto' took the {path} path")
     print(f"{'variant':>15} {'wall us':>9} {'vs hook':>8} {'CPU us':>9} {'vs hook':>8}")
     for k in wall:
         print(f"{k:>15} {wall[k]:>9.1f} {wall[k] / wall['allreduce_hook']:>8.3f} {cpu[k]:>9.1f} "

@@ -128,7 +128,8 @@ class Verdict:
     loss_scale: Optional[float] = None
     """The loss scale of the update (None without a loss scaler)."""
     loss: Optional[float] = None
-    """The ranks' mean loss (of the losses given to `backward`/`set_loss`; 0.0 for a rank without)."""
+    """The ranks' mean loss (of the losses given to `backward`/`set_loss`; 0.0 for a rank without);
+    None on an update the scan path decided healthy (`agreement`: the losses are not exchanged)."""
     finding: Optional[str] = None
     """The silent-data-corruption guard's finding, one line (a repair, an outlier), if any."""
     repair: Optional[Tuple[int, List[int]]] = None
@@ -202,6 +203,14 @@ _WIDEN = 1 << 20
 """Elements of a bf16/fp16 CPU buffer widened to float32 at a time for the Rust scan (4 MiB)."""
 
 
+def health_f32(flat: torch.Tensor) -> Cell:
+    """`health` of contiguous float32 CPU memory: the Rust scan reads it in place (zero-copy). The
+    caller guarantees what `health` says: `flat` is a live reference for the whole call, contiguous
+    float32 on the CPU, and not written meanwhile."""
+    nan, inf, sumsq, first = _core.scan_f32(flat.data_ptr(), flat.numel())
+    return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
+
+
 def health(flat: torch.Tensor, scan: str = "auto") -> Cell:
     """The local health of one flat gradient buffer: the Rust scan's (nan, inf, sumsq, first_bad)
     for contiguous float32 CPU memory with `scan` "auto" (read in place, no copy) and for contiguous
@@ -212,10 +221,7 @@ def health(flat: torch.Tensor, scan: str = "auto") -> Cell:
     if scan != "auto" or flat.device.type != "cpu" or not flat.is_contiguous():
         return _torch_health(flat)
     if flat.dtype == torch.float32:
-        # Zero-copy: the Rust scan reads the buffer's memory in place. `flat` is a live reference
-        # for the whole call, contiguous float32 on the CPU, and not written meanwhile (see above).
-        nan, inf, sumsq, first = _core.scan_f32(flat.data_ptr(), flat.numel())
-        return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
+        return health_f32(flat)
     if flat.dtype not in (torch.bfloat16, torch.float16):
         return _torch_health(flat)
     # torch's CPU ops are slow on half types: 3.16M bf16 elements took 101 ms with `_torch_health`
@@ -356,6 +362,13 @@ def _as_bytes(t: torch.Tensor) -> bytes:
     return struct.pack(f"<{len(words)}q", *words)
 
 
+def _on_host(cells: List[Cell]) -> List[Sequence[float]]:
+    """Health cells as host sequences: the device ones (`_torch_health`'s tensors) in one copy."""
+    on_device = [c for c in cells if isinstance(c, torch.Tensor)]
+    moved = iter(torch.stack(on_device).cpu().tolist()) if on_device else iter(())
+    return [next(moved) if isinstance(c, torch.Tensor) else c for c in cells]
+
+
 def _in_place(seg: torch.Tensor) -> bool:
     """Whether the native core reads and writes a ride segment in place: contiguous float32 or
     float64 on the CPU (16-bit chunks); others (CUDA, float16, bfloat16) go through torch ops."""
@@ -409,6 +422,9 @@ class GuardCore:
 
     RIDES = False
     """Whether the adapter can carry the rows on a gradient all-reduce of its framework (`ride`)."""
+    SCANS = False
+    """Whether the adapter all-reduces whole buckets, so that every rank holds the same reduced sums
+    and their scan is an agreed verdict (the scan path, `scans`)."""
     SDC = False
     """Whether the adapter supports the silent-data-corruption checks (`sdc=True`: it hashes the
     reduced buckets its optimizer consumes, tallies peaks, and can repair a replica in place)."""
@@ -437,8 +453,9 @@ class GuardCore:
             raise ValueError(f"gradbus.torch.Guard: policy {policy!r}: expected one of {POLICIES}")
         if scan not in ("auto", "torch"):
             raise ValueError(f"gradbus.torch.Guard: scan {scan!r}: expected 'auto' or 'torch'")
-        if agreement not in AGREEMENTS or agreement == "ride" and not self.RIDES:
-            ok = AGREEMENTS if self.RIDES else tuple(a for a in AGREEMENTS if a != "ride")
+        can = {"ride": self.RIDES}
+        if agreement not in AGREEMENTS or not can.get(agreement, True):
+            ok = tuple(a for a in AGREEMENTS if can.get(a, True))
             raise ValueError(f"gradbus.torch.Guard: agreement {agreement!r}: expected one of {ok}")
         if watch_policy not in WATCH_POLICIES:
             raise ValueError(f"gradbus.torch.Guard: watch_policy {watch_policy!r}: expected one of {WATCH_POLICIES}")
@@ -472,6 +489,7 @@ class GuardCore:
         self.scaler = scaler
         self.replica_every = replica_every
         self.sdc = sdc
+        self._spike = spike
         self.agreement = agreement
         self.step = 0
         """Updates judged so far (skipped ones included): the step of the next report (assign your
@@ -486,7 +504,7 @@ class GuardCore:
         self.tabled = 0
         """Updates whose verdict needed the full per-rank table (an anomaly, or the table path)."""
         self.path: Optional[str] = None
-        """The agreement path of the last update: "table" or "summary" (see `agreement`)."""
+        """The agreement path of the last update: "scan", "ride", "table" or "summary" (see `agreement`)."""
         self._rows: Optional[Tuple[List[bytes], int, int]] = None
         self._cells: Dict[int, Cell] = {}
         self._layout: Dict[int, Layout] = {}
@@ -496,6 +514,10 @@ class GuardCore:
         self._world: Optional[int] = None
         self._rank: Optional[int] = None
         self._ride_buffer: Optional[torch.Tensor] = None
+        # The scan path: each bucket's reduced sum's health (set as its all-reduce completes), and
+        # the update's records kept for the row an anomaly gathers.
+        self._reduced: Dict[int, Cell] = {}
+        self._deferred: Any = None
         self._verdicts = 0
         self.spikes = 0
         """Updates flagged as a loss or gradient-norm spike so far (`spike`), the same on every rank."""
@@ -506,6 +528,7 @@ class GuardCore:
         self.warnings: Deque[Dict[str, Any]] = collections.deque(maxlen=1024)
         """The most recent warnings.jsonl lines (dicts), the same on every rank (oldest first)."""
         self._watches = _core.Watches(stop=watch_policy == "stop")
+        self._watching = False
         self._watched: Dict[str, torch.Tensor] = {}
         self._batches: List[Tuple[List[Any], Any]] = []
         self._exchanged = False
@@ -558,6 +581,7 @@ class GuardCore:
                 )
             dtype = str(x.dtype).replace("torch.", "")
             self._watches.add(name, float(limit) if limit is not None else _core.exp_ceiling(dtype))
+            self._watching = True
         if x.numel() == 0:
             return
         m = x.detach().max()
@@ -604,6 +628,14 @@ class GuardCore:
             )
         d = self._finish(self._pending)
         self._pending = None
+        if d is None:
+            # The scan path's healthy update: proceed, nothing to report (no loss: not exchanged).
+            self._batches = []
+            scale = None if self.scaler is None else float(self.scaler.get_scale())
+            v = self.last = Verdict("proceed", None, None, self.step, self.attempt, scale)
+            self._verdicts += 1
+            self.step += 1
+            return v
         if d.action == "diverged" or d.action == "repair" and (not self.SDC or self._optimizer is None):
             return self._diverged(d)
         text = d.report if d.report is None else self._with_samples(d.report)
@@ -745,6 +777,38 @@ class GuardCore:
             ]
             self._pending = _Pending("summary", works, parts, row, layout, world, w)
 
+    def scans(self) -> bool:
+        """Whether this update is decided from the reduced sums alone (the scan path, `agreement` "auto"):
+        the adapter all-reduces whole buckets (pre-divided: a product by 1/world and a sum keep NaN
+        and Inf), so the reduced buckets are finite on every rank if and only if every rank's input
+        was finite and the sum did not overflow, and every rank holds the same sums: their scan is
+        already the agreed verdict, with no collective of the guard's. The rows are all-gathered
+        only on an anomaly, to name the ranks. Not when something needs every rank's row on a
+        healthy update too: spike detection (the loss and norm), `sdc`, a watched quantity, a
+        replica check due, or a rerun's attempt (its report compares with the first attempt's
+        table). The same on every rank: all of these are."""
+        return (
+            self.SCANS
+            and self.agreement == "auto"
+            and self.attempt == 0
+            and self._spike is None
+            and not self.sdc
+            and not self._watching
+            and not (self.replica_every and self.step % self.replica_every == 0)
+        )
+
+    def scanned(self, index: int, reduced: torch.Tensor) -> None:
+        """Record the health of bucket `index`'s reduced sum (`reduced`: what its all-reduce
+        returned, on the scan path), called as it completes."""
+        self._reduced[index] = self.health(reduced)
+
+    def scan_sums(self, buckets: int) -> None:
+        """Start the scan path's agreement over buckets 0..buckets-1: nothing to send; `verdict`
+        reads the reduced sums' health (`scanned`)."""
+        _, _, layout, world = self._begin(buckets, deferred=True)
+        self.path = "scan"
+        self._pending = _Pending("scan", [], [], b"", layout, world, 0)
+
     def ride_len(self, buckets: int, world: int, dtype: torch.dtype) -> int:
         """Elements of `dtype` that every rank's row takes when it rides a bucket's all-reduce
         (`ride`): `world` slots of one row's words as small integers the dtype holds exactly -
@@ -789,19 +853,26 @@ class GuardCore:
         self._pending = _Pending("ride", [], [out], row, layout, world, len(self._watches.names))
         return self._pending
 
-    def _begin(self, buckets: Optional[int]) -> Tuple[int, bytes, List[Layout], int]:
+    def _begin(self, buckets: Optional[int], deferred: bool = False) -> Tuple[int, bytes, List[Layout], int]:
         """The start of an agreement: (buckets, this rank's row, the layout, the world size); the
-        update's records are cleared for the next backward."""
+        update's records are cleared for the next backward. `deferred` (the scan path): the row is
+        not built (b""); the records are kept for `_deferred_row`."""
         if self._pending is not None:
             raise RuntimeError(
                 "gradbus.torch.Guard: a second backward before the verdict on the first "
                 "(hint: call opt.step() or guard.verdict() after every backward; gradient accumulation "
                 "runs its inner steps under ddp.no_sync())"
             )
-        n = max(self._cells, default=-1) + 1 if buckets is None else buckets
-        if sorted(self._cells) != list(range(n)):
+        cells = self._cells
+        n = max(cells, default=-1) + 1 if buckets is None else buckets
+        # Distinct indices >= 0, n of them, the largest n - 1: exactly 0..n-1.
+        if len(cells) != n or n and max(cells) != n - 1:
             raise RuntimeError(f"gradbus: buckets {sorted(self._cells)} seen before the last bucket #{n - 1}")
-        row = self._row(n).encode()
+        if deferred:
+            self._deferred = (self._cells, self._loss, self._watched, self._peaks)
+            row = b""
+        else:
+            row = self._row(n).encode()
         layout = [self._layout[b] for b in range(n)]
         if layout == self._last_layout:
             layout = self._last_layout  # the same object: the native core converts it once
@@ -813,12 +884,18 @@ class GuardCore:
 
     # --- inside ------------------------------------------------------------------------------------
 
+    def _deferred_row(self, n: int) -> bytes:
+        """The scan path's row over buckets 0..n-1, built from the records `_begin` kept."""
+        self._cells, self._loss, self._watched, self._peaks = self._deferred
+        try:
+            return self._row(n).encode()
+        finally:
+            self._cells, self._loss, self._watched, self._peaks = {}, None, {}, {}
+            self._deferred = None
+
     def _row(self, n: int) -> Row:
         """This rank's row over buckets 0..n-1. Device tallies come to the host in one copy."""
-        cells = [self._cells[b] for b in range(n)]
-        on_device = [c for c in cells if isinstance(c, torch.Tensor)]
-        moved = iter(torch.stack(on_device).cpu().tolist()) if on_device else iter(())
-        host = [next(moved) if isinstance(c, torch.Tensor) else c for c in cells]
+        host = _on_host([self._cells[b] for b in range(n)])
         loss = 0.0 if self._loss is None else float(self._loss.detach() if isinstance(self._loss, torch.Tensor) else self._loss)
         scale = 0.0 if self.scaler is None else float(self.scaler.get_scale())
         replica = 0
@@ -858,6 +935,25 @@ class GuardCore:
             w.wait()
         parts = p.parts
         self._rows = None
+        if p.path == "scan":
+            n = len(p.layout)
+            got, self._reduced = self._reduced, {}
+            if len(got) != n:
+                raise RuntimeError(f"gradbus: the reduced sums of buckets {sorted(got)} scanned, expected 0..{n - 1}")
+            reduced = [got[b] for b in range(n)]
+            if any(isinstance(c, torch.Tensor) for c in reduced):
+                reduced = _on_host(reduced)
+            if all(c[0] == 0 and c[1] == 0 for c in reduced):
+                self._deferred = None
+                self._agreement.proceed_clean()
+                return None
+            # An anomaly, seen alike by every rank: every rank gathers the rows to name the ranks.
+            _, gathered = self._gather(self._deferred_row(n), async_op=False)
+            self.tabled += 1
+            rows = [_as_bytes(t) for t in gathered]
+            self._rows = (rows, n, p.watched)
+            cells = [tuple(float(x) for x in c) for c in reduced]
+            return self._agreement.decide_table(b"".join(rows), p.world, p.layout, self.step, self.attempt, p.watched, reduced=cells)
         if p.path == "summary":
             d = self._agreement.decide_summary(
                 _as_bytes(parts[0]), _as_bytes(parts[1]), p.world, p.layout, self.step, self.attempt, p.watched

@@ -14,8 +14,15 @@ bucket), then starts the bucket's all-reduce as DDP does without a hook (scale b
 clean run is bitwise plain DDP. `fp16_compress_hook` / `bf16_compress_hook` do the same with DDP's
 compression (the compressed bucket is what is scanned, so a value the cast overflows is caught).
 
-At the last bucket the rank's row (its cells, loss, loss scale, replica checksum) becomes its
-contribution to the runtime's O(buckets) agreement summary (`collectives/src/agreement/`), which
+On the scan path (the default where a healthy update needs no per-rank values: `Guard.scans`) that
+is all the hook adds: each rank scans the reduced sums its all-reduces return, which are the same on
+every rank and finite only when every rank's gradients were (NaN and Inf survive a sum), so the scan
+is the agreed verdict with no collective of the guard's; on an anomaly every rank all-gathers the
+rows, and the table names the rank, bucket, parameter and element.
+
+Elsewhere, at the last bucket the rank's row (its cells, loss, loss scale, replica checksum) rides
+the last bucket's all-reduce (2 ranks) or becomes its contribution to the runtime's O(buckets)
+agreement summary (`collectives/src/agreement/`), which
 two small all-reduces (SUM, MAX of int64 words) combine. `Guard.verdict()` (called by
 `GuardedOptimizer.step`) waits for them and decides from the summary when it shows nothing wrong;
 otherwise every rank all-gathers the rows and decides from the full table, which names the rank,
@@ -69,6 +76,7 @@ from gradbus.guard import (  # noqa: F401  (the public names of gradbus.torch, d
     apply_verdict,
     describe,
     quarantined,
+    health_f32,
     peak,
     replica_checksum,
 )
@@ -100,10 +108,14 @@ class Guard(GuardCore):
         ranks (checked one update late) and the runtime's outlier rule on each rank's local
         gradients (rerun, then the policy). Needs `names`; reruns and repairs need the
         `attempts()` loop.
-    agreement: "auto" (the runtime's cost model picks, for this world size and bucket count, the
-        cheaper of the two below, as `gradbus run` does: the table for small jobs, the summary at
-        scale), "summary" (the O(buckets) summary; the table only on an anomaly) or "table" (the
-        per-rank table on every update). The verdicts and reports are the same on every path.
+    agreement: "auto" (the scan path where nothing needs every rank's row on a healthy update:
+        each rank scans the reduced sums it receives, the rows are all-gathered only on an anomaly,
+        no collective of the guard's (`Guard.scans`); elsewhere at 2 ranks the rows ride the last
+        bucket's all-reduce, and at more the runtime's cost model picks, for this world size and
+        bucket count, the cheaper of the two below, as `gradbus run` does: the table for small jobs,
+        the summary at scale), "ride" (the rows ride the last bucket's all-reduce on every update),
+        "summary" (the O(buckets) summary; the table only on an anomaly) or "table" (the per-rank
+        table on every update). The verdicts and reports are the same on every path.
     watch_policy: what a watched quantity (`watch`) forecast to reach its ceiling does: "warn" (a
         line in run_dir/warnings.jsonl and the log) or "stop" (also: past the stop threshold, call
         `on_stop` and raise `OverflowAhead` on every rank before the optimizer step).
@@ -112,6 +124,7 @@ class Guard(GuardCore):
     """
 
     RIDES = True
+    SCANS = True
     SDC = True
 
     def __init__(self, policy: str = "abort", names: Any = None, run_dir: Optional[str] = None, process_group: Any = None, **kwargs: Any):
@@ -122,6 +135,7 @@ class Guard(GuardCore):
         # sdc: this update's bucket parameters, the checksums of what each bucket's all-reduce
         # returned (taken in its future's callback), and what the next row carries.
         self._bucket_params: Dict[int, List[torch.Tensor]] = {}
+        self._in_place: Dict[int, bool] = {}
         self._returned: Dict[int, int] = {}
         self._consumed: Optional[List[int]] = None
         self._hashed: Optional[Tuple[List[int], int]] = None
@@ -224,8 +238,11 @@ class Guard(GuardCore):
             for j, p in enumerate(params):
                 named = self._params.get(id(p))
                 entries.append((named[1] if named is not None else f"bucket{b}.param{j}", p.numel()))
-            known = self._bucket_layouts[key] = (entries, sum(n for _, n in entries))
-        entries, total = known
+            # Whether the scan reads the buffer in place (`health`'s first case): decided once per
+            # layout (DDP keeps a bucket's buffer, dtype and device).
+            in_place = self._scan == "auto" and buf.device.type == "cpu" and buf.dtype == torch.float32 and buf.is_contiguous()
+            known = self._bucket_layouts[key] = (entries, sum(n for _, n in entries), in_place)
+        entries, total, in_place = known
         if total != buf.numel():
             raise RuntimeError(
                 f"gradbus: DDP bucket #{b} holds {buf.numel()} elements but its parameters {total} "
@@ -234,13 +251,19 @@ class Guard(GuardCore):
         # DDP calls the hook after autograd has written every gradient in the bucket, and does not
         # write the bucket until the hook returns.
         self._bucket_params[b] = params
-        self.record(b, entries, self.health(buf), peak(buf, self._scan) if self.sdc else None)
+        self._in_place[b] = in_place
+        self.record(b, entries, health_f32(buf) if in_place else self.health(buf), peak(buf, self._scan) if self.sdc else None)
+
+    def scanned(self, index: int, reduced: torch.Tensor) -> None:
+        # The sum has the bucket's dtype, device and layout (in place, or the cast bucket's).
+        self._reduced[index] = health_f32(reduced) if self._in_place.get(index) else self.health(reduced)
 
 
 def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: tally the bucket's local health, then all-reduce it as DDP does
-    without a hook (mean over ranks); at the last bucket, start the agreement - or, where the rows
-    ride it (`Guard.rides`), append every rank's row to the last bucket's all-reduce.
+    without a hook (mean over ranks); on the scan path (`Guard.scans`) scan each sum as it arrives
+    and nothing else; else at the last bucket start the agreement - or, where the rows ride it
+    (`Guard.rides`), append every rank's row to the last bucket's all-reduce.
     Register with `ddp.register_comm_hook(guard, gradbus.torch.allreduce_hook)`."""
     guard._tally_bucket(bucket)
     pg = guard.process_group
@@ -251,15 +274,20 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
     # is not a power of two), so that a guarded clean run is bitwise the run without any hook.
     b = bucket.index()
 
+    scans = guard.scans()
+
     def returned(t: torch.Tensor) -> torch.Tensor:
-        guard._returned_sum(b, t)
+        if scans:
+            guard.scanned(b, t)  # the verdict: every rank receives the same sum
+        elif guard.sdc:
+            guard._returned_sum(b, t)
         return t
 
-    if not (bucket.is_last() and guard.rides(world)):
+    if scans or not (bucket.is_last() and guard.rides(world)):
         buf.mul_(1.0 / world)
         fut = dist.all_reduce(buf, group=pg, async_op=True).get_future().then(lambda f: returned(f.value()[0]))
         if bucket.is_last():
-            guard.exchange(bucket.index() + 1)
+            guard.scan_sums(b + 1) if scans else guard.exchange(b + 1)
         return fut
     n = buf.numel()
     flat = guard.ride_buffer(n + guard.ride_len(bucket.index() + 1, world, buf.dtype), buf.dtype, buf.device)
@@ -280,7 +308,8 @@ def _compress_hook(dtype: torch.dtype, guard: Guard, bucket: dist.GradBucket) ->
     buffer = bucket.buffer()
     n = buffer.numel()
     world = guard.world
-    riding = bucket.is_last() and guard.rides(world)
+    scans = guard.scans()
+    riding = not scans and bucket.is_last() and guard.rides(world)
     extra = guard.ride_len(bucket.index() + 1, world, dtype) if riding else 0
     flat = guard.ride_buffer(n + extra, dtype, buffer.device) if riding else torch.empty(n, dtype=dtype, device=buffer.device)
     compressed = flat[:n]
@@ -291,6 +320,8 @@ def _compress_hook(dtype: torch.dtype, guard: Guard, bucket: dist.GradBucket) ->
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(fut.value()[0][:n])
+        if scans:
+            guard.scanned(bucket.index(), buffer)  # the cast sum widened: Inf and NaN stay
         guard._returned_sum(bucket.index(), buffer)
         return buffer
 
@@ -298,7 +329,10 @@ def _compress_hook(dtype: torch.dtype, guard: Guard, bucket: dist.GradBucket) ->
     if pending is not None:
         pending.works.append(work)
     elif bucket.is_last():
-        guard.exchange(bucket.index() + 1)
+        if scans:
+            guard.scan_sums(bucket.index() + 1)
+        else:
+            guard.exchange(bucket.index() + 1)
     return work.get_future().then(decompress)
 
 

@@ -146,8 +146,16 @@ fn neutral(buckets: usize) -> Vec<Health> {
     vec![Health::default(); buckets]
 }
 
-/// The gathered table (`world` rows of `shape(buckets, watched)`) as the runtime's `HealthTable`.
-fn decode_table(table: &[u64], world: usize, buckets: usize, watched: usize) -> Result<HealthTable, String> {
+/// The gathered table (`world` rows of `shape(buckets, watched)`) as the runtime's `HealthTable`;
+/// `reduced`: each reduced bucket's health where the caller scanned the sums (the `scan` path),
+/// else neutral.
+fn decode_table(
+    table: &[u64],
+    world: usize,
+    buckets: usize,
+    watched: usize,
+    reduced: Option<Vec<Health>>,
+) -> Result<HealthTable, String> {
     let n = shape(buckets, watched).len();
     if world == 0 || table.len() != world * n {
         return Err(format!(
@@ -165,7 +173,14 @@ fn decode_table(table: &[u64], world: usize, buckets: usize, watched: usize) -> 
         row[at] = replica_word(row[at], &reduced);
     }
     let rows = shape(buckets, watched).rows(&judged)?;
-    Ok(table_of(&rows, &values(watched), unreduced(buckets), None))
+    let mut r = unreduced(buckets);
+    if let Some(health) = reduced {
+        if health.len() != buckets {
+            return Err(format!("{} reduced buckets' health for {buckets} buckets", health.len()));
+        }
+        r.health = health;
+    }
+    Ok(table_of(&rows, &values(watched), r, None))
 }
 
 /// The reduced part every rank contributes alike (see the module doc): neutral health, no
@@ -195,7 +210,9 @@ fn ddp_layout(buckets: &[Vec<(String, usize)>]) -> Layout {
 }
 
 /// Health of `numel` f32 at address `ptr` (a CPU tensor's `data_ptr()`), scanned in place by the
-/// runtime's fused kernel: (nan, inf, sumsq, first_bad or None). The GIL is released meanwhile.
+/// runtime's fused kernel: (nan, inf, sumsq, first_bad or None). The GIL is released meanwhile when
+/// the scan is long (`DETACH_AT` elements and more; a short one holds it: handing the GIL over and
+/// back costs more than it lets another thread do).
 ///
 /// The caller (`gradbus.torch`) guarantees what the `SAFETY` comment below needs: the tensor is a
 /// contiguous float32 CPU tensor of `numel` elements that it keeps alive (it holds a reference) for
@@ -212,16 +229,20 @@ fn scan_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<(u64, u64, f64
         )));
     }
     let addr = ptr;
-    let h = py.detach(move || {
+    let scan = move || {
         // SAFETY: `addr` is non-null and f32-aligned (checked above); the caller guarantees that it
         // points at `numel` initialised f32 of a live, contiguous CPU tensor that it keeps alive for
         // this call and that nothing writes while the hook runs (see the function's doc). The slice
         // is only read, and does not outlive the call.
         let x = unsafe { std::slice::from_raw_parts(addr as *const f32, numel) };
         health_scan(x)
-    });
+    };
+    let h = if numel >= DETACH_AT { py.detach(scan) } else { scan() };
     Ok((h.nan, h.inf, h.sumsq, h.first_bad))
 }
+
+/// Elements from which `scan_f32` releases the GIL: 1M f32, ~0.1 ms of scanning.
+const DETACH_AT: usize = 1 << 20;
 
 /// The runtime's replica checksum (`gradbus_kernels::Checksum`, the hash the runtime's AdamW pass
 /// computes) of `numel` f32 at address `ptr` (a CPU tensor's `data_ptr()`), read in place with the
@@ -831,8 +852,11 @@ impl Agreement {
     }
 
     /// The decision from the gathered table (`world` rows of `contribute`'s row, concatenated, as
-    /// bytes); records it in the history.
-    #[pyo3(signature = (table, world, layout, step, attempt, watched=0))]
+    /// bytes); records it in the history. `reduced`: per bucket, the health of the reduced sum as
+    /// every rank scanned it alike ((nan, inf, sumsq, first_bad or -1), the `scan` path's), so that
+    /// a sum that overflowed from finite inputs is judged as one; None: not scanned.
+    #[pyo3(signature = (table, world, layout, step, attempt, watched=0, reduced=None))]
+    #[allow(clippy::too_many_arguments)]
     fn decide_table(
         &mut self,
         table: &[u8],
@@ -841,14 +865,31 @@ impl Agreement {
         step: u64,
         attempt: u32,
         watched: usize,
+        reduced: Option<Vec<[f64; 4]>>,
     ) -> PyResult<Decision> {
         let layout = self.layout(layout)?;
         let w = words(table, "health table").map_err(PyValueError::new_err)?;
         let buckets = layout.buckets.len();
-        let t = decode_table(&w, world, buckets, watched).map_err(PyValueError::new_err)?;
+        let reduced = match reduced {
+            Some(cells) => Some(
+                cells.into_iter().enumerate().map(|(b, c)| cell_health(c, b)).collect::<Result<Vec<_>, _>>(),
+            ),
+            None => None,
+        };
+        let reduced = reduced.transpose().map_err(PyValueError::new_err)?;
+        let t = decode_table(&w, world, buckets, watched, reduced).map_err(PyValueError::new_err)?;
         let n = shape(buckets, watched).len();
         let rows = w.chunks_exact(n).map(|r| decode_row(r, buckets, watched)).collect::<Result<Vec<_>, _>>();
         self.judge(&t, &rows.map_err(PyValueError::new_err)?, &layout, step, attempt)
+    }
+
+    /// A first attempt decided "proceed" without any exchange (the `scan` path: every rank scanned
+    /// the same reduced sums and found them finite, so every rank's input was finite): recorded in
+    /// the history as the table paths record a proceed, so that the skip policy's bounds count it.
+    /// Only where nothing else needs the table: no spike detection, no outlier rule, no replica
+    /// check, no rerun in progress (the caller's conditions, `GuardCore._scans`).
+    fn proceed_clean(&mut self) {
+        self.judge.history.proceeded();
     }
 
     /// Updates skipped so far.

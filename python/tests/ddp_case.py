@@ -110,7 +110,8 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
         torch.cuda.set_device(0)  # every rank on the one GPU (gloo copies through the host)
     dist.init_process_group(case.get("backend", "gloo"), rank=rank, world_size=world, timeout=timedelta(seconds=120))
     out = {"losses": [], "verdicts": [], "snapshots": [], "error": None, "report": None, "buckets": [],
-           "scales": [], "overflows": [], "skips": [], "tabled": 0, "paths": [], "row_losses": []}
+           "scales": [], "overflows": [], "skips": [], "tabled": 0, "paths": [], "row_losses": [],
+           "verdict_losses": []}
     try:
         net = model().to(device=device, dtype=getattr(torch, case.get("dtype", "float32")))
         ddp = DDP(net, bucket_cap_mb=case.get("bucket_cap_mb", 0.25))
@@ -159,6 +160,7 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
                     out["overflows"].append(v.overflow)
                     out["buckets"].append(guard.buckets)
                     out["paths"].append(guard.path)
+                    out["verdict_losses"].append(v.loss)
                     # Every rank's loss as its row carried it (when the rows were gathered or rode).
                     out["row_losses"].append(None if guard.rows is None else [row.loss for row in guard.rows])
                 elif scaler is not None:

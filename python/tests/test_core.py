@@ -27,6 +27,8 @@ def planted(n, bad, seed=0):
         (5000, [(4097, float("nan"))]),
         (3000, [(2999, float("inf")), (17, float("-inf")), (1500, float("nan"))]),
         (2048, [(0, float("nan")), (1, float("nan"))]),
+        # Past DETACH_AT (1M elements): the scan runs with the GIL released.
+        ((1 << 20) + 3, [((1 << 20) + 1, float("-inf"))]),
     ],
 )
 def test_rust_scan_reads_the_tensor_in_place_and_agrees_with_the_torch_scan(n, bad):
@@ -125,6 +127,40 @@ def test_agreement_names_rank_bucket_param_and_element():
     # Bucket 0: element 45 of the bucket is head.bias[5].
     d = gradbus.Agreement("abort").decide_table(row([(1.0, 0.0, 0.0, 45.0), OK]), 1, LAYOUT, 0, 0)
     assert (json.loads(d.report)["param"], json.loads(d.report)["element"]) == ("head.bias", 5)
+
+
+def test_the_scan_paths_reduced_sums_judge_a_sum_that_overflowed_from_finite_rows():
+    # The scan path passes the reduced sums' health: every rank's gradients finite, a reduced bucket
+    # not - the sum overflowed, named by its bucket and first element (bucket 1 starts at 48).
+    rows = [row([OK, OK]), row([OK, OK], loss=0.25)]
+    reduced = [OK, (0.0, 2.0, 0.0, 17.0)]
+    d = gradbus.Agreement("abort").decide_table(b"".join(rows), 2, LAYOUT, 5, 0, reduced=reduced)
+    r = json.loads(d.report)
+    assert (d.action, r["cause"], r["ranks"], r["bucket"], r["param"], r["element"], r["inf"]) == (
+        "abort", "sum_overflow", [], 1, "mid.weight", 17, 2)
+    # Finite sums: the rows alone decide, as without `reduced`.
+    clean = gradbus.Agreement("abort").decide_table(b"".join(rows), 2, LAYOUT, 5, 0, reduced=[OK, OK])
+    assert (clean.action, clean.report, clean.loss) == ("proceed", None, 0.375)
+    with pytest.raises(ValueError, match="1 reduced buckets' health for 2 buckets"):
+        gradbus.Agreement("abort").decide_table(b"".join(rows), 2, LAYOUT, 5, 0, reduced=[OK])
+
+
+def test_a_clean_proceed_counts_in_the_skip_policys_bounds():
+    # `proceed_clean` (the scan path's healthy update) ends a run of skips as a table's proceed does:
+    # skip, skip, clean, skip, skip stays within max_consecutive=2; without the clean proceed the
+    # third skip in a row aborts.
+    bad = row([(1.0, 0.0, 0.0, 3.0), OK])
+    a = gradbus.Agreement("skip", max_consecutive=2, max_fraction=1.0, window=100)
+    actions = []
+    for step in range(5):
+        if step == 2:
+            a.proceed_clean()
+            actions.append("proceed")
+        else:
+            actions.append(a.decide_table(bad, 1, LAYOUT, step, 0).action)
+    assert actions == ["skip", "skip", "proceed", "skip", "skip"] and a.consecutive_skips == 2 and a.skipped == 4
+    b = gradbus.Agreement("skip", max_consecutive=2, max_fraction=1.0, window=100)
+    assert [b.decide_table(bad, 1, LAYOUT, s, 0).action for s in range(3)] == ["skip", "skip", "abort"]
 
 
 def test_the_summary_path_decides_healthy_updates_as_the_table_path_bit_for_bit():

@@ -27,7 +27,16 @@ def test_clean_run_is_plain_ddp_bitwise(tmp_path):
     guarded = run(3, {"steps": 4, "guard": guard}, str(tmp_path / "guarded"))
     # The default, agreement="auto": the cost model's path for 3 ranks and these buckets, the same bits.
     auto = run(3, {"steps": 4, "guard": dict(guard, agreement="auto")}, str(tmp_path / "auto"))
+    # The default without a replica check: the scan path, no collective of the guard's on any update
+    # (nothing is appended to DDP's all-reduces: its bits at any world size), no loss exchanged.
+    scan = run(3, {"steps": 4, "guard": {"policy": "abort"}}, str(tmp_path / "scan"))
     for r in range(3):
+        s = scan[r]
+        assert s["error"] is None and s["verdicts"] == ["proceed"] * 4 and s["paths"] == ["scan"] * 4
+        assert s["tabled"] == 0 and s["row_losses"] == [None] * 4 and s["verdict_losses"] == [None] * 4
+        assert s["losses"] == plain[r]["losses"]
+        for a, b in zip(plain[r]["snapshots"], s["snapshots"]):
+            assert same_state(a, b), f"rank {r}: the scan path's weights or Adam state differ from plain DDP"
         assert guarded[r]["error"] is None
         assert guarded[r]["tabled"] == 0, "healthy updates are decided from the summary alone"
         assert guarded[r]["paths"] == ["summary"] * 4
@@ -75,8 +84,13 @@ def test_at_two_ranks_the_rows_ride_the_last_buckets_all_reduce_and_the_run_is_d
         ({"rank": 1, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"}, "auto", "table"),
         # The rows riding the last bucket's all-reduce (forced at 3 ranks): the same report.
         ({"rank": 2, "step": 1, "param": "inp.bias", "element": 7, "value": "inf"}, "auto", "ride"),
+        # The scan path (the default without spike detection, sdc, watches or a replica check): the
+        # reduced sums' scan finds the anomaly on every rank alike, and the rows gathered then name it.
+        ({"rank": 1, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"}, "auto", "auto"),
+        ({"rank": 0, "step": 3, "param": "head.weight", "element": 4095, "value": "-inf"}, "torch", "auto"),
     ],
-    ids=["nan-mid-rank1", "inf-first-layer-rank2", "neg-inf-head-rank0-torch-scan", "nan-mid-rank1-table", "inf-rank2-ride"],
+    ids=["nan-mid-rank1", "inf-first-layer-rank2", "neg-inf-head-rank0-torch-scan", "nan-mid-rank1-table", "inf-rank2-ride",
+         "nan-mid-rank1-scan", "neg-inf-head-rank0-torch-scan-path"],
 )
 def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path, plant, scan, agreement):
     run_dir = tmp_path / "run"
@@ -85,6 +99,8 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
     errors = {r["error"] for r in res}
     assert len(errors) == 1 and None not in errors, f"every rank raises the same error: {errors}"
     assert all(len(r["verdicts"]) == plant["step"] for r in res), "every rank stopped at the same update"
+    if agreement == "auto":
+        assert all(r["paths"] == ["scan"] * plant["step"] for r in res), [r["paths"] for r in res]
     report = json.loads((run_dir / "report.json").read_text())
     assert all(r["report"] == report for r in res), "the exception carries report.json's content"
     assert set(report) == REPORT_KEYS
