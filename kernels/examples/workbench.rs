@@ -31,8 +31,10 @@
 //! parameters and 2 ranks, beside the same kernels without it, alternated in this one process: the
 //! weights read back and hashed (the replica checksum, a pass of its own), the optimizer's scaling
 //! pass that hashes what it reads (`scale_and_checksum` against `scale`), and this rank's half of
-//! the bucket reduce with each source's peak and the checksum of its chunk of the sum
-//! (`reduce_with_peaks`, which hashes the sum as it writes it, against `reduce_in_place`).
+//! the bucket reduces with each source's peak and the checksum of its chunk of the sum
+//! (`reduce_with_peaks`, which hashes the sum as it writes it, against `reduce_in_place`), both in
+//! the run's pieces (a reducer's chunk of a 64 KiB bucket: 8,192 words, each piece's hash finished,
+//! `finish_all`).
 //!
 //! `simd`: the path the kernels take here and every level this CPU runs (one line each), for scripts
 //! to print beside their numbers.
@@ -40,12 +42,16 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use gradbus_kernels::checksum::{checksum, scale_and_checksum, Checksum};
+use gradbus_kernels::checksum::{checksum, finish_all, scale_and_checksum, Checksum};
 use gradbus_kernels::ops::matmul::gemm_tiles;
 use gradbus_kernels::ops::{adamw_update, matmul_backward, matmul_forward};
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::simd::{self, Level};
 use gradbus_kernels::{reduce_in_place, reduce_with_peaks, Health, Peak};
+
+/// Words per piece of the `sdc` table's hashed passes: a reducer's chunk of a bucket in the run
+/// (`bucket_bytes = 65536`: 16,384 words per bucket, 2 reducers).
+const PIECE: usize = 8192;
 
 /// Best time of `rounds` rounds of `iters` calls, in seconds per call.
 fn best(rounds: usize, iters: usize, mut f: impl FnMut()) -> f64 {
@@ -142,8 +148,17 @@ fn bench_sdc(sizes: &[usize]) {
     for &n in sizes {
         let p = randn(&mut rng, n, 0.02);
         let mut g = randn(&mut rng, n, 1e-3);
-        // This rank's chunk of a 2-rank reduce: half the buffer, from 2 sources.
+        // This rank's chunk of a 2-rank reduce: half the buffer, from 2 sources, reduced and hashed
+        // in pieces of PIECE words as the run does (its reducer chunks), the hashes finished together.
         let half = n / 2;
+        let pieces: Vec<_> = (0..n)
+            .step_by(2 * PIECE)
+            .map(|i| i..(i + 2 * PIECE).min(n))
+            .flat_map(|b| {
+                let mid = b.start + (b.len() / 2);
+                [b.start..mid, mid..b.end]
+            })
+            .collect();
         let (mut a, mut b) = (randn(&mut rng, half, 1e-3), randn(&mut rng, half, 1e-3));
         // Short rounds, many of them: a round of ~0.1-1 ms is seldom preempted on a busy machine.
         let iters = (200_000 / n.max(1)).clamp(1, 50);
@@ -165,25 +180,26 @@ fn bench_sdc(sizes: &[usize]) {
             // Scaling by 1.0 leaves the gradients as they are, round after round.
             t_scale = t_scale.min(best(1, iters, || gradbus_kernels::ops::scale(black_box(&mut g), black_box(1.0))));
             t_scale_hash = t_scale_hash.min(best(1, iters, || {
-                black_box(scale_and_checksum(black_box(&mut g), black_box(1.0), &[0..n]));
+                black_box(scale_and_checksum(black_box(&mut g), black_box(1.0), &pieces));
             }));
             t_copy = t_copy.min(best(1, iters, || fresh(&mut a, &mut b)));
             t_reduce = t_reduce.min(best(1, iters, || {
                 fresh(&mut a, &mut b);
-                let mut tally = [Health::default(); 2];
-                black_box(reduce_in_place(&mut [&mut a[..], &mut b[..]], &mut tally));
+                for (a, b) in a.chunks_mut(PIECE).zip(b.chunks_mut(PIECE)) {
+                    let mut tally = [Health::default(); 2];
+                    black_box(reduce_in_place(&mut [a, b], &mut tally));
+                }
             }));
             t_reduce_sdc = t_reduce_sdc.min(best(1, iters, || {
                 fresh(&mut a, &mut b);
-                let (mut tally, mut peaks, mut hash) = ([Health::default(); 2], [Peak::default(); 2], Checksum::new());
-                black_box(reduce_with_peaks(
-                    &mut [&mut a[..], &mut b[..]],
-                    &mut tally,
-                    &mut peaks,
-                    None,
-                    Some(&mut hash),
-                ));
-                black_box(hash.finish());
+                let mut hashes = Vec::new();
+                for (a, b) in a.chunks_mut(PIECE).zip(b.chunks_mut(PIECE)) {
+                    let (mut tally, mut peaks, mut hash) =
+                        ([Health::default(); 2], [Peak::default(); 2], Checksum::new());
+                    black_box(reduce_with_peaks(&mut [a, b], &mut tally, &mut peaks, None, Some(&mut hash)));
+                    hashes.push(hash);
+                }
+                black_box(finish_all(&hashes));
             }));
         }
         let (t_reduce, t_reduce_sdc) = (t_reduce - t_copy, t_reduce_sdc - t_copy);

@@ -150,14 +150,42 @@ pub fn scale_and_checksum(x: &mut [f32], s: f32, ranges: &[std::ops::Range<usize
         && ranges.windows(2).all(|w| w[0].end == w[1].start)
         && ranges.last().is_none_or(|r| r.end == x.len());
     assert!(tiled, "ranges {ranges:?} must tile a buffer of {}", x.len());
-    ranges
-        .iter()
-        .map(|r| {
-            let mut c = Checksum::new();
-            c.update_and_scale(&mut x[r.clone()], s);
-            c.finish()
-        })
-        .collect()
+    let mut hashes = Vec::with_capacity(ranges.len());
+    for group in ranges.chunks(FOLDS) {
+        let states: Vec<Checksum> = group
+            .iter()
+            .map(|r| {
+                let mut c = Checksum::new();
+                c.update_and_scale(&mut x[r.clone()], s);
+                c
+            })
+            .collect();
+        hashes.extend(finish_all(&states));
+    }
+    hashes
+}
+
+/// States [`finish_all`] finishes side by side.
+const FOLDS: usize = 8;
+
+/// `finish` of each state, in order, `FOLDS` at a time with their folds' chains interleaved: one
+/// fold is 128 dependent mixer steps (~0.45 us on the 2-core AMD EPYC, more than hashing 4,096
+/// words), and independent ones run side by side in about the time of two. The same values as
+/// `finish`, one at a time.
+pub fn finish_all(states: &[Checksum]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(states.len());
+    for group in states.chunks(FOLDS) {
+        // A short group repeats its last state (those values are dropped).
+        let g: [&Checksum; FOLDS] = std::array::from_fn(|i| &group[i.min(group.len() - 1)]);
+        let mut h: [u64; FOLDS] = std::array::from_fn(|i| FOLD_SEED ^ g[i].len);
+        for l in 0..LANES {
+            for (h, c) in h.iter_mut().zip(g) {
+                *h = mix64(*h ^ c.lanes[l] as u64);
+            }
+        }
+        out.extend_from_slice(&h[..group.len()]);
+    }
+    out
 }
 
 /// One value for consecutive pieces' checksums, in their order (a bucket's chunks, as its reducers
@@ -166,9 +194,12 @@ pub fn combine(hashes: &[u64]) -> u64 {
     hashes.iter().fold(0x2545_f491_4f6c_dd1du64 ^ hashes.len() as u64, |h, &x| mix64(h ^ x))
 }
 
+/// The fold's initial value (xor the length).
+const FOLD_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
+
 /// Fold the lanes, in lane order, into one 64-bit value (splitmix64's bijective finaliser per step).
 pub fn fold(lanes: &[u32; LANES], len: u64) -> u64 {
-    let mut h = 0x9e37_79b9_7f4a_7c15u64 ^ len;
+    let mut h = FOLD_SEED ^ len;
     for &l in lanes {
         h = mix64(h ^ l as u64);
     }

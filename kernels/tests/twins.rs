@@ -142,6 +142,19 @@ fn checksum_matches_reference_in_any_pieces() {
         assert!(p.absorbed() <= n);
         assert_eq!(p.finish(&x), want, "n={n} by a prefix");
     }
+    // Many states finished side by side: each one's own `finish` (groups of 8 and a short one).
+    for count in [0, 1, 7, 8, 9, 20] {
+        let states: Vec<Checksum> = (0..count)
+            .map(|_| {
+                let mut c = Checksum::new();
+                let len = rng.below(3 * LANES);
+                c.update(&gradients(&mut rng, len, true));
+                c
+            })
+            .collect();
+        let one_by_one: Vec<u64> = states.iter().map(|c| c.finish()).collect();
+        assert_eq!(gradbus_kernels::checksum::finish_all(&states), one_by_one, "{count} states");
+    }
 }
 
 #[test]
@@ -172,8 +185,8 @@ fn scale_and_checksum_hashes_each_range_as_read_and_scales_like_scale() {
     let mut rng = Rng::new(&[29, 1]);
     for &n in &[0, 1, 15, 100, 8192, 8193, 40_003] {
         let x = gradients(&mut rng, n, true);
-        // Random cuts into tiling ranges, some of them empty.
-        let mut cuts: Vec<usize> = (0..4).map(|_| rng.below(n + 1)).collect();
+        // Random cuts into 21 tiling ranges (3 groups of finishes), some of them empty.
+        let mut cuts: Vec<usize> = (0..20).map(|_| rng.below(n + 1)).collect();
         cuts.extend([0, n]);
         cuts.sort_unstable();
         let ranges: Vec<_> = cuts.windows(2).map(|w| w[0]..w[1]).collect();

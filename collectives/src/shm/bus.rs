@@ -6,9 +6,10 @@ use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
-use gradbus_kernels::checksum::{combine, Checksum};
+use gradbus_kernels::checksum::{combine, finish_all, Checksum};
 use gradbus_kernels::{reduce_with_peaks, Health, Peak};
 use memmap2::MmapRaw;
 
@@ -48,6 +49,10 @@ pub struct ShmBus {
     /// Whether a validated reduce also tallies the sources' peaks and hashes its chunk of the sum
     /// (the silent-data-corruption guard's inputs; [`ShmBus::set_sdc_tallies`]).
     sdc_tallies: bool,
+    /// Per bucket, this rank's chunk of the sum as its last reduce since the last agreement hashed
+    /// it, not yet finished: `agree` finishes them side by side (`checksum::finish_all`: a finish
+    /// is 128 dependent steps, one per bucket would cost more than the hashing) and publishes them.
+    pending_hashes: Mutex<Vec<Option<Checksum>>>,
     /// Called by a waiting rank in its liveness check of peer `j`, between the loads that can end
     /// the wait and the reload of `j`'s arrival (a test's way to run a peer inside that window).
     #[cfg(test)]
@@ -85,6 +90,7 @@ impl ShmBus {
             let (f, m) = attach(&cfg, &path, &geo, start)?;
             (f, m, false)
         };
+        let pending_hashes = Mutex::new(vec![None; geo.buckets]);
         let mut bus = ShmBus {
             cfg,
             path,
@@ -98,6 +104,7 @@ impl ShmBus {
             agreement,
             inside_reduce: None,
             sdc_tallies: true,
+            pending_hashes,
             #[cfg(test)]
             in_liveness_check: None,
         };
@@ -328,12 +335,15 @@ impl ShmBus {
         let (n, me) = (self.geo.n, self.cfg.local_rank);
         let mut tally = vec![Health::default(); n];
         let mut peaks = vec![Peak::default(); if self.sdc_tallies { n } else { 0 }];
-        // The reference of this chunk of the sum: its checksum as written (each block while in cache).
+        // The reference of this chunk of the sum: its checksum as written (each block while in
+        // cache), finished and published by `agree` (0 when not hashed: unknown).
         let mut hash = self.sdc_tallies.then(Checksum::new);
         let sum = reduce_with_peaks(slices, &mut tally, &mut peaks, to, hash.as_mut());
-        let hash = hash.map_or(0, |c| c.finish());
         let words = self.entry_words(self.update % 2, bucket, me);
-        words[0].store(hash, Ordering::Relaxed);
+        match hash {
+            Some(c) => self.pending_hashes.lock().expect("no panic holds it")[bucket] = Some(c),
+            None => words[0].store(0, Ordering::Relaxed),
+        }
         for (k, w) in words[1..].iter().enumerate() {
             let peak = peaks.get(k).map(|p| (p.value, start as u64 + p.at));
             w.store(peak_word(peak), Ordering::Relaxed);
@@ -396,6 +406,14 @@ unsafe impl Transport for ShmBus {
         );
         for (w, v) in self.report_cell(parity, me).iter().zip(local.to_words()) {
             w.store(v, Ordering::Relaxed);
+        }
+        // This rank's reduced chunks' hashes, finished together.
+        let (buckets, states): (Vec<usize>, Vec<Checksum>) = {
+            let mut pending = self.pending_hashes.lock().expect("no panic holds it");
+            pending.iter_mut().enumerate().filter_map(|(b, c)| Some(b).zip(c.take())).unzip()
+        };
+        for (b, hash) in buckets.into_iter().zip(finish_all(&states)) {
+            self.entry_words(parity, b, me)[0].store(hash, Ordering::Relaxed);
         }
         // This rank's own row (its cells of every reducer's chunk: O(local ranks x buckets)) goes
         // beside its report, so that every rank reads every rank's statistics in O(ranks x buckets).
