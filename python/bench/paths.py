@@ -7,9 +7,13 @@ scanned and no rows on a healthy update; `ride`: the rows in the last bucket's a
 one all-gather; `summary`: two all-reduces), alternated in rounds of `--iters`
 updates (forward, backward, step). Rank 0 prints per update the wall time and its process's CPU
 time (its own and its gloo threads': a busy machine disturbs it less than the wall), the medians of
-the rounds, and each against the hook's. A benchmark: asserts nothing.
+the rounds, each against the hook's, and the median of the per-round ratios (each variant against
+the hook's rounds next to it in time, which a machine whose speed drifts disturbs less) with their
+quartiles, and the ratio of the fastest rounds (another machine's load only adds time: the least
+disturbed round of each). `--control` adds `allreduce_hook` a second time: its ratios show what the machine's own
+noise makes of the same code. A benchmark: asserts nothing.
 
-Usage: paths.py [--world 2] [--width 256] [--iters 200] [--rounds 7]
+Usage: paths.py [--world 2] [--width 256] [--iters 200] [--rounds 7] [--paths auto,ride,table,summary] [--control]
 """
 
 import argparse
@@ -29,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 PATHS = ("auto", "ride", "table", "summary")
 
 
-def worker(rank, world, port, width, iters, rounds, q):
+def worker(rank, world, port, width, iters, rounds, paths, control, q):
     import gradbus.torch as gbt
 
     torch.set_num_threads(1)
@@ -49,7 +53,8 @@ def worker(rank, world, port, width, iters, rounds, q):
         return ddp, gbt.GuardedOptimizer(opt, g), g
 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
-    variants = {"allreduce_hook": build(None), **{p: build(p) for p in PATHS}}
+    variants = {"allreduce_hook": build(None), **({"control": build(None)} if control else {}),
+                **{p: build(p) for p in paths}}
 
     def update(ddp, opt, g):
         opt.zero_grad()
@@ -71,8 +76,8 @@ def worker(rank, world, port, width, iters, rounds, q):
             wall[k].append((time.perf_counter() - t0) * 1e6 / iters)
             cpu[k].append((time.process_time() - c0) * 1e6 / iters)
     if rank == 0:
-        q.put(({k: statistics.median(w) for k, w in wall.items()}, {k: statistics.median(c) for k, c in cpu.items()},
-               sum(p.numel() for p in variants["auto"][0].parameters()), variants["auto"][2].path))
+        q.put((wall, cpu, sum(p.numel() for p in variants["allreduce_hook"][0].parameters()),
+               variants["auto"][2].path if "auto" in variants else None))
     dist.destroy_process_group()
 
 
@@ -82,21 +87,32 @@ def main():
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--paths", default=",".join(PATHS), help="the guard's agreement values to run")
+    ap.add_argument("--control", action="store_true", help="allreduce_hook a second time")
     a = ap.parse_args()
+    paths = [p for p in a.paths.split(",") if p]
+    if not set(paths) <= set(PATHS):
+        ap.error(f"--paths {a.paths}: expected some of {','.join(PATHS)}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, q), nprocs=a.world, join=True,
-                       start_method="spawn")
+    mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, q), nprocs=a.world,
+                       join=True, start_method="spawn")
     wall, cpu, params, path = q.get()
-    print(f"{a.world} ranks, {params} parameters, {a.iters} updates x {a.rounds} rounds; us per update, medians of the rounds; "
-          f"'auto' took the {path} path")
-    print(f"{'variant':>15} {'wall us':>9} {'vs hook':>8} {'CPU us':>9} {'vs hook':>8}")
+    took = f"; 'auto' took the {path} path" if path else ""
+    print(f"{a.world} ranks, {params} parameters, {a.iters} updates x {a.rounds} rounds; us per update, medians of the rounds{took}")
+    print(f"{'variant':>15} {'wall us':>9} {'vs hook':>8} {'CPU us':>9} {'vs hook':>8}   paired wall ratio: median [quartiles]"
+          "   fastest rounds: wall us, vs hook")
+    med = {k: statistics.median(w) for k, w in wall.items()}
+    cmed = {k: statistics.median(c) for k, c in cpu.items()}
     for k in wall:
-        print(f"{k:>15} {wall[k]:>9.1f} {wall[k] / wall['allreduce_hook']:>8.3f} {cpu[k]:>9.1f} "
-              f"{cpu[k] / cpu['allreduce_hook']:>8.3f}")
+        ratios = sorted(x / h for x, h in zip(wall[k], wall["allreduce_hook"]))
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        print(f"{k:>15} {med[k]:>9.1f} {med[k] / med['allreduce_hook']:>8.3f} {cmed[k]:>9.1f} "
+              f"{cmed[k] / cmed['allreduce_hook']:>8.3f}   {statistics.median(ratios):.3f} [{q1:.3f}, {q3:.3f}]"
+              f"   {min(wall[k]):9.1f} {min(wall[k]) / min(wall['allreduce_hook']):.3f}")
 
 
 if __name__ == "__main__":
