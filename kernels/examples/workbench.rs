@@ -29,7 +29,8 @@
 //!
 //! `sdc`: what the silent-data-corruption guard adds to one rank's kernels per update at N
 //! parameters and 2 ranks, beside the same kernels without it, alternated in this one process: the
-//! weights read back and hashed (the replica checksum, a pass of its own), the optimizer's scaling
+//! weights read back and hashed (the replica checksum in a pass of its own, as a GPU runs it; the
+//! CPU run hashes them inside backward, so this is its upper bound), the optimizer's scaling
 //! pass that hashes what it reads (`scale_and_checksum` against `scale`), and this rank's half of
 //! the bucket reduces with each source's peak and the checksum of its chunk of the sum
 //! (`reduce_with_peaks`, which hashes the sum as it writes it, against `reduce_in_place`), both in
@@ -217,7 +218,8 @@ fn bench_sdc(sizes: &[usize]) {
             ms(on - off)
         );
     }
-    println!("# readback: the weights hashed again at the start of an update (the guard only);");
+    println!("# readback: the weights hashed in a pass of their own (a GPU's read-back; on the CPU the run");
+    println!("# hashes them inside backward, from cache: this column is its upper bound);");
     println!("# scale / scale+hash: the optimizer's scaling pass without / with hashing what it reads;");
     println!("# reduce / reduce+sdc: this rank's half of a 2-rank reduce without / with peaks and the");
     println!("# hash of its chunk of the sum; off / on: the sums; added: on - off (the guard's kernels)");
