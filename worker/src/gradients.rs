@@ -74,7 +74,7 @@ pub fn forward_loss<B: Backend, P: Probe>(
 }
 
 /// Backward of the last [`forward_loss`] on `work` into `grads`; given `hash`, it absorbs the
-/// weights as it reads them (`Gpt::backward_hashing`).
+/// weights as it reads them (`Gpt::backward`).
 #[allow(clippy::too_many_arguments)]
 pub fn backward<B: Backend, G: GradSlots<B>, P: Probe>(
     be: &B,
@@ -87,5 +87,5 @@ pub fn backward<B: Backend, G: GradSlots<B>, P: Probe>(
     hash: Option<&mut Prefix>,
 ) {
     let Work { acts, loss } = work;
-    gpt.backward_hashing(be, params, acts, loss.dlogits(be, mb.b, mb.t), grads, probe, hash);
+    gpt.backward(be, params, acts, loss.dlogits(be, mb.b, mb.t), grads, probe, hash);
 }

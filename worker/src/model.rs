@@ -504,26 +504,13 @@ impl Gpt {
     /// Backward pass of the last forward on `acts`. dlogits: (B, T, V); grads: the gradient buffer
     /// (same layout as `params`), ACCUMULATED into, one parameter view at a time; each view is
     /// released, in strictly descending parameter order, as soon as its gradient is final, so the
-    /// buckets it completes can be all-reduced while backward goes on.
-    pub fn backward<B: Backend, G: GradSlots<B>, P: Probe>(
-        &self,
-        be: &B,
-        params: &B::Buf,
-        acts: &mut Activations<B>,
-        dlogits: B::View<'_>,
-        grads: &mut G,
-        probe: &mut P,
-    ) {
-        self.backward_hashing(be, params, acts, dlogits, grads, probe, None)
-    }
-
-    /// [`Gpt::backward`] that, given `hash` and host weights (`Backend::host`), absorbs the weights
-    /// into it as it goes: before it reads a parameter, the flat buffer up to that parameter's end
-    /// (backward reads the parameters in layout order, so each is hashed right before its first read
-    /// and read from cache). The caller finishes the checksum (`Prefix::finish`): the replica
-    /// checksum of the weights as read back, without a pass of its own.
+    /// buckets it completes can be all-reduced while backward goes on. Given `hash` and host weights
+    /// (`Backend::host`), it absorbs the weights into it as it goes: before it reads a parameter, the
+    /// flat buffer up to that parameter's end (backward reads the parameters in layout order, so each
+    /// is hashed right before its first read and read from cache). The caller finishes the checksum
+    /// (`Prefix::finish`): the replica checksum of the weights as read back, without a pass of its own.
     #[allow(clippy::too_many_arguments)]
-    pub fn backward_hashing<B: Backend, G: GradSlots<B>, P: Probe>(
+    pub fn backward<B: Backend, G: GradSlots<B>, P: Probe>(
         &self,
         be: &B,
         params: &B::Buf,
@@ -766,7 +753,7 @@ mod tests {
     }
 
     #[test]
-    fn backward_hashing_gives_the_gradients_and_the_replica_checksum_of_the_weights_it_read() {
+    fn backward_with_a_hash_gives_the_gradients_and_the_replica_checksum_of_the_weights_it_read() {
         // The replica check's read-back taken by backward as it reads each parameter: the same
         // gradients bit for bit, the checksum of the whole buffer (padding too), all but the
         // embeddings absorbed during backward (in layout order), and a flipped weight bit shows.
@@ -784,7 +771,7 @@ mod tests {
             let mut g = vec![0.0; layout.len];
             gpt.forward(&Cpu, &params.to_vec(), &tokens, b, t, &mut acts, &mut NoProbe);
             let mut slots = gradbus_collectives::ParamGrads::new(&mut g, &layout);
-            gpt.backward_hashing(&Cpu, &params.to_vec(), &mut acts, &dlogits[..], &mut slots, &mut NoProbe, hash);
+            gpt.backward(&Cpu, &params.to_vec(), &mut acts, &dlogits[..], &mut slots, &mut NoProbe, hash);
             g.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
         };
         let plain = grads(&params, None);

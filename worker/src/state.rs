@@ -64,7 +64,7 @@ impl<B: Backend> TrainState<B> {
     /// read back: weights that no longer hash to what was last written, a consumed gradient whose
     /// bucket hash differs from the reducers' reference (a reference of 0 is unknown: a transport
     /// that does not hash its sums). `read`: the weights as a pass that read them all since the
-    /// last write absorbed them (`Gpt::backward_hashing`), finished here; `None`: read back now,
+    /// last write absorbed them (`Gpt::backward`), finished here; `None`: read back now,
     /// one pass of its own.
     pub fn self_check(&self, be: &B, read: Option<Prefix>) -> (u64, StateFault) {
         let replica = match (read, be.host(be.all(&self.params))) {

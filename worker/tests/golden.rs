@@ -131,7 +131,7 @@ fn model_and_loss_match_pytorch_golden_file() {
     let want = g["safe.loss"].f32()[0];
     assert!((stats.loss - want).abs() <= TOL_LOSS * want.abs().max(1.0), "loss {} vs PyTorch {want}", stats.loss);
     let mut grads = vec![0.0f32; layout.len];
-    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
+    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe, None);
     let mut failures = Vec::new();
     for (p, s) in specs.iter().enumerate() {
         let e = rel_err(&grads[gpt.param_range(p)], &g[&format!("safe.grad.{}", s.name)].f32());
@@ -153,7 +153,7 @@ fn model_and_loss_match_pytorch_golden_file() {
     assert!(stats.loss.is_finite() && (stats.loss - want).abs() <= TOL_LOSS * want.abs().max(1.0));
     assert!(stats.max_kl_logratio_masked > 88.73, "the planted gap shows in the stats");
     grads.fill(0.0);
-    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
+    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe, None);
     let mut nans = 0;
     for (p, s) in specs.iter().enumerate() {
         let want_nan = g[&format!("roll.grad_is_nan.{}", s.name)].u8();

@@ -186,7 +186,7 @@ fn every_parameter_gradient_matches_f64_central_differences() {
     let logits = gpt.forward(&Cpu, &params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
     let (stats, dlogits) = rl_loss_host(&lc, &logits, &d.inputs(), &mut NoProbe);
     let mut grads = vec![0.0f32; layout.len];
-    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
+    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe, None);
 
     let p64: Vec<f64> = params.iter().map(|&x| x as f64).collect();
     let l64 = loss_f64(&cfg, &gpt, &p64, &d, &lc);
@@ -254,7 +254,7 @@ fn backward_reports_each_parameter_once_descending_and_final() {
     let mut grads = vec![0.0f32; layout.len];
     let mut snap = Snap { gpt: &gpt, snaps: Vec::new() };
     let mut g = ParamGrads::new(&mut grads, &layout);
-    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut g, &mut snap);
+    gpt.backward(&Cpu, &params, &mut acts, &dlogits[..], &mut g, &mut snap, None);
     let order = g.released().to_vec();
     let n = gpt.num_params();
     assert_eq!(order, (0..n).rev().collect::<Vec<_>>());
@@ -277,7 +277,7 @@ fn forward_backward_is_bitwise_repeatable_and_accumulates() {
     let mut run = |grads: &mut Vec<f32>| {
         let logits = gpt.forward(&Cpu, &params, &d.tokens, b, t, &mut acts, &mut NoProbe).to_vec();
         let (st, dl) = rl_loss_host(&LossConfig::default(), &logits, &d.inputs(), &mut NoProbe);
-        gpt.backward(&Cpu, &params, &mut acts, &dl[..], &mut ParamGrads::new(grads, &layout), &mut NoProbe);
+        gpt.backward(&Cpu, &params, &mut acts, &dl[..], &mut ParamGrads::new(grads, &layout), &mut NoProbe, None);
         st.loss
     };
     let (mut g1, mut g2) = (vec![0.0; layout.len], vec![0.0; layout.len]);
@@ -312,7 +312,7 @@ fn bench_forward_backward_calibration_model_b64_t10() {
         let t1 = t0.elapsed().as_secs_f64();
         let (_, dl) = rl_loss_host(&LossConfig::default(), &logits, &d.inputs(), &mut NoProbe);
         grads.fill(0.0);
-        gpt.backward(&Cpu, &params, &mut acts, &dl[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe);
+        gpt.backward(&Cpu, &params, &mut acts, &dl[..], &mut ParamGrads::new(&mut grads, &layout), &mut NoProbe, None);
         fwd = fwd.min(t1);
         total = total.min(t0.elapsed().as_secs_f64());
     }
