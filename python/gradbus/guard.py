@@ -797,14 +797,9 @@ class GuardCore:
             and not (self.replica_every and self.step % self.replica_every == 0)
         )
 
-    def scanned(self, index: int, reduced: torch.Tensor) -> None:
-        """Record the health of bucket `index`'s reduced sum (`reduced`: what its all-reduce
-        returned, on the scan path), called as it completes."""
-        self._reduced[index] = self.health(reduced)
-
     def scan_sums(self, buckets: int) -> None:
         """Start the scan path's agreement over buckets 0..buckets-1: nothing to send; `verdict`
-        reads the reduced sums' health (`scanned`)."""
+        reads the reduced sums' health (the adapter's `scanned`)."""
         _, _, layout, world = self._begin(buckets, deferred=True)
         self.path = "scan"
         self._pending = _Pending("scan", [], [], b"", layout, world, 0)
@@ -952,8 +947,7 @@ class GuardCore:
             self.tabled += 1
             rows = [_as_bytes(t) for t in gathered]
             self._rows = (rows, n, p.watched)
-            cells = [tuple(float(x) for x in c) for c in reduced]
-            return self._agreement.decide_table(b"".join(rows), p.world, p.layout, self.step, self.attempt, p.watched, reduced=cells)
+            return self._agreement.decide_table(b"".join(rows), p.world, p.layout, self.step, self.attempt, p.watched, reduced=reduced)
         if p.path == "summary":
             d = self._agreement.decide_summary(
                 _as_bytes(parts[0]), _as_bytes(parts[1]), p.world, p.layout, self.step, self.attempt, p.watched

@@ -135,7 +135,7 @@ class Guard(GuardCore):
         # sdc: this update's bucket parameters, the checksums of what each bucket's all-reduce
         # returned (taken in its future's callback), and what the next row carries.
         self._bucket_params: Dict[int, List[torch.Tensor]] = {}
-        self._in_place: Dict[int, bool] = {}
+        self._scans_in_place: Dict[int, bool] = {}
         self._returned: Dict[int, int] = {}
         self._consumed: Optional[List[int]] = None
         self._hashed: Optional[Tuple[List[int], int]] = None
@@ -251,12 +251,14 @@ class Guard(GuardCore):
         # DDP calls the hook after autograd has written every gradient in the bucket, and does not
         # write the bucket until the hook returns.
         self._bucket_params[b] = params
-        self._in_place[b] = in_place
+        self._scans_in_place[b] = in_place
         self.record(b, entries, health_f32(buf) if in_place else self.health(buf), peak(buf, self._scan) if self.sdc else None)
 
     def scanned(self, index: int, reduced: torch.Tensor) -> None:
-        # The sum has the bucket's dtype, device and layout (in place, or the cast bucket's).
-        self._reduced[index] = health_f32(reduced) if self._in_place.get(index) else self.health(reduced)
+        """Record the health of bucket `index`'s reduced sum (`reduced`: what its all-reduce
+        returned, on the scan path), called as it completes. The sum has the bucket's dtype, device
+        and layout (the bucket in place, or the cast bucket's sum widened into it)."""
+        self._reduced[index] = health_f32(reduced) if self._scans_in_place.get(index) else self.health(reduced)
 
 
 def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -73,6 +73,29 @@ def test_at_two_ranks_the_rows_ride_the_last_buckets_all_reduce_and_the_run_is_d
     assert max(guarded[0]["buckets"]) >= 2, guarded[0]["buckets"]
 
 
+# A finite float32 gradient that the cast makes Inf: past fp16's 65504, or rounded up past bf16's
+# largest finite value (3.3895e38).
+@pytest.mark.parametrize("hook,big", [("fp16_compress", "1e5"), ("bf16_compress", "3.4e38")])
+def test_the_scan_path_under_the_compression_hooks_is_ddps_bitwise_and_names_a_cast_overflow(tmp_path, hook, big):
+    # The scan path scans the cast bucket before the division and the cast sum widened back: a
+    # clean run is DDP's compression hook to the bit, and a value past the cast's range (an Inf
+    # after the cast) is named on every rank, found from the sum's scan alone.
+    case = {"steps": 3, "hook": hook}
+    plain = run(2, dict(case, guard=None), str(tmp_path / "plain"))
+    clean = run(2, dict(case, guard={"policy": "abort"}), str(tmp_path / "clean"))
+    for r in range(2):
+        c = clean[r]
+        assert c["error"] is None and c["paths"] == ["scan"] * 3 and c["tabled"] == 0, (c["paths"], c["error"])
+        assert c["losses"] == plain[r]["losses"]
+        for a, b in zip(plain[r]["snapshots"], clean[r]["snapshots"]):
+            assert same_state(a, b), f"rank {r}: state differs from DDP's {hook} hook"
+    plant = {"rank": 1, "step": 1, "param": "mid.weight", "element": 99, "value": big}
+    res = run(2, dict(case, guard={"policy": "abort"}, plants=[plant]), str(tmp_path / "planted"))
+    for r in res:
+        assert r["paths"] == ["scan"] and r["report"] is not None, (r["paths"], r["error"])
+        assert (r["report"]["ranks"], r["report"]["param"], r["report"]["element"], r["report"]["inf"]) == ([1], "mid.weight", 99, 1)
+
+
 @pytest.mark.parametrize(
     "plant,scan,agreement",
     [
