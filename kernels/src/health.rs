@@ -89,18 +89,33 @@ impl Peak {
 
 /// The largest finite |value| of `x` as its bits (0 when none), and the first index holding it.
 /// |value| as bits orders the finite values as floats (non-finite ones count as 0): an integer
-/// maximum, which vectorizes (a float one does not, without fast-math), compiled for the CPU's
-/// best instruction set.
+/// maximum, which vectorizes (a float one does not, without fast-math). The reduce calls it for
+/// each source's block that leads so far (`Peak::offer`: ~2.7 of a chunk's 8 blocks of random
+/// data), from L1. On AVX-512 an explicit loop (`largest_avx512`), which takes about half the
+/// compiled portable loop's time there; on the other levels the portable loop compiled for the
+/// level. Both return the same pair (`largest_is_the_portable_search`).
 fn largest(x: &[f32]) -> (u32, usize) {
-    #[inline(always)]
-    fn key(v: &f32) -> u32 {
-        let b = v.to_bits() & 0x7fff_ffff;
-        if b >= 0x7f80_0000 {
-            0
-        } else {
-            b
-        }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::active() == crate::simd::Level::Avx512 {
+        // SAFETY: `simd::active` returns only levels the CPU runs, and Avx512 has AVX-512F.
+        return unsafe { largest_avx512(x) };
     }
+    largest_portable(x)
+}
+
+/// The sort key of `largest`: |value| as bits, 0 for a non-finite value.
+#[inline(always)]
+fn key(v: &f32) -> u32 {
+    let b = v.to_bits() & 0x7fff_ffff;
+    if b >= 0x7f80_0000 {
+        0
+    } else {
+        b
+    }
+}
+
+/// `largest` by 16 independent lane maxima, then a search for the first index holding the top.
+fn largest_portable(x: &[f32]) -> (u32, usize) {
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // the indexed lanes vectorize
     fn body(x: &[f32]) -> (u32, usize) {
@@ -122,6 +137,61 @@ fn largest(x: &[f32]) -> (u32, usize) {
         (top, 0)
     }
     simd_dispatch!(body(x: &[f32]) -> (u32, usize))
+}
+
+/// `largest` with AVX-512: the maximum of 16 keys per instruction in four chains (a masked
+/// maximum: a non-finite element's key is 0, which leaves a chain as it was), then a compare per
+/// 16 elements up to the first hit (|value| as bits against the top: a non-finite element's bits
+/// exceed every finite top, so only a top of 0 has to match them too). The last `len % 16`
+/// elements go through the scalar `key`.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn largest_avx512(x: &[f32]) -> (u32, usize) {
+    use std::arch::x86_64::*;
+    let full = x.len() - x.len() % 16;
+    let (p, abs, inf) = (x.as_ptr(), _mm512_set1_epi32(0x7fff_ffff), _mm512_set1_epi32(0x7f80_0000));
+    // |value| as bits of elements i..i + 16.
+    let bits = |i: usize| {
+        // SAFETY: callers pass i + 16 <= full <= x.len() (an unaligned load inside `x`); AVX-512F
+        // is enabled (caller).
+        unsafe { _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p.add(i))), abs) }
+    };
+    let top_of = |m: __m512i, i: usize| {
+        let b = bits(i);
+        _mm512_mask_max_epu32(m, _mm512_cmplt_epu32_mask(b, inf), m, b)
+    };
+    let mut m = [_mm512_setzero_si512(); 4];
+    let mut i = 0;
+    while i + 64 <= full {
+        for (j, m) in m.iter_mut().enumerate() {
+            *m = top_of(*m, i + 16 * j);
+        }
+        i += 64;
+    }
+    while i < full {
+        m[0] = top_of(m[0], i);
+        i += 16;
+    }
+    let m = _mm512_max_epu32(_mm512_max_epu32(m[0], m[1]), _mm512_max_epu32(m[2], m[3]));
+    let top = x[full..].iter().map(key).fold(_mm512_reduce_max_epu32(m), u32::max);
+    let t = _mm512_set1_epi32(top as i32);
+    let mut i = 0;
+    while i < full {
+        let b = bits(i);
+        let hit = if top > 0 {
+            _mm512_cmpeq_epi32_mask(b, t)
+        } else {
+            _mm512_cmpeq_epi32_mask(b, t) | _mm512_cmpge_epu32_mask(b, inf)
+        };
+        if hit != 0 {
+            return (top, i + hit.trailing_zeros() as usize);
+        }
+        i += 16;
+    }
+    (top, full + x[full..].iter().position(|v| key(v) == top).unwrap_or(0))
 }
 
 /// Health of one block (at most `BLOCK` elements), lanes folded in a fixed order.
@@ -327,6 +397,89 @@ mod tests {
             // The SSE2 path too, which this CPU may not take through `scan_block`.
             #[cfg(target_arch = "x86_64")]
             assert_eq!(simd::sse2(&x).map(f64::to_bits), slow.is_finite().then(|| slow.sumsq.to_bits()), "case {t}");
+        }
+    }
+
+    /// The search by its definition: the largest finite |value|, the first index holding it (0 when
+    /// no element is finite and non-zero).
+    fn naive_largest(x: &[f32]) -> (u32, usize) {
+        let (mut top, mut at) = (0f32, 0);
+        for (i, a) in x.iter().map(|v| v.abs()).enumerate() {
+            if a.is_finite() && a > top {
+                (top, at) = (a, i);
+            }
+        }
+        (top.to_bits(), at)
+    }
+
+    /// Every level's search (the explicit AVX-512 loop and the compiled portable loop) gives the
+    /// definition's pair, ties (the first index wins), zeros, NaNs and infinities included, at every
+    /// length up to a block.
+    #[test]
+    fn largest_is_the_portable_search() {
+        let mut rng = Rng::new(&[7]);
+        let specials = [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, f32::MAX, -f32::MAX, 1e-45];
+        for t in 0..6_000usize {
+            let n = if t < BLOCK + 1 { t } else { rng.below(BLOCK + 1) };
+            let mut x: Vec<f32> = match t % 4 {
+                0 => (0..n).map(|_| rng.normal()).collect(),
+                1 => vec![0.0; n],
+                2 => (0..n).map(|_| specials[rng.below(specials.len())]).collect(),
+                _ => (0..n).map(|_| rng.normal() * 1e-3).collect(),
+            };
+            if n > 0 {
+                for _ in 0..t % 5 {
+                    let i = rng.below(n);
+                    x[i] = specials[rng.below(specials.len())];
+                }
+                // The same largest value at several indices, of both signs.
+                let top = naive_largest(&x).0;
+                for _ in 0..t % 3 {
+                    let i = rng.below(n);
+                    x[i] = if rng.below(2) == 0 { f32::from_bits(top) } else { -f32::from_bits(top) };
+                }
+            }
+            let want = naive_largest(&x);
+            assert_eq!(largest_portable(&x), want, "case {t}: portable");
+            for level in crate::simd::available() {
+                let got = crate::simd::with_level(level, || largest(&x)).expect("an available level");
+                assert_eq!(got, want, "case {t} (n {n}) at {level}");
+            }
+        }
+    }
+
+    /// A peak is the largest |value| of the block with the largest sum of squares, not of the first
+    /// block that led, nor the slice's largest value: here the first block (largest 5 at 3) leads,
+    /// then block 1 (7 at 1000 and -7 at 1010: the first), block 2 holds the slice's largest value
+    /// (60, alone: a smaller sum of squares), and block 3 wins with -11 at 517 (11 again at 900, a
+    /// NaN and an Inf, which count for nothing). At every level.
+    #[test]
+    fn a_peak_names_the_largest_element_of_the_block_with_the_largest_sum_of_squares() {
+        let mut x = vec![0f32; 4 * BLOCK];
+        x[3] = 5.0;
+        x[BLOCK..2 * BLOCK].fill(2.0);
+        x[BLOCK + 1000] = 7.0;
+        x[BLOCK + 1010] = -7.0;
+        x[2 * BLOCK + 40] = 60.0;
+        x[3 * BLOCK..].fill(3.0);
+        x[3 * BLOCK + 5] = f32::NAN;
+        x[3 * BLOCK + 6] = f32::INFINITY;
+        x[3 * BLOCK + 517] = -11.0;
+        x[3 * BLOCK + 900] = 11.0;
+        for level in crate::simd::available() {
+            let mut peak = Peak::default();
+            let mut seen = vec![];
+            crate::simd::with_level(level, || {
+                for (b, block) in x.chunks(BLOCK).enumerate() {
+                    peak.offer(block, (b * BLOCK) as u64, scan_block(block).sumsq);
+                    seen.push((peak.value, peak.at));
+                }
+            })
+            .expect("an available level");
+            let want =
+                [(5.0, 3), (7.0, BLOCK as u64 + 1000), (7.0, BLOCK as u64 + 1000), (11.0, 3 * BLOCK as u64 + 517)];
+            assert_eq!(seen, want, "at {level}");
+            assert_eq!(peak.block_sumsq, scan_block(&x[3 * BLOCK..]).sumsq, "at {level}");
         }
     }
 }
