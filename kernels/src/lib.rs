@@ -71,5 +71,5 @@ pub mod simd;
 
 pub use checksum::{checksum, Checksum};
 pub use error::Error;
-pub use health::{health_scan, Health, Peak};
+pub use health::{all_finite, health_scan, scan_and_scale, Health, Peak};
 pub use reduce::{reduce_in_place, reduce_plain, reduce_to_one, reduce_with_peaks};

@@ -11,9 +11,14 @@ the rounds, each against the hook's, and the median of the per-round ratios (eac
 the hook's rounds next to it in time, which a machine whose speed drifts disturbs less) with their
 quartiles, and the ratio of the fastest rounds (another machine's load only adds time: the least
 disturbed round of each). `--control` adds `allreduce_hook` a second time: its ratios show what the machine's own
-noise makes of the same code. A benchmark: asserts nothing.
+noise makes of the same code. `--alternate update` alternates the variants at every update instead
+(no barrier: each update's all-reduce keeps the ranks in step) for `--rounds` updates each, and
+prints the medians and quartiles of the single updates' wall and CPU times: a load that comes and
+goes then falls on every variant alike, which rounds of many updates cannot promise on a shared
+machine. A benchmark: asserts nothing.
 
 Usage: paths.py [--world 2] [--width 256] [--iters 200] [--rounds 7] [--paths auto,ride,table,summary] [--control]
+                [--alternate round|update]
 """
 
 import argparse
@@ -33,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 PATHS = ("auto", "ride", "table", "summary")
 
 
-def worker(rank, world, port, width, iters, rounds, paths, control, q):
+def worker(rank, world, port, width, iters, rounds, paths, control, alternate, q):
     import gradbus.torch as gbt
 
     torch.set_num_threads(1)
@@ -67,9 +72,12 @@ def worker(rank, world, port, width, iters, rounds, paths, control, q):
             update(*v)
     wall = {k: [] for k in variants}
     cpu = {k: [] for k in variants}
+    if alternate == "update":
+        iters = 1
     for _ in range(rounds):
         for k, v in variants.items():
-            dist.barrier()
+            if alternate == "round":
+                dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 update(*v)
@@ -95,6 +103,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--paths", default=",".join(PATHS), help="the guard's agreement values to run")
     ap.add_argument("--control", action="store_true", help="allreduce_hook a second time")
+    ap.add_argument("--alternate", default="round", choices=["round", "update"],
+                    help="alternate the variants every round of --iters updates, or every update (--rounds updates each)")
     a = ap.parse_args()
     paths = [p for p in a.paths.split(",") if p]
     if not set(paths) <= set(PATHS):
@@ -104,10 +114,22 @@ def main():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, q), nprocs=a.world,
+    mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, a.alternate, q), nprocs=a.world,
                        join=True, start_method="spawn")
     wall, cpu, params, path = q.get()
     took = f"; 'auto' took the {path} path" if path else ""
+    if a.alternate == "update":
+        print(f"{a.world} ranks, {params} parameters, {a.rounds} updates per variant, alternated update by update; "
+              f"us per update{took}")
+        print(f"{'variant':>15} {'wall: median':>13} {'vs hook':>8} {'[quartiles]':>17} {'CPU: median':>12} {'vs hook':>8} {'[quartiles]':>17}")
+        for k in wall:
+            row = f"{k:>15}"
+            for t in (wall, cpu):
+                q1, m, q3 = statistics.quantiles(t[k], n=4)
+                h = statistics.median(t["allreduce_hook"])
+                row += f" {m:>13.1f} {m / h:>8.3f} [{q1:>7.1f}, {q3:>7.1f}]"
+            print(row)
+        return
     print(f"{a.world} ranks, {params} parameters, {a.iters} updates x {a.rounds} rounds; us per update, medians of the rounds{took}")
     print(f"{'variant':>15} {'wall us':>9} {'vs hook':>8} {'CPU us':>9} {'vs hook':>8}   paired wall ratio: median [quartiles]"
           "   fastest rounds: wall us, vs hook")

@@ -211,6 +211,14 @@ def health_f32(flat: torch.Tensor) -> Cell:
     return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
 
 
+def scale_health_f32(flat: torch.Tensor, scale: float) -> Cell:
+    """`health_f32(flat)`, then `flat.mul_(scale)`, in one pass over the memory (the same cell and
+    the same products: one float32 multiply per element). The caller guarantees what `health_f32`
+    says, and that nothing else reads or writes `flat` during the call."""
+    nan, inf, sumsq, first = _core.scale_scan_f32(flat.data_ptr(), flat.numel(), scale)
+    return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
+
+
 def health(flat: torch.Tensor, scan: str = "auto") -> Cell:
     """The local health of one flat gradient buffer: the Rust scan's (nan, inf, sumsq, first_bad)
     for contiguous float32 CPU memory with `scan` "auto" (read in place, no copy) and for contiguous

@@ -54,6 +54,7 @@ would touch them on "proceed" and on a loss-scale skip; every rank issues the sa
 same order (one all-reduce per bucket, two per backward, and an all-gather on every rank or none).
 """
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -78,8 +79,28 @@ from gradbus.guard import (  # noqa: F401  (the public names of gradbus.torch, d
     quarantined,
     health_f32,
     peak,
+    scale_health_f32,
     replica_checksum,
 )
+
+
+_FINITE = (0.0, 0.0, 0.0, -1.0)
+"""A finite reduced sum's cell on the scan path: the judge's neutral reduced health (what the other
+paths give every bucket), where only its finiteness was checked."""
+
+
+@dataclass
+class _Bucket:
+    """One DDP bucket as `Guard._tally_bucket` learnt it (per bucket buffer)."""
+
+    buffer: torch.Tensor
+    data_ptr: int
+    numel: int
+    entries: List[Tuple[str, int]]
+    """(name, numel) of the parameters back to back: the layout the reports name."""
+    params: List[torch.Tensor]
+    in_place: bool
+    """Whether the scan reads the buffer in place (contiguous float32 on the CPU, scan "auto")."""
 
 
 class Guard(GuardCore):
@@ -129,9 +150,8 @@ class Guard(GuardCore):
 
     def __init__(self, policy: str = "abort", names: Any = None, run_dir: Optional[str] = None, process_group: Any = None, **kwargs: Any):
         super().__init__(policy, self._names(names), run_dir, process_group, **kwargs)
-        # (bucket index, parameter ids) -> ([(name, numel), ...], total): keyed by the ids of the
-        # parameters, which `_params` (or DDP) keeps alive.
-        self._bucket_layouts: Dict[Tuple[int, ...], Tuple[List[Tuple[str, int]], int]] = {}
+        # bucket index -> what `_tally_bucket` learns once per bucket buffer (`_Bucket`).
+        self._bucket_layouts: Dict[int, _Bucket] = {}
         # sdc: this update's bucket parameters, the checksums of what each bucket's all-reduce
         # returned (taken in its future's callback), and what the next row carries.
         self._bucket_params: Dict[int, List[torch.Tensor]] = {}
@@ -222,43 +242,66 @@ class Guard(GuardCore):
         # The parameter is kept with its name so that the id cannot be reused by another object.
         return {id(p): (p, n) for n, p in items}
 
-    def _tally_bucket(self, bucket: dist.GradBucket, buf: Optional[torch.Tensor] = None) -> None:
-        """Record the health of one bucket before its all-reduce (of `buf`, the tensor that is
-        reduced, when it is not the bucket's buffer: a compressed copy) and its parameter layout
-        (built once per bucket and set of parameters: DDP rebuilds its buckets once, early)."""
-        buf = bucket.buffer() if buf is None else buf
-        b = bucket.index()
-        params = bucket.parameters()
-        key = (b, *map(id, params))
-        known = self._bucket_layouts.get(key)
-        if known is None:
-            if len(self._bucket_layouts) > 4096:
+    def _tally_bucket(
+        self, bucket: dist.GradBucket, b: int, own: torch.Tensor, buf: Optional[torch.Tensor] = None, scale: Optional[float] = None
+    ) -> None:
+        """Record the health of bucket `b` (`bucket.index()`, whose buffer is `own`) before its
+        all-reduce (of `buf`, the tensor that is reduced, when it is not the bucket's buffer: a
+        compressed copy) and its parameter layout; with `scale`, then multiply the bucket's buffer
+        by it in place (the hook's pre-division: in the scan's own pass where the scan reads the
+        buffer in place, the same product as `mul_(scale)`)."""
+        known = self._bucket_layouts.get(b)
+        if known is None or known.data_ptr != own.data_ptr() or known.numel != own.numel():
+            if b == 0:
+                # DDP reduces its buckets in index order and reallocates every buffer when it
+                # rebuilds them: forget the old ones (and stop holding their memory).
                 self._bucket_layouts.clear()
-            entries = []
-            for j, p in enumerate(params):
-                named = self._params.get(id(p))
-                entries.append((named[1] if named is not None else f"bucket{b}.param{j}", p.numel()))
-            # Whether the scan reads the buffer in place (`health`'s first case): decided once per
-            # layout (DDP keeps a bucket's buffer, dtype and device).
-            in_place = self._scan == "auto" and buf.device.type == "cpu" and buf.dtype == torch.float32 and buf.is_contiguous()
-            known = self._bucket_layouts[key] = (entries, sum(n for _, n in entries), in_place)
-        entries, total, in_place = known
+            known = self._bucket_layouts[b] = self._learn_bucket(bucket, b, own, own if buf is None else buf)
+        buf = own if buf is None else buf
+        # DDP calls the hook after autograd has written every gradient in the bucket, and does not
+        # write the bucket until the hook returns.
+        self._bucket_params[b] = known.params
+        self._scans_in_place[b] = known.in_place
+        top = peak(buf, self._scan) if self.sdc else None
+        if scale is None:
+            cell = health_f32(buf) if known.in_place else self.health(buf)
+        elif known.in_place:
+            cell = scale_health_f32(buf, scale)
+        else:
+            cell = self.health(buf)
+            buf.mul_(scale)
+        self.record(b, known.entries, cell, top)
+
+    def _learn_bucket(self, bucket: dist.GradBucket, b: int, own: torch.Tensor, buf: torch.Tensor) -> "_Bucket":
+        """What a bucket's layout is, learnt once per bucket buffer: DDP allocates new buffers when
+        it rebuilds its buckets (once, early), and keeps a bucket's parameters, dtype and device for
+        the buffer's life. The buffer is held (`_Bucket.buffer`), so that its address is not reused
+        by another while it is the key."""
+        params = bucket.parameters()
+        entries = []
+        for j, p in enumerate(params):
+            named = self._params.get(id(p))
+            entries.append((named[1] if named is not None else f"bucket{b}.param{j}", p.numel()))
+        total = sum(n for _, n in entries)
         if total != buf.numel():
             raise RuntimeError(
                 f"gradbus: DDP bucket #{b} holds {buf.numel()} elements but its parameters {total} "
                 "(hint: sparse gradients are not supported by the gradbus hook)"
             )
-        # DDP calls the hook after autograd has written every gradient in the bucket, and does not
-        # write the bucket until the hook returns.
-        self._bucket_params[b] = params
-        self._scans_in_place[b] = in_place
-        self.record(b, entries, health_f32(buf) if in_place else self.health(buf), peak(buf, self._scan) if self.sdc else None)
+        # Whether the scan reads the buffer in place (`health`'s first case).
+        in_place = self._scan == "auto" and buf.device.type == "cpu" and buf.dtype == torch.float32 and buf.is_contiguous()
+        return _Bucket(own, own.data_ptr(), own.numel(), entries, params, in_place)
 
     def scanned(self, index: int, reduced: torch.Tensor) -> None:
         """Record the health of bucket `index`'s reduced sum (`reduced`: what its all-reduce
         returned, on the scan path), called as it completes. The sum has the bucket's dtype, device
         and layout (the bucket in place, or the cast bucket's sum widened into it)."""
-        self._reduced[index] = health_f32(reduced) if self._scans_in_place.get(index) else self.health(reduced)
+        if self._scans_in_place.get(index):
+            # Its health matters only when it is not finite (then it names a sum that overflowed).
+            finite = _core.finite_f32(reduced.data_ptr(), reduced.numel())
+            self._reduced[index] = _FINITE if finite else health_f32(reduced)
+        else:
+            self._reduced[index] = self.health(reduced)
 
 
 def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -267,16 +310,17 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
     and nothing else; else at the last bucket start the agreement - or, where the rows ride it
     (`Guard.rides`), append every rank's row to the last bucket's all-reduce.
     Register with `ddp.register_comm_hook(guard, gradbus.torch.allreduce_hook)`."""
-    guard._tally_bucket(bucket)
     pg = guard.process_group
     buf = bucket.buffer()
     world = guard.world
+    b = bucket.index()
+    scans = guard.scans()
+    in_place = scans or not (bucket.is_last() and guard.rides(world))
     # Scale then sum, as DDP's built-in reduction does (a multiply by 1/world: the Python
     # default_hooks.allreduce_hook divides instead, which differs in the last bit when the world size
-    # is not a power of two), so that a guarded clean run is bitwise the run without any hook.
-    b = bucket.index()
-
-    scans = guard.scans()
+    # is not a power of two), so that a guarded clean run is bitwise the run without any hook. In
+    # place, the tally scales the bucket as it scans it.
+    guard._tally_bucket(bucket, b, buf, scale=1.0 / world if in_place else None)
 
     def returned(t: torch.Tensor) -> torch.Tensor:
         if scans:
@@ -285,8 +329,7 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
             guard._returned_sum(b, t)
         return t
 
-    if scans or not (bucket.is_last() and guard.rides(world)):
-        buf.mul_(1.0 / world)
+    if in_place:
         fut = dist.all_reduce(buf, group=pg, async_op=True).get_future().then(lambda f: returned(f.value()[0]))
         if bucket.is_last():
             guard.scan_sums(b + 1) if scans else guard.exchange(b + 1)
@@ -316,7 +359,7 @@ def _compress_hook(dtype: torch.dtype, guard: Guard, bucket: dist.GradBucket) ->
     flat = guard.ride_buffer(n + extra, dtype, buffer.device) if riding else torch.empty(n, dtype=dtype, device=buffer.device)
     compressed = flat[:n]
     compressed.copy_(buffer)  # the cast, as buffer.to(dtype)
-    guard._tally_bucket(bucket, compressed)
+    guard._tally_bucket(bucket, bucket.index(), buffer, compressed)
     compressed.div_(world)
     pending = guard.ride(bucket.index() + 1, flat[n:]) if riding else None
 

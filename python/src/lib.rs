@@ -32,7 +32,7 @@ use gradbus_collectives::{
     Action, Bucket, Cause, HealthTable, Judge, Layout, LocalScalars, LossScale, OnSpike, Policy, Reduced, Slot, StepId,
     Summary, ValueNames, Watched,
 };
-use gradbus_kernels::{health_scan, Checksum, Health, Peak};
+use gradbus_kernels::{all_finite, health_scan, scan_and_scale, Checksum, Health, Peak};
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -223,12 +223,7 @@ fn scan_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<(u64, u64, f64
     if numel == 0 {
         return Ok((0, 0, 0.0, None));
     }
-    if ptr == 0 || ptr % std::mem::align_of::<f32>() != 0 {
-        return Err(PyValueError::new_err(format!(
-            "scan_f32: address {ptr:#x} is null or not aligned for f32 (hint: pass a float32 tensor's data_ptr())"
-        )));
-    }
-    let addr = ptr;
+    let addr = f32_address("scan_f32", ptr)?;
     let scan = move || {
         // SAFETY: `addr` is non-null and f32-aligned (checked above); the caller guarantees that it
         // points at `numel` initialised f32 of a live, contiguous CPU tensor that it keeps alive for
@@ -239,6 +234,55 @@ fn scan_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<(u64, u64, f64
     };
     let h = if numel >= DETACH_AT { py.detach(scan) } else { scan() };
     Ok((h.nan, h.inf, h.sumsq, h.first_bad))
+}
+
+/// `scan_f32`, then each element multiplied by `scale` in place (one f32 multiply: the bits of
+/// torch's `mul_(scale)` on a float32 tensor), in one pass (`gradbus_kernels::scan_and_scale`): the
+/// DDP hook's pre-division fused with its scan. The caller guarantees what `scan_f32` says, and
+/// that nothing else reads or writes the tensor during the call.
+#[pyfunction]
+fn scale_scan_f32(py: Python<'_>, ptr: usize, numel: usize, scale: f32) -> PyResult<(u64, u64, f64, Option<u64>)> {
+    if numel == 0 {
+        return Ok((0, 0, 0.0, None));
+    }
+    let addr = f32_address("scale_scan_f32", ptr)?;
+    let run = move || {
+        // SAFETY: `addr` is non-null and f32-aligned (checked above); the caller guarantees that it
+        // points at `numel` initialised f32 of a live, contiguous CPU tensor that it keeps alive for
+        // this call and that nothing else reads or writes meanwhile (see the function's doc). The
+        // slice does not outlive the call.
+        let x = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, numel) };
+        scan_and_scale(x, scale)
+    };
+    let h = if numel >= DETACH_AT { py.detach(run) } else { run() };
+    Ok((h.nan, h.inf, h.sumsq, h.first_bad))
+}
+
+/// Whether the `numel` f32 at address `ptr` are all finite (`gradbus_kernels::all_finite`: the
+/// scan's verdict without its sum of squares, for the DDP hook's scan of a reduced sum, whose
+/// health is needed only when it is not finite). The caller guarantees what `scan_f32` says.
+#[pyfunction]
+fn finite_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<bool> {
+    if numel == 0 {
+        return Ok(true);
+    }
+    let addr = f32_address("finite_f32", ptr)?;
+    let check = move || {
+        // SAFETY: as in `scan_f32`: non-null, aligned (checked above), `numel` initialised f32 of a
+        // live tensor that the caller keeps referenced and that nothing writes meanwhile; only read.
+        all_finite(unsafe { std::slice::from_raw_parts(addr as *const f32, numel) })
+    };
+    Ok(if numel >= DETACH_AT { py.detach(check) } else { check() })
+}
+
+/// `ptr` when it is a usable f32 address (non-null, aligned), else the error naming `what`.
+fn f32_address(what: &str, ptr: usize) -> PyResult<usize> {
+    if ptr == 0 || ptr % std::mem::align_of::<f32>() != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what}: address {ptr:#x} is null or not aligned for f32 (hint: pass a float32 tensor's data_ptr())"
+        )));
+    }
+    Ok(ptr)
 }
 
 /// Elements from which `scan_f32` releases the GIL: 1M f32, ~0.1 ms of scanning.
@@ -931,6 +975,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     gradbus_kernels::simd::from_env().map_err(|e| PyValueError::new_err(e.to_string()))?;
     m.add("CELL", CELL)?;
     m.add_function(wrap_pyfunction!(scan_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(scale_scan_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(finite_f32, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_f32, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_f32_fold, m)?)?;
     m.add_function(wrap_pyfunction!(peak_f32, m)?)?;

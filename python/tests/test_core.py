@@ -19,18 +19,18 @@ def planted(n, bad, seed=0):
     return x
 
 
-@pytest.mark.parametrize(
-    "n,bad",
-    [
-        (1, []),
-        (1000, []),
-        (5000, [(4097, float("nan"))]),
-        (3000, [(2999, float("inf")), (17, float("-inf")), (1500, float("nan"))]),
-        (2048, [(0, float("nan")), (1, float("nan"))]),
-        # Past DETACH_AT (1M elements): the scan runs with the GIL released.
-        ((1 << 20) + 3, [((1 << 20) + 1, float("-inf"))]),
-    ],
-)
+SCANNED = [
+    (1, []),
+    (1000, []),
+    (5000, [(4097, float("nan"))]),
+    (3000, [(2999, float("inf")), (17, float("-inf")), (1500, float("nan"))]),
+    (2048, [(0, float("nan")), (1, float("nan"))]),
+    # Past DETACH_AT (1M elements): the scan runs with the GIL released.
+    ((1 << 20) + 3, [((1 << 20) + 1, float("-inf"))]),
+]
+
+
+@pytest.mark.parametrize("n,bad", SCANNED)
 def test_rust_scan_reads_the_tensor_in_place_and_agrees_with_the_torch_scan(n, bad):
     x = planted(n, bad)
     nan, inf, sumsq, first = gradbus.scan_f32(x.data_ptr(), x.numel())
@@ -43,6 +43,22 @@ def test_rust_scan_reads_the_tensor_in_place_and_agrees_with_the_torch_scan(n, b
     assert t[:2] == [nan, inf] and t[3] == (-1 if first is None else first)
     if not bad:  # the torch scan's sum of squares covers finite buckets only (float32 accumulation)
         assert t[2] == pytest.approx(sumsq, rel=1e-5)
+
+
+@pytest.mark.parametrize("n,bad", SCANNED)
+def test_the_fused_scale_scan_is_the_scan_then_torchs_mul_and_the_finite_check_the_scans_verdict(n, bad):
+    # The DDP hook's pre-division fused with its scan (scale_scan_f32), and the check of a reduced
+    # sum (finite_f32): the same cell as scan_f32 of the unscaled tensor and the same bits as
+    # torch's mul_ (1/3: a world size that is not a power of two), past DETACH_AT too.
+    x = planted(n, bad)
+    want = gradbus._core.scan_f32(x.data_ptr(), x.numel())
+    assert gradbus._core.finite_f32(x.data_ptr(), x.numel()) == (not bad)
+    product = x.clone().mul_(1.0 / 3)
+    assert gradbus._core.scale_scan_f32(x.data_ptr(), x.numel(), 1.0 / 3) == want
+    assert torch.equal(x.view(torch.int32), product.view(torch.int32))
+    assert gradbus._core.finite_f32(0, 0) and gradbus._core.scale_scan_f32(0, 0, 0.5) == (0, 0, 0.0, None)
+    with pytest.raises(ValueError, match="not aligned"):
+        gradbus._core.finite_f32(x.data_ptr() + 1, 1)
 
 
 def test_rust_scan_of_a_view_reads_only_the_view():
