@@ -2,9 +2,10 @@
 """Where the DDP guard's time goes on a small update: one process (gloo, world 1) trains the small
 MLP of paths.py (~100K parameters, one bucket) with the guard on one agreement path, every guard
 method and native call it makes timed in place (cumulative: a method's time includes the calls it
-makes), and prints microseconds per update beside the update's own; then the same native scan of
-the bucket timed alone in a loop, for what the calls cost off the update's hot path. The wrappers
-add a little to every part. A benchmark: asserts nothing.
+makes), and prints microseconds per update beside the update's own; then the native scans of the
+bucket timed alone in a loop beside torch's division and product of it (what the hooks without the
+guard do), for what the calls cost off the update's hot path. The wrappers add a little to every
+part. A benchmark: asserts nothing.
 
 Usage: guard_parts.py [--agreement auto|ride|table|summary] [--updates 2000] [--width 256]
 """
@@ -97,14 +98,30 @@ def main():
           f"{per:.0f} us per update; the guard's parts, us per update (cumulative):")
     for name, ns in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {name:32s} {ns / a.updates / 1e3:8.1f}")
+    # The scans alone, in a loop, beside what the hook without the guard does to the bucket
+    # (default_hooks.allreduce_hook divides it; DDP's own reduction multiplies). Scale 1.0: the
+    # bucket keeps its values.
     buf = torch.randn(params)
     core = gg._core._inner
-    for _ in range(100):
-        core.scan_f32(buf.data_ptr(), buf.numel())
-    t = time.perf_counter()
-    for _ in range(2000):
-        core.scan_f32(buf.data_ptr(), buf.numel())
-    print(f"_core.scan_f32 of {params} floats alone, in a loop: {(time.perf_counter() - t) / 2000 * 1e6:.1f} us")
+    ptr, n = buf.data_ptr(), buf.numel()
+    alone = {
+        "_core.scan_f32 (the local scan)": lambda: core.scan_f32(ptr, n),
+        "_core.scale_scan_f32 (scan + pre-division)": lambda: core.scale_scan_f32(ptr, n, 1.0),
+        "_core.finite_f32 (the reduced sum's check)": lambda: core.finite_f32(ptr, n),
+        "torch div_ (the Python hook's division)": lambda: buf.div_(1.0),
+        "torch mul_ (DDP's own pre-division)": lambda: buf.mul_(1.0),
+    }
+    print(f"the bucket's {params} floats alone, in a loop (best of 10 x 500 calls):")
+    for name, f in alone.items():
+        for _ in range(200):
+            f()
+        best = float("inf")
+        for _ in range(10):
+            t = time.perf_counter()
+            for _ in range(500):
+                f()
+            best = min(best, (time.perf_counter() - t) / 500 * 1e6)
+        print(f"  {name:44s} {best:6.1f} us")
     dist.destroy_process_group()
 
 

@@ -114,9 +114,13 @@ def main():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, a.alternate, q), nprocs=a.world,
-                       join=True, start_method="spawn")
+    ranks = mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, a.alternate, q),
+                               nprocs=a.world, join=False, start_method="spawn")
+    # Read rank 0's result before joining: a result larger than a pipe's buffer (--alternate update's
+    # single updates) blocks rank 0's exit until it is read.
     wall, cpu, params, path = q.get()
+    while not ranks.join():
+        pass
     took = f"; 'auto' took the {path} path" if path else ""
     if a.alternate == "update":
         print(f"{a.world} ranks, {params} parameters, {a.rounds} updates per variant, alternated update by update; "

@@ -1145,6 +1145,13 @@ class GuardedOptimizer:
     def step(self, *args: Any, **kwargs: Any) -> Any:
         run = self._runner(*args, **kwargs)
         v = self.guard.verdict()
+        if self.guard.scaler is None:
+            # `apply_verdict` without a scaler, inline (every update takes this on the hot path).
+            if not v.proceeded:
+                return self._result(v, None)
+            ran_out = run()
+            self.guard.stepped()
+            return self._result(v, ran_out)
         out: List[Any] = []
         ran = apply_verdict(v, self.guard.scaler, lambda: out.append(run()))
         if ran:

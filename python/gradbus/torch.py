@@ -54,6 +54,7 @@ would touch them on "proceed" and on a loss-scale skip; every rank issues the sa
 same order (one all-reduce per bucket, two per backward, and an all-gather on every rank or none).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -292,6 +293,13 @@ class Guard(GuardCore):
         in_place = self._scan == "auto" and buf.device.type == "cpu" and buf.dtype == torch.float32 and buf.is_contiguous()
         return _Bucket(own, own.data_ptr(), own.numel(), entries, params, in_place)
 
+    def _scanned_future(self, index: int, f: torch.futures.Future) -> torch.Tensor:
+        """`scanned` of what bucket `index`'s all-reduce future `f` returned (the bucket in place),
+        as the future's callback; returns it (the hook's future's value)."""
+        t = f.value()[0]
+        self.scanned(index, t)
+        return t
+
     def scanned(self, index: int, reduced: torch.Tensor) -> None:
         """Record the health of bucket `index`'s reduced sum (`reduced`: what its all-reduce
         returned, on the scan path), called as it completes. The sum has the bucket's dtype, device
@@ -330,7 +338,9 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
         return t
 
     if in_place:
-        fut = dist.all_reduce(buf, group=pg, async_op=True).get_future().then(lambda f: returned(f.value()[0]))
+        fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
+        # The scan path's callback in one frame (it runs on every update, on the hot path).
+        fut = fut.then(functools.partial(guard._scanned_future, b) if scans else lambda f: returned(f.value()[0]))
         if bucket.is_last():
             guard.scan_sums(b + 1) if scans else guard.exchange(b + 1)
         return fut
