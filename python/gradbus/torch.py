@@ -153,10 +153,8 @@ class Guard(GuardCore):
         super().__init__(policy, self._names(names), run_dir, process_group, **kwargs)
         # bucket index -> what `_tally_bucket` learns once per bucket buffer (`_Bucket`).
         self._bucket_layouts: Dict[int, _Bucket] = {}
-        # sdc: this update's bucket parameters, the checksums of what each bucket's all-reduce
-        # returned (taken in its future's callback), and what the next row carries.
-        self._bucket_params: Dict[int, List[torch.Tensor]] = {}
-        self._scans_in_place: Dict[int, bool] = {}
+        # sdc: the checksums of what each bucket's all-reduce returned (taken in its future's
+        # callback), and what the next row carries.
         self._returned: Dict[int, int] = {}
         self._consumed: Optional[List[int]] = None
         self._hashed: Optional[Tuple[List[int], int]] = None
@@ -187,7 +185,7 @@ class Guard(GuardCore):
         all-reduce returned (`StateFault.consumed`'s word, 0: none)."""
         hashes, state = [], 0
         for b in range(self.buckets):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._bucket_params[b]]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._bucket_layouts[b].params]
             h = replica_checksum(grads)
             if own_check and not state and h != self._returned.get(b):
                 state = 2 | b << 8  # StateFault.consumed, bucket b
@@ -199,7 +197,7 @@ class Guard(GuardCore):
         parameters back to back), as `_bucket_hashes` hashes the gradients."""
         if not self.sdc:
             return
-        numels = [p.numel() for p in self._bucket_params[b]]
+        numels = [p.numel() for p in self._bucket_layouts[b].params]
         if flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous():
             # Each parameter's part of `flat` by its address (`flat` stays referenced meanwhile).
             base, ptrs = flat.data_ptr(), []
@@ -261,8 +259,6 @@ class Guard(GuardCore):
         buf = own if buf is None else buf
         # DDP calls the hook after autograd has written every gradient in the bucket, and does not
         # write the bucket until the hook returns.
-        self._bucket_params[b] = known.params
-        self._scans_in_place[b] = known.in_place
         top = peak(buf, self._scan) if self.sdc else None
         if scale is None:
             cell = health_f32(buf) if known.in_place else self.health(buf)
@@ -304,7 +300,7 @@ class Guard(GuardCore):
         """Record the health of bucket `index`'s reduced sum (`reduced`: what its all-reduce
         returned, on the scan path), called as it completes. The sum has the bucket's dtype, device
         and layout (the bucket in place, or the cast bucket's sum widened into it)."""
-        if self._scans_in_place.get(index):
+        if self._bucket_layouts[index].in_place:
             # Its health matters only when it is not finite (then it names a sum that overflowed).
             finite = _core.finite_f32(reduced.data_ptr(), reduced.numel())
             self._reduced[index] = _FINITE if finite else health_f32(reduced)
