@@ -183,11 +183,43 @@ pub struct RuleInputs {
 }
 
 /// The outlier rule's state: per bucket, log2 of the largest rank's norm in the last `window`
-/// healthy updates, oldest first.
+/// healthy updates, oldest first; beside it, per bucket, the finite ones sorted by `total_cmp`
+/// (kept in step by `observe`, rebuilt from the history when a checkpoint is read: not saved), so
+/// that a judgement reads each bucket's median instead of selecting it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(from = "SavedDetector", into = "SavedDetector")]
 pub struct OutlierDetector {
     rule: OutlierRule,
     history: Vec<VecDeque<f64>>,
+    sorted: Vec<Vec<f64>>,
+}
+
+/// What a checkpoint holds of an [`OutlierDetector`]: its rule and history (the sorted windows
+/// are a function of the history).
+#[derive(Serialize, Deserialize)]
+struct SavedDetector {
+    rule: OutlierRule,
+    history: Vec<VecDeque<f64>>,
+}
+
+impl From<SavedDetector> for OutlierDetector {
+    fn from(s: SavedDetector) -> OutlierDetector {
+        let sorted = s.history.iter().map(|h| sorted_finite(h.iter().copied())).collect();
+        OutlierDetector { rule: s.rule, history: s.history, sorted }
+    }
+}
+
+impl From<OutlierDetector> for SavedDetector {
+    fn from(d: OutlierDetector) -> SavedDetector {
+        SavedDetector { rule: d.rule, history: d.history }
+    }
+}
+
+/// The finite values of `x`, sorted by `total_cmp`.
+fn sorted_finite(x: impl Iterator<Item = f64>) -> Vec<f64> {
+    let mut v: Vec<f64> = x.filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    v
 }
 
 /// log2 of the norm of a sum of squares (-inf for 0).
@@ -204,24 +236,21 @@ fn isolation(sumsq: f64, peak: f32) -> f64 {
     (p / (sumsq - p * p).max(sumsq * 2f64.powi(-100)).sqrt()).log2()
 }
 
-/// The median of `x` (at least one value; reordered): the middle value of `x` sorted by
-/// `total_cmp`, or the mean of the middle two. Found by selection, not a sort (the judge takes one
-/// per bucket per update): `total_cmp` is a total order in which only identical bits compare
-/// equal, so the selected values are the sorted slice's, bit for bit.
-fn median(x: &mut [f64]) -> f64 {
+/// The median of `x` (at least one value), sorted by `total_cmp`: its middle value, or the mean of
+/// the middle two.
+fn median(x: &[f64]) -> f64 {
     let n = x.len();
-    let (below, mid, _) = x.select_nth_unstable_by(n / 2, f64::total_cmp);
     if n % 2 == 1 {
-        *mid
+        x[n / 2]
     } else {
-        0.5 * (below.iter().copied().max_by(f64::total_cmp).expect("n >= 2 values below the middle") + *mid)
+        0.5 * (x[n / 2 - 1] + x[n / 2])
     }
 }
 
 impl OutlierDetector {
     /// An empty history for `buckets` buckets.
     pub fn new(rule: OutlierRule, buckets: usize) -> OutlierDetector {
-        OutlierDetector { rule, history: vec![VecDeque::new(); buckets] }
+        OutlierDetector { rule, history: vec![VecDeque::new(); buckets], sorted: vec![Vec::new(); buckets] }
     }
 
     /// The rule it applies.
@@ -236,12 +265,9 @@ impl OutlierDetector {
     pub fn inputs(&self, table: &HealthTable) -> Vec<RuleInputs> {
         let none = RuleInputs { excess: f64::NAN, spread: f64::NAN, isolation: f64::NAN, rank: 0, level: f64::NAN };
         let mut out = vec![none; table.summary.extremes.len()];
-        // Each bucket's finite history in turn (one buffer for all).
-        let mut finite = Vec::with_capacity(self.rule.window);
-        for ((e, hist), o) in table.summary.extremes.iter().zip(&self.history).zip(&mut out) {
+        // Each bucket's finite history, sorted.
+        for ((e, finite), o) in table.summary.extremes.iter().zip(&self.sorted).zip(&mut out) {
             let (Some((top, rank)), Some(low)) = (e.top(), e.low()) else { continue };
-            finite.clear();
-            finite.extend(hist.iter().copied().filter(|x| x.is_finite()));
             if finite.len() < self.rule.warmup.max(1) || top <= 0.0 || !top.is_finite() {
                 continue;
             }
@@ -251,7 +277,7 @@ impl OutlierDetector {
             // one flipped element only by it.
             let isolation = e.peak().map_or(f64::NAN, |(v, _)| isolation(top, v));
             let spread = if table.world == 1 { f64::INFINITY } else { x - level(low) };
-            *o = RuleInputs { excess: x - median(&mut finite), spread, isolation, rank, level: x };
+            *o = RuleInputs { excess: x - median(finite), spread, isolation, rank, level: x };
         }
         out
     }
@@ -278,12 +304,25 @@ impl OutlierDetector {
     /// Add a healthy update's levels to the history (call after every update that proceeds
     /// without an outlier, in update order).
     pub fn observe(&mut self, table: &HealthTable) {
-        for (h, e) in self.history.iter_mut().zip(&table.summary.extremes) {
+        for ((h, sorted), e) in self.history.iter_mut().zip(&mut self.sorted).zip(&table.summary.extremes) {
             let Some((top, _)) = e.top() else { continue };
             if h.len() == self.rule.window.max(1) {
-                h.pop_front();
+                let old = h.pop_front().expect("a full window");
+                // Found by scans, not binary searches: the window is cold by the next update, and a
+                // scan's loads do not wait on each other as a search's do.
+                if old.is_finite() {
+                    let bits = old.to_bits();
+                    let at = sorted.iter().position(|x| x.to_bits() == bits).expect("a finite level is in the window");
+                    sorted.remove(at);
+                }
             }
-            h.push_back(level(top));
+            let new = level(top);
+            h.push_back(new);
+            if new.is_finite() {
+                // Where it goes in the order: after every smaller value (`total_cmp`).
+                let at = sorted.iter().filter(|x| x.total_cmp(&new).is_lt()).count();
+                sorted.insert(at, new);
+            }
         }
     }
 
@@ -462,21 +501,64 @@ mod tests {
         Layout::new(&[ParamSpec::new("w", 64), ParamSpec::new("head", 32)], 0)
     }
 
-    /// The median by selection is the sorted definition's, bit for bit: odd and even counts, ties,
-    /// both zeros, values far apart.
+    /// The sorted windows `observe` keeps give every judgement the numbers the history gives when
+    /// its finite values are sorted afresh (the median: the middle value, or the mean of the middle
+    /// two), bit for bit, through evictions, ties, zeros (level -inf) and values far apart, and a
+    /// checkpoint's round trip rebuilds them from the history alone (the saved form has no more).
     #[test]
-    fn the_median_is_the_sorted_middle() {
+    fn the_sorted_windows_give_the_medians_of_the_history() {
+        let l = layout();
         let mut rng = Rng::new(&[29]);
-        for t in 0..5_000usize {
-            let n = 1 + t % 40;
-            let pool = [0.0, -0.0, -7.25, 3.5, 1e300, -1e-300];
-            let mut x: Vec<f64> = (0..n)
-                .map(|_| if rng.below(3) == 0 { pool[rng.below(pool.len())] } else { rng.normal() as f64 * 20.0 })
-                .collect();
-            let mut sorted = x.clone();
-            sorted.sort_by(f64::total_cmp);
-            let want = if n % 2 == 1 { sorted[n / 2] } else { 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]) };
-            assert_eq!(median(&mut x).to_bits(), want.to_bits(), "case {t}: {sorted:?}");
+        // Buckets all zero (level -inf) only where the detector does not go through JSON: serde_json
+        // writes -inf as null (the saved history's own format, unchanged here).
+        for (window, warmup, zeros) in [(1, 1, true), (2, 1, true), (5, 2, true), (32, 4, true), (32, 4, false)] {
+            let rule = OutlierRule { window, warmup, ..OutlierRule::default() };
+            let mut d = OutlierDetector::new(rule, 2);
+            let mut hist: Vec<VecDeque<f64>> = vec![VecDeque::new(); 2];
+            let mut infinite = 0;
+            for t in 0..400usize {
+                let pool = [0.0, 1.0, 4.0, 1e300, 1e-300, 2.5];
+                let mut draw =
+                    || if rng.below(3) == 0 { pool[rng.below(pool.len())] } else { rng.uniform() as f64 * 1e3 };
+                let mut ss: Vec<[f64; 2]> = (0..3).map(|_| [draw(), draw()]).collect();
+                if zeros && rng.below(6) == 0 {
+                    let b = rng.below(2);
+                    ss.iter_mut().for_each(|r| r[b] = 0.0);
+                }
+                let t_ = table(&ss, &[1; 3], &[0; 3]);
+                let got = d.inputs(&t_);
+                for (b, (h, g)) in hist.iter().zip(&got).enumerate() {
+                    let mut finite: Vec<f64> = h.iter().copied().filter(|x| x.is_finite()).collect();
+                    finite.sort_by(f64::total_cmp);
+                    let top = t_.summary.extremes[b].top().unwrap().0;
+                    let n = finite.len();
+                    if n < warmup || top <= 0.0 {
+                        assert!(g.excess.is_nan(), "window {window} update {t} bucket {b}: {g:?}");
+                        continue;
+                    }
+                    let m = if n % 2 == 1 { finite[n / 2] } else { 0.5 * (finite[n / 2 - 1] + finite[n / 2]) };
+                    assert_eq!(g.excess.to_bits(), (level(top) - m).to_bits(), "window {window} update {t} bucket {b}");
+                }
+                assert_eq!(d.check(&t_, &l), OutlierDetector::from(SavedDetector::from(d.clone())).check(&t_, &l));
+                d.observe(&t_);
+                for (b, h) in hist.iter_mut().enumerate() {
+                    if h.len() == window {
+                        h.pop_front();
+                    }
+                    h.push_back(level(t_.summary.extremes[b].top().unwrap().0));
+                    infinite += h.back().unwrap().is_infinite() as usize;
+                }
+                let want: Vec<Vec<f64>> = hist.iter().map(|h| sorted_finite(h.iter().copied())).collect();
+                assert_eq!(format!("{:?}", d.sorted), format!("{want:?}"), "window {window} update {t}");
+            }
+            if zeros {
+                assert!(infinite > 10, "zero levels went through the windows: {infinite}");
+                continue;
+            }
+            let json = serde_json::to_string(&d).unwrap();
+            assert!(!json.contains("sorted"), "the saved form is the rule and the history: {json}");
+            let back: OutlierDetector = serde_json::from_str(&json).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{d:?}"));
         }
     }
 
