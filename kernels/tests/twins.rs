@@ -142,8 +142,9 @@ fn checksum_matches_reference_in_any_pieces() {
         assert!(p.absorbed() <= n);
         assert_eq!(p.finish(&x), want, "n={n} by a prefix");
     }
-    // Many states finished side by side: each one's own `finish` (groups of 8 and a short one).
-    for count in [0, 1, 7, 8, 9, 20] {
+    // Many states finished side by side: each one's own `finish` (groups of 8 or 16 and a short
+    // one), on every level this CPU runs (AVX-512 with DQ: the vector folds).
+    for count in [0, 1, 7, 8, 9, 15, 16, 17, 20, 33] {
         let states: Vec<Checksum> = (0..count)
             .map(|_| {
                 let mut c = Checksum::new();
@@ -153,7 +154,10 @@ fn checksum_matches_reference_in_any_pieces() {
             })
             .collect();
         let one_by_one: Vec<u64> = states.iter().map(|c| c.finish()).collect();
-        assert_eq!(gradbus_kernels::checksum::finish_all(&states), one_by_one, "{count} states");
+        for level in gradbus_kernels::simd::Level::ALL.into_iter().filter(|l| l.supported()) {
+            let all = gradbus_kernels::simd::with_level(level, || gradbus_kernels::checksum::finish_all(&states));
+            assert_eq!(all.unwrap(), one_by_one, "{count} states at {level}");
+        }
     }
 }
 
