@@ -211,14 +211,6 @@ def health_f32(flat: torch.Tensor) -> Cell:
     return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
 
 
-def scale_health_f32(flat: torch.Tensor, scale: float) -> Cell:
-    """`health_f32(flat)`, then `flat.mul_(scale)`, in one pass over the memory (the same cell and
-    the same products: one float32 multiply per element). The caller guarantees what `health_f32`
-    says, and that nothing else reads or writes `flat` during the call."""
-    nan, inf, sumsq, first = _core.scale_scan_f32(flat.data_ptr(), flat.numel(), scale)
-    return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
-
-
 def health(flat: torch.Tensor, scan: str = "auto") -> Cell:
     """The local health of one flat gradient buffer: the Rust scan's (nan, inf, sumsq, first_bad)
     for contiguous float32 CPU memory with `scan` "auto" (read in place, no copy) and for contiguous
@@ -412,6 +404,11 @@ class _Pending:
     """Watched quantities in the row."""
 
 
+_SCANNING = _Pending("scan", [], [], b"", [], 0)
+"""The scan path's agreement in flight: nothing (every rank scans the reduced sums at the verdict,
+and the update's records stay in place until then: the row is built only on an anomaly)."""
+
+
 # --- the core --------------------------------------------------------------------------------------
 
 
@@ -522,10 +519,6 @@ class GuardCore:
         self._world: Optional[int] = None
         self._rank: Optional[int] = None
         self._ride_buffer: Optional[torch.Tensor] = None
-        # The scan path: each bucket's reduced sum's health (set as its all-reduce completes), and
-        # the update's records kept for the row an anomaly gathers.
-        self._reduced: Dict[int, Cell] = {}
-        self._deferred: Any = None
         self._verdicts = 0
         self.spikes = 0
         """Updates flagged as a loss or gradient-norm spike so far (`spike`), the same on every rank."""
@@ -634,8 +627,8 @@ class GuardCore:
                 "gradbus.torch.Guard.verdict: no gradients were exchanged since the last verdict "
                 "(hint: backward through the DDP model after ddp.register_comm_hook(guard, gradbus.torch.allreduce_hook))"
             )
-        d = self._finish(self._pending)
-        self._pending = None
+        p, self._pending = self._pending, None
+        d = self._finish(p)
         if d is None:
             # The scan path's healthy update: proceed, nothing to report (no loss: not exchanged).
             self._batches = []
@@ -762,7 +755,8 @@ class GuardCore:
         (from `peak`; the outlier rule's, with `sdc`)."""
         self._layout[index] = entries
         self._cells[index] = cell
-        self._peaks[index] = peak
+        if peak is not None:
+            self._peaks[index] = peak
 
     def exchange(self, buckets: Optional[int] = None) -> None:
         """Start the agreement over the buckets 0..buckets-1 recorded since the last verdict (default:
@@ -807,10 +801,17 @@ class GuardCore:
 
     def scan_sums(self, buckets: int) -> None:
         """Start the scan path's agreement over buckets 0..buckets-1: nothing to send; `verdict`
-        reads the reduced sums' health (the adapter's `scanned`)."""
-        _, _, layout, world = self._begin(buckets, deferred=True)
+        reads the reduced sums' health (`reduced_sums`), and builds and gathers the rows from the
+        update's records only on an anomaly."""
+        self.buckets = self._recorded(buckets)
+        self._exchanged = True
         self.path = "scan"
-        self._pending = _Pending("scan", [], [], b"", layout, world, 0)
+        self._pending = _SCANNING
+
+    def reduced_sums(self, n: int) -> Optional[List[Cell]]:
+        """The scan path's health of buckets 0..n-1's reduced sums: None when they are all finite,
+        else every bucket's cell (an adapter with `SCANS`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no scan path")
 
     def ride_len(self, buckets: int, world: int, dtype: torch.dtype) -> int:
         """Elements of `dtype` that every rank's row takes when it rides a bucket's all-reduce
@@ -856,10 +857,24 @@ class GuardCore:
         self._pending = _Pending("ride", [], [out], row, layout, world, len(self._watches.names))
         return self._pending
 
-    def _begin(self, buckets: Optional[int], deferred: bool = False) -> Tuple[int, bytes, List[Layout], int]:
+    def _begin(self, buckets: Optional[int]) -> Tuple[int, bytes, List[Layout], int]:
         """The start of an agreement: (buckets, this rank's row, the layout, the world size); the
-        update's records are cleared for the next backward. `deferred` (the scan path): the row is
-        not built (b""); the records are kept for `_deferred_row`."""
+        update's records are cleared for the next backward."""
+        n = self._recorded(buckets)
+        row = self._row(n).encode()
+        layout = [self._layout[b] for b in range(n)]
+        if layout == self._last_layout:
+            layout = self._last_layout  # the same object: the native core converts it once
+        self._last_layout = layout
+        self.buckets = n
+        self._clear_records()
+        self._exchanged = True
+        return n, row, layout, self.world
+
+    def _recorded(self, buckets: Optional[int]) -> int:
+        """The number of buckets of the update whose agreement starts (`buckets`, default: all
+        recorded ones), checked against the records: exactly buckets 0..n-1, and no agreement in
+        flight."""
         if self._pending is not None:
             raise RuntimeError(
                 "gradbus.torch.Guard: a second backward before the verdict on the first "
@@ -871,30 +886,13 @@ class GuardCore:
         # Distinct indices >= 0, n of them, the largest n - 1: exactly 0..n-1.
         if len(cells) != n or n and max(cells) != n - 1:
             raise RuntimeError(f"gradbus: buckets {sorted(self._cells)} seen before the last bucket #{n - 1}")
-        if deferred:
-            self._deferred = (self._cells, self._loss, self._watched, self._peaks)
-            row = b""
-        else:
-            row = self._row(n).encode()
-        layout = [self._layout[b] for b in range(n)]
-        if layout == self._last_layout:
-            layout = self._last_layout  # the same object: the native core converts it once
-        self._last_layout = layout
-        self.buckets = n
+        return n
+
+    def _clear_records(self) -> None:
+        """Forget the update's records (cells, layout, loss, watched maxima, peaks) for the next backward."""
         self._cells, self._layout, self._loss, self._watched, self._peaks = {}, {}, None, {}, {}
-        self._exchanged = True
-        return n, row, layout, self.world
 
     # --- inside ------------------------------------------------------------------------------------
-
-    def _deferred_row(self, n: int) -> bytes:
-        """The scan path's row over buckets 0..n-1, built from the records `_begin` kept."""
-        self._cells, self._loss, self._watched, self._peaks = self._deferred
-        try:
-            return self._row(n).encode()
-        finally:
-            self._cells, self._loss, self._watched, self._peaks = {}, None, {}, {}
-            self._deferred = None
 
     def _row(self, n: int) -> Row:
         """This rank's row over buckets 0..n-1. Device tallies come to the host in one copy."""
@@ -938,24 +936,20 @@ class GuardCore:
             w.wait()
         parts = p.parts
         self._rows = None
-        if p.path == "scan":
-            n = len(p.layout)
-            got, self._reduced = self._reduced, {}
-            if len(got) != n:
-                raise RuntimeError(f"gradbus: the reduced sums of buckets {sorted(got)} scanned, expected 0..{n - 1}")
-            reduced = [got[b] for b in range(n)]
-            if any(isinstance(c, torch.Tensor) for c in reduced):
-                reduced = _on_host(reduced)
-            if all(c[0] == 0 and c[1] == 0 for c in reduced):
-                self._deferred = None
+        if p is _SCANNING:
+            reduced = self.reduced_sums(self.buckets)
+            if reduced is None:
+                self._clear_records()
                 self._agreement.proceed_clean()
                 return None
-            # An anomaly, seen alike by every rank: every rank gathers the rows to name the ranks.
-            _, gathered = self._gather(self._deferred_row(n), async_op=False)
+            # An anomaly, seen alike by every rank: every rank gathers the rows to name the ranks
+            # (nothing is watched on the scan path: no watched words in the rows).
+            n, row, layout, world = self._begin(self.buckets)
+            _, gathered = self._gather(row, async_op=False)
             self.tabled += 1
             rows = [_as_bytes(t) for t in gathered]
-            self._rows = (rows, n, p.watched)
-            return self._agreement.decide_table(b"".join(rows), p.world, p.layout, self.step, self.attempt, p.watched, reduced=reduced)
+            self._rows = (rows, n, 0)
+            return self._agreement.decide_table(b"".join(rows), world, layout, self.step, self.attempt, 0, reduced=reduced)
         if p.path == "summary":
             d = self._agreement.decide_summary(
                 _as_bytes(parts[0]), _as_bytes(parts[1]), p.world, p.layout, self.step, self.attempt, p.watched

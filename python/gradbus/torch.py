@@ -15,10 +15,13 @@ clean run is bitwise plain DDP. `fp16_compress_hook` / `bf16_compress_hook` do t
 compression (the compressed bucket is what is scanned, so a value the cast overflows is caught).
 
 On the scan path (the default where a healthy update needs no per-rank values: `Guard.scans`) that
-is all the hook adds: each rank scans the reduced sums its all-reduces return, which are the same on
-every rank and finite only when every rank's gradients were (NaN and Inf survive a sum), so the scan
-is the agreed verdict with no collective of the guard's; on an anomaly every rank all-gathers the
-rows, and the table names the rank, bucket, parameter and element.
+is all the hook adds: the verdict scans the reduced sums that the all-reduces left in the buckets,
+which are the same on every rank and finite only when every rank's gradients were (NaN and Inf
+survive a sum), so the scan is the agreed verdict with no collective of the guard's; on an anomaly
+every rank all-gathers the rows, and the table names the rank, bucket, parameter and element. (With
+DDP's `gradient_as_bucket_view=True` the gradients are the buckets: what the script does to them
+between backward and the step - clipping, `unscale_` - is what the verdict reads, on every rank
+alike.)
 
 Elsewhere, at the last bucket the rank's row (its cells, loss, loss scale, replica checksum) rides
 the last bucket's all-reduce (2 ranks) or becomes its contribution to the runtime's O(buckets)
@@ -54,7 +57,6 @@ would touch them on "proceed" and on a loss-scale skip; every rank issues the sa
 same order (one all-reduce per bucket, two per backward, and an all-gather on every rank or none).
 """
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -65,6 +67,7 @@ from gradbus import _core  # also gradbus.torch._core: the native core, as befor
 from gradbus.guard import (  # noqa: F401  (the public names of gradbus.torch, defined in the core)
     AGREEMENTS,
     POLICIES,
+    Cell,
     GuardCore,
     GuardedOptimizer,
     NonFiniteGradients,
@@ -73,6 +76,7 @@ from gradbus.guard import (  # noqa: F401  (the public names of gradbus.torch, d
     ReplicasDiverged,
     Row,
     Verdict,
+    _on_host,
     _torch_checksum,
     _torch_health,
     apply_verdict,
@@ -80,7 +84,6 @@ from gradbus.guard import (  # noqa: F401  (the public names of gradbus.torch, d
     quarantined,
     health_f32,
     peak,
-    scale_health_f32,
     replica_checksum,
 )
 
@@ -101,7 +104,10 @@ class _Bucket:
     """(name, numel) of the parameters back to back: the layout the reports name."""
     params: List[torch.Tensor]
     in_place: bool
-    """Whether the scan reads the buffer in place (contiguous float32 on the CPU, scan "auto")."""
+    """Whether the scan reads the scanned tensor in place (contiguous float32 on the CPU, scan "auto")."""
+    sum_in_place: bool
+    """Whether `Guard.reduced_sums` reads the bucket's buffer in place (as `in_place`; with a
+    compression hook the buffer is not the tensor scanned before the all-reduce)."""
 
 
 class Guard(GuardCore):
@@ -131,7 +137,7 @@ class Guard(GuardCore):
         gradients (rerun, then the policy). Needs `names`; reruns and repairs need the
         `attempts()` loop.
     agreement: "auto" (the scan path where nothing needs every rank's row on a healthy update:
-        each rank scans the reduced sums it receives, the rows are all-gathered only on an anomaly,
+        each rank's verdict scans the reduced sums, the rows are all-gathered only on an anomaly,
         no collective of the guard's (`Guard.scans`); elsewhere at 2 ranks the rows ride the last
         bucket's all-reduce, and at more the runtime's cost model picks, for this world size and
         bucket count, the cheaper of the two below, as `gradbus run` does: the table for small jobs,
@@ -263,7 +269,8 @@ class Guard(GuardCore):
         if scale is None:
             cell = health_f32(buf) if known.in_place else self.health(buf)
         elif known.in_place:
-            cell = scale_health_f32(buf, scale)
+            # health_f32's cell, then `buf.mul_(scale)`'s products, in one pass over the memory.
+            cell = _core.scale_scan_f32(buf.data_ptr(), buf.numel(), scale)
         else:
             cell = self.health(buf)
             buf.mul_(scale)
@@ -285,33 +292,45 @@ class Guard(GuardCore):
                 f"gradbus: DDP bucket #{b} holds {buf.numel()} elements but its parameters {total} "
                 "(hint: sparse gradients are not supported by the gradbus hook)"
             )
-        # Whether the scan reads the buffer in place (`health`'s first case).
-        in_place = self._scan == "auto" and buf.device.type == "cpu" and buf.dtype == torch.float32 and buf.is_contiguous()
-        return _Bucket(own, own.data_ptr(), own.numel(), entries, params, in_place)
+        # Whether the scans read the tensor in place (`health`'s first case).
+        def in_place(t: torch.Tensor) -> bool:
+            return self._scan == "auto" and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
-    def _scanned_future(self, index: int, f: torch.futures.Future) -> torch.Tensor:
-        """`scanned` of what bucket `index`'s all-reduce future `f` returned (the bucket in place),
-        as the future's callback; returns it (the hook's future's value)."""
-        t = f.value()[0]
-        self.scanned(index, t)
-        return t
+        return _Bucket(own, own.data_ptr(), own.numel(), entries, params, in_place(buf), in_place(own))
 
-    def scanned(self, index: int, reduced: torch.Tensor) -> None:
-        """Record the health of bucket `index`'s reduced sum (`reduced`: what its all-reduce
-        returned, on the scan path), called as it completes. The sum has the bucket's dtype, device
-        and layout (the bucket in place, or the cast bucket's sum widened into it)."""
-        if self._bucket_layouts[index].in_place:
-            # Its health matters only when it is not finite (then it names a sum that overflowed).
-            finite = _core.finite_f32(reduced.data_ptr(), reduced.numel())
-            self._reduced[index] = _FINITE if finite else health_f32(reduced)
-        else:
-            self._reduced[index] = self.health(reduced)
+    def reduced_sums(self, n: int) -> Optional[List[Cell]]:
+        """The health of buckets 0..n-1's reduced sums: None when they are all finite (the healthy
+        update), else every bucket's cell. Read from the buckets' buffers, which hold the sums once
+        backward has returned (the all-reduce sums in place; a compression hook copies the cast
+        sum back into the buffer) and until the next backward; on the verdict's thread, where
+        DDP's copy into the gradients has just left them in cache, rather than in each
+        all-reduce's callback on the collective's thread."""
+        cells, layouts, on_device = [], self._bucket_layouts, False
+        for b in range(n):
+            known = layouts[b]
+            if not known.sum_in_place:
+                cells.append(self.health(known.buffer))
+                on_device = True
+            elif _core.finite_f32(known.data_ptr, known.numel):
+                # Its health matters only when it is not finite (then it names a sum that overflowed).
+                cells.append(_FINITE)
+            else:
+                cells.append(health_f32(known.buffer))
+        if not on_device and cells.count(_FINITE) == n:
+            return None
+        cells = _on_host(cells) if on_device else cells
+        return None if all(c[0] == 0 and c[1] == 0 for c in cells) else cells
+
+
+def _value(f: torch.futures.Future) -> torch.Tensor:
+    """An all-reduce future's tensor (what DDP takes from a hook's future)."""
+    return f.value()[0]
 
 
 def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: tally the bucket's local health, then all-reduce it as DDP does
-    without a hook (mean over ranks); on the scan path (`Guard.scans`) scan each sum as it arrives
-    and nothing else; else at the last bucket start the agreement - or, where the rows ride it
+    without a hook (mean over ranks); on the scan path (`Guard.scans`) nothing else (the verdict
+    scans the sums in the buckets); else at the last bucket start the agreement - or, where the rows ride it
     (`Guard.rides`), append every rank's row to the last bucket's all-reduce.
     Register with `ddp.register_comm_hook(guard, gradbus.torch.allreduce_hook)`."""
     pg = guard.process_group
@@ -327,16 +346,15 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
     guard._tally_bucket(bucket, b, buf, scale=1.0 / world if in_place else None)
 
     def returned(t: torch.Tensor) -> torch.Tensor:
-        if scans:
-            guard.scanned(b, t)  # the verdict: every rank receives the same sum
-        elif guard.sdc:
+        if guard.sdc:
             guard._returned_sum(b, t)
         return t
 
     if in_place:
         fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
-        # The scan path's callback in one frame (it runs on every update, on the hot path).
-        fut = fut.then(functools.partial(guard._scanned_future, b) if scans else lambda f: returned(f.value()[0]))
+        # On the scan path the verdict reads the sum from the bucket (`Guard.reduced_sums`): the
+        # callback is the one DDP's own hook has.
+        fut = fut.then(_value if scans else lambda f: returned(f.value()[0]))
         if bucket.is_last():
             guard.scan_sums(b + 1) if scans else guard.exchange(b + 1)
         return fut
@@ -370,9 +388,8 @@ def _compress_hook(dtype: torch.dtype, guard: Guard, bucket: dist.GradBucket) ->
     pending = guard.ride(bucket.index() + 1, flat[n:]) if riding else None
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        # The cast sum widened (Inf and NaN stay), where the scan path's verdict reads it.
         buffer.copy_(fut.value()[0][:n])
-        if scans:
-            guard.scanned(bucket.index(), buffer)  # the cast sum widened: Inf and NaN stay
         guard._returned_sum(bucket.index(), buffer)
         return buffer
 

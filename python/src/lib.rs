@@ -238,12 +238,14 @@ fn scan_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<(u64, u64, f64
 
 /// `scan_f32`, then each element multiplied by `scale` in place (one f32 multiply: the bits of
 /// torch's `mul_(scale)` on a float32 tensor), in one pass (`gradbus_kernels::scan_and_scale`): the
-/// DDP hook's pre-division fused with its scan. The caller guarantees what `scan_f32` says, and
-/// that nothing else reads or writes the tensor during the call.
+/// DDP hook's pre-division fused with its scan. Returns the scan as the guard records it (its
+/// `Cell`: nan, inf, sumsq and first_bad as floats, first_bad -1.0 for none), which the hook stores
+/// as it is. The caller guarantees what `scan_f32` says, and that nothing else reads or writes the
+/// tensor during the call.
 #[pyfunction]
-fn scale_scan_f32(py: Python<'_>, ptr: usize, numel: usize, scale: f32) -> PyResult<(u64, u64, f64, Option<u64>)> {
+fn scale_scan_f32(py: Python<'_>, ptr: usize, numel: usize, scale: f32) -> PyResult<(f64, f64, f64, f64)> {
     if numel == 0 {
-        return Ok((0, 0, 0.0, None));
+        return Ok((0.0, 0.0, 0.0, -1.0));
     }
     let addr = f32_address("scale_scan_f32", ptr)?;
     let run = move || {
@@ -255,7 +257,7 @@ fn scale_scan_f32(py: Python<'_>, ptr: usize, numel: usize, scale: f32) -> PyRes
         scan_and_scale(x, scale)
     };
     let h = if numel >= DETACH_AT { py.detach(run) } else { run() };
-    Ok((h.nan, h.inf, h.sumsq, h.first_bad))
+    Ok((h.nan as f64, h.inf as f64, h.sumsq, h.first_bad.map_or(-1.0, |i| i as f64)))
 }
 
 /// Whether the `numel` f32 at address `ptr` are all finite (`gradbus_kernels::all_finite`: the

@@ -114,7 +114,7 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
            "verdict_losses": []}
     try:
         net = model().to(device=device, dtype=getattr(torch, case.get("dtype", "float32")))
-        ddp = DDP(net, bucket_cap_mb=case.get("bucket_cap_mb", 0.25))
+        ddp = DDP(net, bucket_cap_mb=case.get("bucket_cap_mb", 0.25), gradient_as_bucket_view=case.get("bucket_view", False))
         inner = torch.optim.Adam(ddp.parameters(), lr=1e-2)
         scaler = None if case.get("scaler") is None else torch.amp.GradScaler(device.type, **case["scaler"])
         amp = case.get("amp")

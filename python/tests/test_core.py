@@ -47,16 +47,19 @@ def test_rust_scan_reads_the_tensor_in_place_and_agrees_with_the_torch_scan(n, b
 
 @pytest.mark.parametrize("n,bad", SCANNED)
 def test_the_fused_scale_scan_is_the_scan_then_torchs_mul_and_the_finite_check_the_scans_verdict(n, bad):
-    # The DDP hook's pre-division fused with its scan (scale_scan_f32), and the check of a reduced
-    # sum (finite_f32): the same cell as scan_f32 of the unscaled tensor and the same bits as
+    # The DDP hook's pre-division fused with its scan (scale_scan_f32, which returns the guard's
+    # cell: floats, first_bad -1.0 for none), and the check of a reduced sum (finite_f32): the same
+    # cell as scan_f32 of the unscaled tensor and the same bits as
     # torch's mul_ (1/3: a world size that is not a power of two), past DETACH_AT too.
     x = planted(n, bad)
     want = gradbus._core.scan_f32(x.data_ptr(), x.numel())
     assert gradbus._core.finite_f32(x.data_ptr(), x.numel()) == (not bad)
     product = x.clone().mul_(1.0 / 3)
-    assert gradbus._core.scale_scan_f32(x.data_ptr(), x.numel(), 1.0 / 3) == want
+    cell = gradbus._core.scale_scan_f32(x.data_ptr(), x.numel(), 1.0 / 3)
+    assert cell == (float(want[0]), float(want[1]), want[2], -1.0 if want[3] is None else float(want[3]))
+    assert all(type(f) is float for f in cell)
     assert torch.equal(x.view(torch.int32), product.view(torch.int32))
-    assert gradbus._core.finite_f32(0, 0) and gradbus._core.scale_scan_f32(0, 0, 0.5) == (0, 0, 0.0, None)
+    assert gradbus._core.finite_f32(0, 0) and gradbus._core.scale_scan_f32(0, 0, 0.5) == (0.0, 0.0, 0.0, -1.0)
     with pytest.raises(ValueError, match="not aligned"):
         gradbus._core.finite_f32(x.data_ptr() + 1, 1)
 

@@ -145,6 +145,25 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
         assert same_state(r["after_error"], res[0]["after_error"])
 
 
+def test_the_scan_path_with_gradients_as_bucket_views_is_ddps_bitwise_and_names_a_planted_nan(tmp_path):
+    # The scan path's verdict reads the reduced sums from the buckets (`Guard.reduced_sums`); with
+    # gradient_as_bucket_view=True the buckets are the gradients the optimizer reads. The clean
+    # updates are plain DDP's bits; the poisoned one is named on every rank.
+    plant = {"rank": 1, "step": 2, "param": "mid.weight", "element": 4321, "value": "nan"}
+    case = {"steps": 4, "bucket_view": True}
+    plain = run(3, dict(case, guard=None), str(tmp_path / "plain"))
+    res = run(3, dict(case, guard={"policy": "abort", "run_dir": str(tmp_path / "run")}, plants=[plant]), str(tmp_path / "guarded"))
+    for r in range(3):
+        g = res[r]
+        assert g["paths"] == ["scan"] * 2 and g["verdicts"] == ["proceed"] * 2, (g["paths"], g["verdicts"])
+        assert g["losses"][:3] == plain[r]["losses"][:3]
+        for a, b in zip(plain[r]["snapshots"][:3], g["snapshots"]):
+            assert same_state(a, b), f"rank {r}: the scan path's weights or Adam state differ from plain DDP"
+        assert g["report"] is not None and (g["report"]["step"], g["report"]["ranks"], g["report"]["param"], g["report"]["element"]) == (
+            2, [1], "mid.weight", 4321), g["report"]
+        assert same_state(g["after_error"], g["snapshots"][-1]), "the poisoned update changed the state"
+
+
 def test_skip_leaves_weights_and_adam_state_untouched_and_replicas_identical(tmp_path):
     plant = {"rank": 2, "step": 2, "param": "mid.bias", "element": 3, "value": "nan"}
     res = run(3, {"steps": 5, "guard": {"policy": "skip"}, "plants": [plant]}, str(tmp_path))
