@@ -30,12 +30,13 @@ fn flip(rank: usize, minibatch: u32, target: &str, param: &str, element: usize, 
     )
 }
 
-/// Every rank's checksum of its weights as read back after the last update (its log line).
+/// Every rank's checksum of its weights as read back after the last update (its log's last such
+/// line: a resumed run appends to the log).
 fn final_weights(dir: &Path) -> Vec<String> {
     (0..2)
         .map(|k| {
             let log = std::fs::read_to_string(dir.join(format!("rank-{k}.log"))).expect("rank log");
-            let line = log.lines().find(|l| l.contains("final weights checksum")).unwrap_or_else(|| {
+            let line = log.lines().rev().find(|l| l.contains("final weights checksum")).unwrap_or_else(|| {
                 panic!("rank {k} logged no final weights checksum:\n{log}");
             });
             line.split("checksum ").nth(1).unwrap().split(' ').next().unwrap().to_string()
@@ -172,4 +173,34 @@ fn the_checks_turned_off_change_no_bit() {
     assert_eq!(a.len(), 3 * 16);
     assert_eq!(a, b, "every update's loss and weights' checksum");
     assert!(findings(&metrics(&off)).is_empty());
+}
+
+/// A bucket whose gradient is all zero on every rank - `ln_f.bias` alone in its bucket
+/// (`bucket_bytes=4`), scaled by 0 on both ranks at step 1 - puts a level of -inf (log2 of 0) into
+/// the outlier rule's history; the checkpoint written after it resumes (it was refused: "key
+/// `meta.sdc.outliers.history[1][16]`: invalid type: null, expected f64") and the resumed run ends
+/// on the uninterrupted run's bits.
+#[test]
+fn a_checkpoint_after_a_bucket_all_zero_on_every_rank_resumes_to_the_uninterrupted_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let zero: String = (0..2)
+        .map(|k| format!("[[faults]]\nkind = \"scale\"\nrank = {k}\nstep = 1\nfactor = 0.0\nparam = \"ln_f.bias\"\n"))
+        .collect();
+    let run = |dir: &Path, how: &str, steps: &str| {
+        let mut args = vec!["run", "--np", "2", how, dir.to_str().unwrap(), "examples/tiny.toml"];
+        for s in [steps, "checkpoint.every=2", "bucket_bytes=4", "sdc.outliers=true"] {
+            args.extend(["--set", s]);
+        }
+        gradbus(&args, &[("GRADBUS_FAULTS", &zero)])
+    };
+    let (full, part) = (tmp.path().join("full"), tmp.path().join("part"));
+    run(&full, "--run-dir", "steps=3").expect_code(0);
+    run(&part, "--run-dir", "steps=2").expect_code(0);
+    let state = std::fs::read(part.join("checkpoints/step-000002/state.bin")).unwrap();
+    assert!(String::from_utf8_lossy(&state).contains(r#","-inf","#), "the zero bucket's level is in the checkpoint");
+    let r = run(&part, "--resume", "steps=3");
+    r.expect_code(0);
+    assert!(r.stderr().contains("step-000002 at step 2"), "did not resume from step-000002\n{}", r.stderr());
+    assert_eq!(metrics(&part), metrics(&full));
+    assert_eq!(final_weights(&part), final_weights(&full));
 }

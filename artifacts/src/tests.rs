@@ -3,8 +3,11 @@
 
 use super::*;
 use gradbus_collectives::forecast::{self, Forecast};
+use gradbus_collectives::sdc::{OutlierDetector, OutlierRule};
 use gradbus_collectives::spikes::SpikeDetector;
-use gradbus_collectives::{Action, Cause, Classification, RankHealth, Report, SampleId};
+use gradbus_collectives::{Action, Cause, Classification, HealthTable, LocalScalars, RankHealth, Report, SampleId};
+use gradbus_collectives::{Summary, ValueNames};
+use gradbus_kernels::Health;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -446,6 +449,34 @@ fn sealed_json_reads_back_every_widened_f32_bit_for_bit() {
     let back = unseal::<Window>(&text, 1, "t").unwrap().values;
     let off = values.iter().zip(&back).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
     assert_eq!(off, 0, "{off} of {} widened f32 values read back with other bits", values.len());
+}
+
+/// A checkpoint of a run with the outlier rule on, where a bucket's gradient was all zero on every
+/// rank (its level, log2 of 0, is -inf), reads back whole: the level is written as "-inf" (serde_json
+/// alone wrote null, which `--resume` then refused: "invalid type: null, expected f64"); one
+/// written that way reads the null as -inf; a level that is none is refused naming its key.
+#[test]
+fn a_checkpoint_whose_outlier_history_has_a_zero_bucket_reads_back_and_so_does_an_older_null() {
+    let (names, reduced, hashes) = (ValueNames::default(), [Health::default(); 2], [1, 2]);
+    let mut d = OutlierDetector::new(OutlierRule::default(), 2);
+    for ss in [[1.0, 2.0], [0.0, 4.0], [3.0, 0.5]] {
+        let local = ss.map(|sumsq| Health { sumsq, ..Health::default() });
+        let s = Summary::of_rank(&names, 0, &local, Some((&reduced, &hashes)), &LocalScalars::default());
+        d.observe(&HealthTable::summarized(1, s).unwrap());
+    }
+    let meta = CheckpointMeta { sdc: Some(SavedSdc { outliers: Some(d.clone()), detections: 1 }), ..checkpoint_meta() };
+    let l = decode::<CheckpointMeta>(&encode(&meta, &[("params", &A)]), "state.bin").unwrap();
+    assert_eq!(l.meta, meta);
+    let mut v = serde_json::to_value(&meta).unwrap();
+    let level = &mut v["sdc"]["outliers"]["history"][0][1];
+    assert_eq!(*level, serde_json::json!("-inf"), "the zero bucket's level");
+    *level = serde_json::Value::Null;
+    let old = decode::<CheckpointMeta>(&encode(&Raw::<3>(v.clone()), &[]), "state.bin").unwrap();
+    assert_eq!(old.meta, meta, "null, as written before, is the zero bucket's -inf");
+    v["sdc"]["outliers"]["history"][0][1] = serde_json::json!("-Infinity");
+    let e = decode::<CheckpointMeta>(&encode(&Raw::<3>(v), &[]), "state.bin").unwrap_err().to_string();
+    let key = "state.bin: header: key `meta.sdc.outliers.history[0][1]`: invalid value: string \"-Infinity\"";
+    assert!(e.starts_with(key) && e.contains("expected a level"), "{e}");
 }
 
 #[test]
