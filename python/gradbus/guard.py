@@ -937,7 +937,11 @@ class GuardCore:
         parts = p.parts
         self._rows = None
         if p is _SCANNING:
-            reduced = self.reduced_sums(self.buckets)
+            try:
+                reduced = self.reduced_sums(self.buckets)
+            except BaseException:
+                self._clear_records()  # the next update starts from nothing, as after a verdict
+                raise
             if reduced is None:
                 self._clear_records()
                 self._agreement.proceed_clean()

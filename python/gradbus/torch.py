@@ -302,9 +302,10 @@ class Guard(GuardCore):
         """The health of buckets 0..n-1's reduced sums: None when they are all finite (the healthy
         update), else every bucket's cell. Read from the buckets' buffers, which hold the sums once
         backward has returned (the all-reduce sums in place; a compression hook copies the cast
-        sum back into the buffer) and until the next backward; on the verdict's thread, where
-        DDP's copy into the gradients has just left them in cache, rather than in each
-        all-reduce's callback on the collective's thread."""
+        sum back into the buffer) - with `gradient_as_bucket_view=True` the buffers are the
+        gradients, as the script has left them by the verdict (clipping, `unscale_`). Read on the
+        verdict's thread rather than in each all-reduce's callback, which runs on the collective's
+        thread and must take the GIL from it."""
         cells, layouts, on_device = [], self._bucket_layouts, False
         for b in range(n):
             known = layouts[b]

@@ -352,6 +352,26 @@ def test_verdict_without_a_backward_says_how_to_register_the_hook():
         Guard().verdict()
 
 
+def test_a_verdict_whose_scan_of_the_sums_fails_forgets_the_updates_records():
+    # The scan path keeps an update's records until its verdict; when reading the reduced sums
+    # raises (a device error, say) and the caller carries on, the next update starts from nothing,
+    # as after any verdict - here with fewer buckets (DDP's rebuild), which stale records would refuse.
+    class Failing(Guard):
+        def reduced_sums(self, n):
+            raise RuntimeError("device lost")
+
+    g = Failing(policy="abort")
+    clean = (0.0, 0.0, 1.0, -1.0)
+    g.record(0, [("w", 4)], clean)
+    g.record(1, [("b", 2)], clean)
+    g.scan_sums(2)
+    with pytest.raises(RuntimeError, match="device lost"):
+        g.verdict()
+    g.record(0, [("w", 6)], clean)
+    g.scan_sums(1)
+    assert g.buckets == 1 and g.path == "scan"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.float32])
 def test_torch_scan_counts_in_the_buckets_own_dtype(dtype):
     # The path of CUDA and non-float32 buckets, here on CPU tensors. An fp16 value past 65504 is an
