@@ -15,10 +15,13 @@ noise makes of the same code. `--alternate update` alternates the variants at ev
 (no barrier: each update's all-reduce keeps the ranks in step) for `--rounds` updates each, and
 prints the medians and quartiles of the single updates' wall and CPU times: a load that comes and
 goes then falls on every variant alike, which rounds of many updates cannot promise on a shared
-machine. A benchmark: asserts nothing.
+machine. The order of the variants turns by one every round (none always first or last).
+`--copies N` builds every variant N times (its own model, optimizer and DDP buffers) and pools the
+copies' samples per variant: identical code built twice can run a few percent apart for where its
+memory landed, which pooled copies share out alike. A benchmark: asserts nothing.
 
 Usage: paths.py [--world 2] [--width 256] [--iters 200] [--rounds 7] [--paths auto,ride,table,summary] [--control]
-                [--alternate round|update]
+                [--alternate round|update] [--copies 1]
 """
 
 import argparse
@@ -38,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 PATHS = ("auto", "ride", "table", "summary")
 
 
-def worker(rank, world, port, width, iters, rounds, paths, control, alternate, q):
+def worker(rank, world, port, width, iters, rounds, paths, control, alternate, copies, q):
     import gradbus.torch as gbt
 
     torch.set_num_threads(1)
@@ -58,8 +61,10 @@ def worker(rank, world, port, width, iters, rounds, paths, control, alternate, q
         return ddp, gbt.GuardedOptimizer(opt, g), g
 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
-    variants = {"allreduce_hook": build(None), **({"control": build(None)} if control else {}),
-                **{p: build(p) for p in paths}}
+    kinds = {"allreduce_hook": None, **({"control": None} if control else {}), **{p: p for p in paths}}
+    # Each kind `copies` times (its own model, optimizer and DDP buffers): what the memory a variant
+    # happens to get does to its speed falls on every kind alike when pooled over the copies.
+    variants = {(k, c): build(g) for c in range(copies) for k, g in kinds.items()}
 
     def update(ddp, opt, g):
         opt.zero_grad()
@@ -70,12 +75,16 @@ def worker(rank, world, port, width, iters, rounds, paths, control, alternate, q
     for v in variants.values():
         for _ in range(10):  # DDP's bucket rebuild, allocations
             update(*v)
-    wall = {k: [] for k in variants}
-    cpu = {k: [] for k in variants}
+    wall = {k: [] for k in kinds}
+    cpu = {k: [] for k in kinds}
     if alternate == "update":
         iters = 1
-    for _ in range(rounds):
-        for k, v in variants.items():
+    order = list(variants)
+    for r in range(rounds):
+        # Every variant once per round, starting one further along each round: no variant is always
+        # first or last. A kind's samples pool its copies'.
+        for key in order[r % len(order):] + order[: r % len(order)]:
+            k, v = key[0], variants[key]
             if alternate == "round":
                 dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -84,8 +93,8 @@ def worker(rank, world, port, width, iters, rounds, paths, control, alternate, q
             wall[k].append((time.perf_counter() - t0) * 1e6 / iters)
             cpu[k].append((time.process_time() - c0) * 1e6 / iters)
     if rank == 0:
-        q.put((wall, cpu, sum(p.numel() for p in variants["allreduce_hook"][0].parameters()),
-               variants["auto"][2].path if "auto" in variants else None))
+        q.put((wall, cpu, sum(p.numel() for p in variants[("allreduce_hook", 0)][0].parameters()),
+               variants[("auto", 0)][2].path if "auto" in kinds else None))
     dist.destroy_process_group()
     # Skip the interpreter's teardown, where torch 2.15's gloo sometimes aborts a finished worker
     # (SIGABRT: "terminate called without an active exception"), which failed whole runs here. Rank
@@ -105,6 +114,8 @@ def main():
     ap.add_argument("--control", action="store_true", help="allreduce_hook a second time")
     ap.add_argument("--alternate", default="round", choices=["round", "update"],
                     help="alternate the variants every round of --iters updates, or every update (--rounds updates each)")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="build each variant this many times (its own model and DDP buffers), alternated and pooled")
     a = ap.parse_args()
     paths = [p for p in a.paths.split(",") if p]
     if not set(paths) <= set(PATHS):
@@ -114,7 +125,9 @@ def main():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ranks = mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, a.alternate, q),
+    if a.copies < 1:
+        ap.error(f"--copies {a.copies}: expected 1 or more")
+    ranks = mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, a.alternate, a.copies, q),
                                nprocs=a.world, join=False, start_method="spawn")
     # Read rank 0's result before joining: a result larger than a pipe's buffer (--alternate update's
     # single updates) blocks rank 0's exit until it is read.
@@ -123,7 +136,7 @@ def main():
         pass
     took = f"; 'auto' took the {path} path" if path else ""
     if a.alternate == "update":
-        print(f"{a.world} ranks, {params} parameters, {a.rounds} updates per variant, alternated update by update; "
+        print(f"{a.world} ranks, {params} parameters, {a.rounds} updates per variant x {a.copies} copies, alternated update by update; "
               f"us per update{took}")
         print(f"{'variant':>15} {'wall: median':>13} {'vs hook':>8} {'[quartiles]':>17} {'CPU: median':>12} {'vs hook':>8} {'[quartiles]':>17}")
         for k in wall:
@@ -134,7 +147,7 @@ def main():
                 row += f" {m:>13.1f} {m / h:>8.3f} [{q1:>7.1f}, {q3:>7.1f}]"
             print(row)
         return
-    print(f"{a.world} ranks, {params} parameters, {a.iters} updates x {a.rounds} rounds; us per update, medians of the rounds{took}")
+    print(f"{a.world} ranks, {params} parameters, {a.iters} updates x {a.rounds} rounds x {a.copies} copies; us per update, medians of the rounds{took}")
     print(f"{'variant':>15} {'wall us':>9} {'vs hook':>8} {'CPU us':>9} {'vs hook':>8}   paired wall ratio: median [quartiles]"
           "   fastest rounds: wall us, vs hook")
     med = {k: statistics.median(w) for k, w in wall.items()}
