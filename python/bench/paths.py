@@ -13,9 +13,10 @@ quartiles, and the ratio of the fastest rounds (another machine's load only adds
 disturbed round of each). `--control` adds `allreduce_hook` a second time: its ratios show what the machine's own
 noise makes of the same code. `--alternate update` alternates the variants at every update instead
 (no barrier: each update's all-reduce keeps the ranks in step) for `--rounds` updates each, and
-prints the medians and quartiles of the single updates' wall and CPU times: a load that comes and
-goes then falls on every variant alike, which rounds of many updates cannot promise on a shared
-machine. The order of the variants turns by one every round (none always first or last).
+prints the medians and quartiles of the single updates' wall and CPU times, and of the main
+thread's CPU alone (the training loop's, hooks and verdict included; not gloo's threads, whose time
+includes waiting on the other rank): a load that comes and goes then falls on every variant alike,
+which rounds of many updates cannot promise on a shared machine. The order of the variants turns by one every round (none always first or last).
 `--copies N` builds every variant N times (its own model, optimizer and DDP buffers) and pools the
 copies' samples per variant: identical code built twice can run a few percent apart for where its
 memory landed, which pooled copies share out alike. A benchmark: asserts nothing.
@@ -77,6 +78,7 @@ def worker(rank, world, port, width, iters, rounds, paths, control, alternate, c
             update(*v)
     wall = {k: [] for k in kinds}
     cpu = {k: [] for k in kinds}
+    main = {k: [] for k in kinds}
     if alternate == "update":
         iters = 1
     order = list(variants)
@@ -87,13 +89,14 @@ def worker(rank, world, port, width, iters, rounds, paths, control, alternate, c
             k, v = key[0], variants[key]
             if alternate == "round":
                 dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(iters):
                 update(*v)
             wall[k].append((time.perf_counter() - t0) * 1e6 / iters)
             cpu[k].append((time.process_time() - c0) * 1e6 / iters)
+            main[k].append((time.thread_time() - m0) * 1e6 / iters)
     if rank == 0:
-        q.put((wall, cpu, sum(p.numel() for p in variants[("allreduce_hook", 0)][0].parameters()),
+        q.put((wall, cpu, main, sum(p.numel() for p in variants[("allreduce_hook", 0)][0].parameters()),
                variants[("auto", 0)][2].path if "auto" in kinds else None))
     dist.destroy_process_group()
     # Skip the interpreter's teardown, where torch 2.15's gloo sometimes aborts a finished worker
@@ -131,17 +134,18 @@ def main():
                                nprocs=a.world, join=False, start_method="spawn")
     # Read rank 0's result before joining: a result larger than a pipe's buffer (--alternate update's
     # single updates) blocks rank 0's exit until it is read.
-    wall, cpu, params, path = q.get()
+    wall, cpu, main, params, path = q.get()
     while not ranks.join():
         pass
     took = f"; 'auto' took the {path} path" if path else ""
     if a.alternate == "update":
         print(f"{a.world} ranks, {params} parameters, {a.rounds} updates per variant x {a.copies} copies, alternated update by update; "
               f"us per update{took}")
-        print(f"{'variant':>15} {'wall: median':>13} {'vs hook':>8} {'[quartiles]':>17} {'CPU: median':>12} {'vs hook':>8} {'[quartiles]':>17}")
+        print(f"{'variant':>15} {'wall: median':>13} {'vs hook':>8} {'[quartiles]':>17} {'CPU: median':>12} {'vs hook':>8} {'[quartiles]':>17}"
+              f" {'main thread':>12} {'vs hook':>8} {'[quartiles]':>17}")
         for k in wall:
             row = f"{k:>15}"
-            for t in (wall, cpu):
+            for t in (wall, cpu, main):
                 q1, m, q3 = statistics.quantiles(t[k], n=4)
                 h = statistics.median(t["allreduce_hook"])
                 row += f" {m:>13.1f} {m / h:>8.3f} [{q1:>7.1f}, {q3:>7.1f}]"
