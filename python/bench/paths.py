@@ -14,10 +14,10 @@ disturbed round of each). `--control` adds `allreduce_hook` a second time: its r
 noise makes of the same code. `--alternate update` alternates the variants at every update instead
 (no barrier: each update's all-reduce keeps the ranks in step) for `--rounds` updates each, and
 prints the medians and quartiles of the single updates' wall and CPU times, and of the main
-thread's CPU alone (the training loop's, hooks and verdict included; not gloo's threads, whose time
-includes waiting on the other rank): a load that comes and goes then falls on every variant alike,
-which rounds of many updates cannot promise on a shared machine. The order of the variants turns by one every round (none always first or last).
-`--copies N` builds every variant N times (its own model, optimizer and DDP buffers) and pools the
+thread's CPU alone (the training loop's, DDP's hook and the verdict included; not gloo's threads):
+a load that comes and goes then falls on every variant alike, which rounds of many updates cannot
+promise on a shared machine. The order of the variants turns by one every round (none always first
+or last). `--copies N` builds every variant N times (its own model, optimizer and DDP buffers) and pools the
 copies' samples per variant: identical code built twice can run a few percent apart for where its
 memory landed, which pooled copies share out alike. A benchmark: asserts nothing.
 
