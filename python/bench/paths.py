@@ -11,7 +11,11 @@ the rounds, each against the hook's, and the median of the per-round ratios (eac
 the hook's rounds next to it in time, which a machine whose speed drifts disturbs less) with their
 quartiles, and the ratio of the fastest rounds (another machine's load only adds time: the least
 disturbed round of each). `--control` adds `allreduce_hook` a second time: its ratios show what the machine's own
-noise makes of the same code. `--alternate update` alternates the variants at every update instead
+noise makes of the same code. `--scans-only` adds a variant that does the guard's native work on
+the scan path and nothing else (not a guard: no records, no verdict, no report): the hook's fused
+pre-division and scan (`_core.scale_scan_f32`) and, before the optimizer step, the check of the
+reduced sums (`_core.finite_f32`); the guard's distance from it is its Python bookkeeping.
+`--alternate update` alternates the variants at every update instead
 (no barrier: each update's all-reduce keeps the ranks in step) for `--rounds` updates each, and
 prints the medians and quartiles of the single updates' wall and CPU times, and of the main
 thread's CPU alone (the training loop's, DDP's hook and the verdict included; not gloo's threads):
@@ -22,7 +26,7 @@ copies' samples per variant: identical code built twice can run a few percent ap
 memory landed, which pooled copies share out alike. A benchmark: asserts nothing.
 
 Usage: paths.py [--world 2] [--width 256] [--iters 200] [--rounds 7] [--paths auto,ride,table,summary] [--control]
-                [--alternate round|update] [--copies 1]
+                [--alternate round|update] [--copies 1] [--scans-only]
 """
 
 import argparse
@@ -42,7 +46,32 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 PATHS = ("auto", "ride", "table", "summary")
 
 
-def worker(rank, world, port, width, iters, rounds, paths, control, alternate, copies, q):
+class _ScansOnly:
+    """`--scans-only`: the guard's native work on the scan path alone (see the module doc), as a
+    DDP comm hook (`hook`) and an optimizer whose step checks the reduced sums first."""
+
+    def __init__(self, optimizer, world):
+        self.optimizer, self.scale, self.buffers = optimizer, 1.0 / world, {}
+
+    def hook(self, _, bucket):
+        from gradbus import _core
+
+        buf = bucket.buffer()
+        _core.scale_scan_f32(buf.data_ptr(), buf.numel(), self.scale)
+        self.buffers[bucket.index()] = buf
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def step(self):
+        from gradbus import _core
+
+        if all(_core.finite_f32(b.data_ptr(), b.numel()) for b in self.buffers.values()):
+            self.optimizer.step()
+
+
+def worker(rank, world, port, width, iters, rounds, paths, control, alternate, copies, scans_only, q):
     import gradbus.torch as gbt
 
     torch.set_num_threads(1)
@@ -54,6 +83,10 @@ def worker(rank, world, port, width, iters, rounds, paths, control, alternate, c
                                   torch.nn.GELU(), torch.nn.Linear(width, 64))
         ddp = DDP(net)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+        if agreement == "scans only":
+            bound = _ScansOnly(opt, world)
+            ddp.register_comm_hook(None, bound.hook)
+            return ddp, bound, None
         if agreement is None:
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
             return ddp, opt, None
@@ -62,7 +95,8 @@ def worker(rank, world, port, width, iters, rounds, paths, control, alternate, c
         return ddp, gbt.GuardedOptimizer(opt, g), g
 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
-    kinds = {"allreduce_hook": None, **({"control": None} if control else {}), **{p: p for p in paths}}
+    kinds = {"allreduce_hook": None, **({"control": None} if control else {}),
+             **({"scans only": "scans only"} if scans_only else {}), **{p: p for p in paths}}
     # Each kind `copies` times (its own model, optimizer and DDP buffers): what the memory a variant
     # happens to get does to its speed falls on every kind alike when pooled over the copies.
     variants = {(k, c): build(g) for c in range(copies) for k, g in kinds.items()}
@@ -117,6 +151,8 @@ def main():
     ap.add_argument("--control", action="store_true", help="allreduce_hook a second time")
     ap.add_argument("--alternate", default="round", choices=["round", "update"],
                     help="alternate the variants every round of --iters updates, or every update (--rounds updates each)")
+    ap.add_argument("--scans-only", action="store_true",
+                    help="add the guard's native scans alone (no records, no verdict): its Python bookkeeping's baseline")
     ap.add_argument("--copies", type=int, default=1,
                     help="build each variant this many times (its own model and DDP buffers), alternated and pooled")
     a = ap.parse_args()
@@ -130,7 +166,7 @@ def main():
     q = ctx.Queue()
     if a.copies < 1:
         ap.error(f"--copies {a.copies}: expected 1 or more")
-    ranks = mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, a.alternate, a.copies, q),
+    ranks = mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, a.alternate, a.copies, a.scans_only, q),
                                nprocs=a.world, join=False, start_method="spawn")
     # Read rank 0's result before joining: a result larger than a pipe's buffer (--alternate update's
     # single updates) blocks rank 0's exit until it is read.
