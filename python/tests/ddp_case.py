@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 from collections import OrderedDict
 from datetime import timedelta
@@ -192,6 +193,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _then_exit(rank: int, worker, world: int, port: int, case: dict, outdir: str) -> None:
+    """`worker(rank, ...)`, then, once it has returned (its result saved, its process group
+    destroyed), the process's exit without the interpreter's teardown, where torch 2.15's gloo
+    sometimes aborts a finished worker (SIGABRT, "terminate called without an active exception":
+    seen once in the GPU bundle's CPU stand-in, FSDP2's planted NaN). A worker that raises exits
+    as before, with its traceback."""
+    worker(rank, world, port, case, outdir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(worker, world: int, case: dict, outdir: str | None = None):
     """Run `worker(rank, world, port, case, outdir)` on `world` spawned processes; the dict each rank
     saved as outdir/rank{r}.pt, in rank order."""
@@ -199,7 +212,7 @@ def spawn(worker, world: int, case: dict, outdir: str | None = None):
     os.makedirs(outdir, exist_ok=True)
     for attempt in range(3):
         try:
-            mp.start_processes(worker, args=(world, free_port(), case, outdir), nprocs=world, join=True, start_method="spawn")
+            mp.start_processes(_then_exit, args=(worker, world, free_port(), case, outdir), nprocs=world, join=True, start_method="spawn")
             break
         except mp.ProcessRaisedException as e:
             # The free port was taken by another job before rank 0 listened on it: a new port.
