@@ -8,13 +8,23 @@
 # rebuilds the extension). torch's PyPI wheel for Linux x86_64 is its CUDA build; it runs on a CPU
 # but imports only with the CUDA runtime libraries present, so python/requirements-ci.txt installs
 # those and leaves out triton and cuda-bindings (torch itself goes in with --no-deps).
-# Cost on a fresh machine (2 cores): ~4.5 GB of venv, see docs/pytorch.md ("Tests, and what CI pays") for minutes.
+# Cost on a fresh machine (2 cores): 5.3 GB of venv, 7.5 GB of disk at the install's peak (pip holds
+# the downloaded wheels until it has unpacked them); docs/pytorch.md ("Tests, and what CI pays").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=target/pyvenv
+# No second copy of those wheels in pip's download cache (~/.cache/pip; the venv is kept instead).
+export PIP_NO_CACHE_DIR=1
 # `.complete` is written last: a venv whose install was interrupted is made anew.
 if [ ! -e "$venv/.complete" ]; then
+  # Refused up front, naming the space, rather than "[Errno 28] No space left on device" half-way.
+  mkdir -p target
+  free_kib=$(df -Pk target | awk 'NR == 2 { print $4 }')
+  if [ "$free_kib" -lt $((8 * 1024 * 1024)) ]; then
+    echo "python/test.sh: making the test venv $venv (torch and the CUDA runtime libraries its Linux wheel imports) needs 8 GiB free on $(df -P target | awk 'NR == 2 { print $6 }') (7.5 GB at the install's peak, 5.3 GB kept); $((free_kib / 1024)) MiB are free there (hint: free disk space, e.g. old build folders' target/, then run it again)" >&2
+    exit 1
+  fi
   if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
     # Debian's python3 lacks venv/ensurepip without python3-venv.
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)

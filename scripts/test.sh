@@ -7,6 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t_start=$(date +%s)
+# Where a run dies of a full disk, the log says what it started with (python/test.sh's venv alone
+# needs 8 GiB).
+echo "test.sh: $(df -Pk . | awk 'NR == 2 { printf "%.1f GiB free on %s", $4 / 1048576, $6 }')"
 
 # ---------------------------------------------------------------- system packages
 # C toolchain (linking, and the `cc` builds of some crates), pkg-config, git (the README test clones
@@ -172,11 +175,10 @@ run_selected cargo test --release --features cuda -p gradbus-collectives --lib -
 
 # The Python package for PyTorch users (python/, issue #15): builds the PyO3 extension with maturin
 # and runs its pytest suite (DDP over gloo, 2-3 processes) with torch from PyPI in target/pyvenv.
-# The first run installs 4.4 GB (torch and the CUDA runtime libraries its PyPI wheel needs to import;
-# python/test.sh says why). Measured here (2 cores, under load): 9 min from no venv with pip's
-# download cache warm and the extension built once before (the tests: 2-6 min with the load); a
-# fresh machine adds the wheels' download (torch's alone: 539 MB) and the extension's first build
-# (~2 min).
+# The first run installs 5.3 GB (torch and the CUDA runtime libraries its PyPI wheel needs to import;
+# python/test.sh says why; 7.5 GB at the install's peak: it refuses to start with less than 8 GiB
+# free). Measured here (2 cores): the install 100 s from PyPI (2026-12-02, no download cache), the
+# tests 2-6 min with the load, the extension's first build ~2 min.
 echo "test.sh: python/test.sh"
 python/test.sh
 # gradbus.megatron against megatron-core 0.19.2, which needs Python >= 3.12: Debian 12 has 3.11 (the

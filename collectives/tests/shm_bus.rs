@@ -655,23 +655,7 @@ fn a_too_small_shm_is_a_clear_shm_full_error() {
     let (job, dir) = job("shmfull");
     let shm = dir.path().join("shm");
     std::fs::create_dir(&shm).unwrap();
-    let probe = Command::new("unshare")
-        .args(["-rm", "sh", "-c", &format!("mount -t tmpfs -o size=1m tmpfs '{}'", shm.display())])
-        .output();
-    let failed = match probe {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(format!("unshare -rm: {}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim())),
-        Err(e) => Some(format!("unshare: {e}")),
-    };
-    if let Some(reason) = failed {
-        // No way to make a small tmpfs here: say so loudly rather than pass silently.
-        skip::skip(
-            "tmpfs",
-            &format!(
-                "a_too_small_shm_is_a_clear_shm_full_error: cannot mount a tmpfs in a private mount namespace \
-                 ({reason}); needs user namespaces or root"
-            ),
-        );
+    if !skip::tmpfs_mounts(&shm, "a_too_small_shm_is_a_clear_shm_full_error") {
         return;
     }
     let script = format!("mount -t tmpfs -o size=1m tmpfs '{}' && exec \"$0\" \"$@\"", shm.display());

@@ -37,6 +37,24 @@ fn required(capability: &str, require: Option<&str>) -> bool {
     require.is_some_and(|list| list.split(',').any(|c| c.trim() == capability))
 }
 
+/// Whether a small tmpfs can be mounted over `dir` in a private mount namespace (`unshare -rm`,
+/// which needs no privilege where user namespaces are enabled): true when it can; else `test` says
+/// why it does not run (capability "tmpfs", see [`skip`]) and the caller returns.
+pub fn tmpfs_mounts(dir: &std::path::Path, test: &str) -> bool {
+    let mount = format!("mount -t tmpfs -o size=1m tmpfs '{}'", dir.display());
+    let why = match std::process::Command::new("unshare").args(["-rm", "sh", "-c", &mount]).output() {
+        Ok(o) if o.status.success() => return true,
+        Ok(o) => format!("unshare -rm: {}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim()),
+        Err(e) => format!("unshare: {e}"),
+    };
+    // No way to make a small tmpfs here: say so loudly rather than pass silently.
+    skip(
+        "tmpfs",
+        &format!("{test}: cannot mount a tmpfs in a private mount namespace ({why}); needs user namespaces or root"),
+    );
+    false
+}
+
 /// The capabilities `GRADBUS_REQUIRE` names that start with `prefix`: for a test that must find each
 /// of them among what it runs (every `simd-` level the CPU's flags show), where no skip would fire.
 pub fn required_starting(prefix: &str) -> Vec<String> {
