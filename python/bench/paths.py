@@ -15,6 +15,8 @@ noise makes of the same code. `--scans-only` adds a variant that does the guard'
 the scan path and nothing else (not a guard: no records, no verdict, no report): the hook's fused
 pre-division and scan (`_core.scale_scan_f32`) and, before the optimizer step, the check of the
 reduced sums (`_core.finite_f32`); the guard's distance from it is its Python bookkeeping.
+`--general` adds the guard with the hook's fast path off (`Guard._fast`: every update on the
+general path, as before session 13). `--pin` binds rank r to CPU r (as `mpirun --bind-to core`).
 `--alternate update` alternates the variants at every update instead
 (no barrier: each update's all-reduce keeps the ranks in step) for `--rounds` updates each, and
 prints the medians and quartiles of the single updates' wall and CPU times, and of the main
@@ -26,7 +28,7 @@ copies' samples per variant: identical code built twice can run a few percent ap
 memory landed, which pooled copies share out alike. A benchmark: asserts nothing.
 
 Usage: paths.py [--world 2] [--width 256] [--iters 200] [--rounds 7] [--paths auto,ride,table,summary] [--control]
-                [--alternate round|update] [--copies 1] [--scans-only]
+                [--alternate round|update] [--copies 1] [--scans-only] [--general] [--pin]
 """
 
 import argparse
@@ -71,10 +73,12 @@ class _ScansOnly:
             self.optimizer.step()
 
 
-def worker(rank, world, port, width, iters, rounds, paths, control, alternate, copies, scans_only, q):
+def worker(rank, world, port, width, iters, rounds, paths, control, alternate, copies, scans_only, general, pin, q):
     import gradbus.torch as gbt
 
     torch.set_num_threads(1)
+    if pin:
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
     def build(agreement):
@@ -90,13 +94,16 @@ def worker(rank, world, port, width, iters, rounds, paths, control, alternate, c
         if agreement is None:
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
             return ddp, opt, None
-        g = gbt.Guard(policy="skip", names=net, agreement=agreement)
+        g = gbt.Guard(policy="skip", names=net, agreement="auto" if agreement == "general" else agreement)
+        if agreement == "general":
+            g._scan_path = lambda: None  # no fast path: every update on the hook's general path
         ddp.register_comm_hook(g, gbt.allreduce_hook)
         return ddp, gbt.GuardedOptimizer(opt, g), g
 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
     kinds = {"allreduce_hook": None, **({"control": None} if control else {}),
-             **({"scans only": "scans only"} if scans_only else {}), **{p: p for p in paths}}
+             **({"scans only": "scans only"} if scans_only else {}),
+             **({"general": "general"} if general else {}), **{p: p for p in paths}}
     # Each kind `copies` times (its own model, optimizer and DDP buffers): what the memory a variant
     # happens to get does to its speed falls on every kind alike when pooled over the copies.
     variants = {(k, c): build(g) for c in range(copies) for k, g in kinds.items()}
@@ -153,6 +160,9 @@ def main():
                     help="alternate the variants every round of --iters updates, or every update (--rounds updates each)")
     ap.add_argument("--scans-only", action="store_true",
                     help="add the guard's native scans alone (no records, no verdict): its Python bookkeeping's baseline")
+    ap.add_argument("--general", action="store_true",
+                    help="add the guard with the hook's fast path off (the general path on every update)")
+    ap.add_argument("--pin", action="store_true", help="bind rank r to CPU r")
     ap.add_argument("--copies", type=int, default=1,
                     help="build each variant this many times (its own model and DDP buffers), alternated and pooled")
     a = ap.parse_args()
@@ -166,7 +176,8 @@ def main():
     q = ctx.Queue()
     if a.copies < 1:
         ap.error(f"--copies {a.copies}: expected 1 or more")
-    ranks = mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, a.alternate, a.copies, a.scans_only, q),
+    ranks = mp.start_processes(worker, args=(a.world, port, a.width, a.iters, a.rounds, paths, a.control, a.alternate, a.copies, a.scans_only,
+                                     a.general, a.pin, q),
                                nprocs=a.world, join=False, start_method="spawn")
     # Read rank 0's result before joining: a result larger than a pipe's buffer (--alternate update's
     # single updates) blocks rank 0's exit until it is read.

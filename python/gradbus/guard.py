@@ -630,13 +630,7 @@ class GuardCore:
         p, self._pending = self._pending, None
         d = self._finish(p)
         if d is None:
-            # The scan path's healthy update: proceed, nothing to report (no loss: not exchanged).
-            self._batches = []
-            scale = None if self.scaler is None else float(self.scaler.get_scale())
-            v = self.last = Verdict("proceed", None, None, self.step, self.attempt, scale)
-            self._verdicts += 1
-            self.step += 1
-            return v
+            return self._proceeded_clean()
         if d.action == "diverged" or d.action == "repair" and (not self.SDC or self._optimizer is None):
             return self._diverged(d)
         text = d.report if d.report is None else self._with_samples(d.report)
@@ -674,6 +668,20 @@ class GuardCore:
         if d.spike is not None:
             self.spikes += 1
             log.warning("gradbus: step %d: %s%s", v.step, d.spike, "; skipped" if d.action == "skip" else "")
+        return v
+
+    def _proceeded_clean(self) -> Verdict:
+        """The scan path's healthy update (every rank found the reduced sums finite; the agreement
+        is no longer pending): proceed, recorded in the history as the table paths record a
+        proceed, nothing to report (no loss: not exchanged); the update's records are cleared."""
+        self._rows = None
+        self._clear_records()
+        self._agreement.proceed_clean()
+        self._batches = []
+        scale = None if self.scaler is None else float(self.scaler.get_scale())
+        v = self.last = Verdict("proceed", None, None, self.step, self.attempt, scale)
+        self._verdicts += 1
+        self.step += 1
         return v
 
     @property
@@ -931,7 +939,8 @@ class GuardCore:
 
     def _finish(self, p: _Pending) -> Any:
         """Wait for the agreement's collectives and decide; on an anomaly of the summary, gather the
-        table (every rank sees the same summary, so every rank gathers)."""
+        table (every rank sees the same summary, so every rank gathers). None: the scan path's
+        healthy update (`_proceeded_clean`)."""
         for w in p.works:
             w.wait()
         parts = p.parts
@@ -943,9 +952,7 @@ class GuardCore:
                 self._clear_records()  # the next update starts from nothing, as after a verdict
                 raise
             if reduced is None:
-                self._clear_records()
-                self._agreement.proceed_clean()
-                return None
+                return None  # the healthy update: `_proceeded_clean`
             # An anomaly, seen alike by every rank: every rank gathers the rows to name the ranks
             # (nothing is watched on the scan path: no watched words in the rows).
             n, row, layout, world = self._begin(self.buckets)

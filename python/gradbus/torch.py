@@ -164,6 +164,9 @@ class Guard(GuardCore):
         self._returned: Dict[int, int] = {}
         self._consumed: Optional[List[int]] = None
         self._hashed: Optional[Tuple[List[int], int]] = None
+        # The hook's fast path on the scan path's healthy updates (`_core.ScanPath`, set by a
+        # verdict when the next update takes the scan path with every bucket scanned in place).
+        self._fast: Optional[_core.ScanPath] = None
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         super().backward(loss, **kwargs)
@@ -173,6 +176,17 @@ class Guard(GuardCore):
             self._hashed = self._bucket_hashes(own_check=True)
 
     def verdict(self) -> Verdict:
+        fast = self._fast
+        if fast is not None:
+            if fast.healthy():
+                # Every bucket of this update took the hook's fast path and every reduced sum is
+                # finite (`reduced_sums`' healthy answer); the tallies stay native. `_fast` stays:
+                # the next update takes the scan path too (nothing that `scans` reads has changed:
+                # the step matters only with `replica_every`, and no quantity can start being
+                # watched after the first exchange).
+                self.path = "scan"  # after a rerun's attempt on another path
+                return self._proceeded_clean()
+            self._leave_fast()
         hashed, self._hashed = self._hashed, None
         v = super().verdict()
         if self.sdc:
@@ -182,7 +196,30 @@ class Guard(GuardCore):
                 # gradients, the same on every rank), and without the own check.
                 self._consumed, state = hashed if hashed is not None else self._bucket_hashes(own_check=False)
                 self._state |= state
+        if not self.replica_every and self.scans():
+            self._fast = self._scan_path()
         return v
+
+    def _scan_path(self) -> Optional[_core.ScanPath]:
+        """The hook's fast path for the next updates (`_core.ScanPath`): DDP's buckets as learnt,
+        when every one is scanned, pre-divided and summed in place (`_Bucket.in_place`,
+        `sum_in_place`); else None."""
+        layouts = self._bucket_layouts
+        known = [layouts.get(b) for b in range(self.buckets)]
+        if not known or not all(k is not None and k.in_place and k.sum_in_place for k in known):
+            return None
+        return _core.ScanPath([k.buffer for k in known], [k.data_ptr for k in known], [k.numel for k in known], 1.0 / self.world)
+
+    def _leave_fast(self) -> None:
+        """The general path takes over from the hook's fast path (a bucket not as learnt, a sum that
+        is not finite, a backward or a verdict out of turn): the update's tallies so far become its
+        records, and an update all of whose buckets were tallied is left as `scan_sums` leaves it."""
+        fast, self._fast = self._fast, None
+        cells = fast.take()
+        for b, cell in enumerate(cells):
+            self.record(b, self._bucket_layouts[b].entries, cell)
+        if len(cells) == fast.buckets:
+            self.scan_sums(len(cells))
 
     def _bucket_hashes(self, own_check: bool) -> Tuple[List[int], int]:
         """With `sdc`: each bucket's reduced gradients hashed as DDP wrote them (the parameters'
@@ -332,12 +369,20 @@ def allreduce_hook(guard: Guard, bucket: dist.GradBucket) -> torch.futures.Futur
     """The DDP communication hook: tally the bucket's local health, then all-reduce it as DDP does
     without a hook (mean over ranks); on the scan path (`Guard.scans`) nothing else (the verdict
     scans the sums in the buckets); else at the last bucket start the agreement - or, where the rows ride it
-    (`Guard.rides`), append every rank's row to the last bucket's all-reduce.
+    (`Guard.rides`), append every rank's row to the last bucket's all-reduce. On the scan path's
+    healthy updates after DDP's bucket rebuild, the tally is one native call (`Guard._fast`).
     Register with `ddp.register_comm_hook(guard, gradbus.torch.allreduce_hook)`."""
-    pg = guard.process_group
     buf = bucket.buffer()
-    world = guard.world
     b = bucket.index()
+    fast = guard._fast
+    if fast is not None:
+        if fast.tally(b, buf.data_ptr(), buf.numel()):
+            # The scan path's healthy updates (`Guard._fast`): pre-divided and scanned in one pass,
+            # tallied natively; all-reduced as below.
+            return dist.all_reduce(buf, group=guard.process_group, async_op=True).get_future().then(_value)
+        guard._leave_fast()
+    pg = guard.process_group
+    world = guard.world
     scans = guard.scans()
     in_place = scans or not (bucket.is_last() and guard.rides(world))
     # Scale then sum, as DDP's built-in reduction does (a multiply by 1/world: the Python

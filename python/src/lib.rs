@@ -39,6 +39,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+mod scan_path;
 mod watch;
 
 /// The guard's values in the agreement (`LocalScalars::values`, by name): the rank's local sum of
@@ -243,21 +244,36 @@ fn scan_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<(u64, u64, f64
 /// as it is. The caller guarantees what `scan_f32` says, and that nothing else reads or writes the
 /// tensor during the call.
 #[pyfunction]
-fn scale_scan_f32(py: Python<'_>, ptr: usize, numel: usize, scale: f32) -> PyResult<(f64, f64, f64, f64)> {
+fn scale_scan_f32(py: Python<'_>, ptr: usize, numel: usize, scale: f32) -> PyResult<Cell> {
+    // An empty tensor's address may be null: nothing is read then.
+    let addr = if numel == 0 { ptr } else { f32_address("scale_scan_f32", ptr)? };
+    // SAFETY: as the function's doc says, which the caller guarantees.
+    Ok(unsafe { scale_scan(py, addr, numel, scale) })
+}
+
+/// A bucket's health as the guard records it (its Python `Cell`): nan, inf, sumsq and first_bad as
+/// floats, first_bad -1.0 for none.
+type Cell = (f64, f64, f64, f64);
+
+/// `scale_scan_f32` at an address already checked by `f32_address` (any, when `numel` is 0).
+///
+/// # Safety
+/// What `scale_scan_f32` requires of its caller: `numel` initialised f32 at `addr` of a live,
+/// contiguous CPU tensor that the caller keeps alive for the call and that nothing else reads or
+/// writes meanwhile.
+unsafe fn scale_scan(py: Python<'_>, addr: usize, numel: usize, scale: f32) -> Cell {
     if numel == 0 {
-        return Ok((0.0, 0.0, 0.0, -1.0));
+        return (0.0, 0.0, 0.0, -1.0);
     }
-    let addr = f32_address("scale_scan_f32", ptr)?;
     let run = move || {
-        // SAFETY: `addr` is non-null and f32-aligned (checked above); the caller guarantees that it
-        // points at `numel` initialised f32 of a live, contiguous CPU tensor that it keeps alive for
-        // this call and that nothing else reads or writes meanwhile (see the function's doc). The
-        // slice does not outlive the call.
+        // SAFETY: `addr` is non-null and f32-aligned (the caller's `f32_address`) and points at
+        // `numel` initialised f32 of a live, contiguous CPU tensor that nothing else reads or writes
+        // meanwhile (the function's contract). The slice does not outlive the call.
         let x = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, numel) };
         scan_and_scale(x, scale)
     };
     let h = if numel >= DETACH_AT { py.detach(run) } else { run() };
-    Ok((h.nan as f64, h.inf as f64, h.sumsq, h.first_bad.map_or(-1.0, |i| i as f64)))
+    (h.nan as f64, h.inf as f64, h.sumsq, h.first_bad.map_or(-1.0, |i| i as f64))
 }
 
 /// Whether the `numel` f32 at address `ptr` are all finite (`gradbus_kernels::all_finite`: the
@@ -265,16 +281,31 @@ fn scale_scan_f32(py: Python<'_>, ptr: usize, numel: usize, scale: f32) -> PyRes
 /// health is needed only when it is not finite). The caller guarantees what `scan_f32` says.
 #[pyfunction]
 fn finite_f32(py: Python<'_>, ptr: usize, numel: usize) -> PyResult<bool> {
+    // An empty tensor's address may be null: nothing is read then.
+    let addr = if numel == 0 { ptr } else { f32_address("finite_f32", ptr)? };
+    // SAFETY: as the function's doc says, which the caller guarantees.
+    Ok(unsafe { finite(py, addr, numel) })
+}
+
+/// `finite_f32` at an address already checked by `f32_address` (any, when `numel` is 0).
+///
+/// # Safety
+/// What `finite_f32` requires of its caller: `numel` initialised f32 at `addr` of a live tensor that
+/// the caller keeps referenced for the call and that nothing writes meanwhile.
+unsafe fn finite(py: Python<'_>, addr: usize, numel: usize) -> bool {
     if numel == 0 {
-        return Ok(true);
+        return true;
     }
-    let addr = f32_address("finite_f32", ptr)?;
     let check = move || {
-        // SAFETY: as in `scan_f32`: non-null, aligned (checked above), `numel` initialised f32 of a
-        // live tensor that the caller keeps referenced and that nothing writes meanwhile; only read.
+        // SAFETY: non-null, aligned (the caller's `f32_address`), `numel` initialised f32 of a live
+        // tensor that nothing writes meanwhile (the function's contract); only read.
         all_finite(unsafe { std::slice::from_raw_parts(addr as *const f32, numel) })
     };
-    Ok(if numel >= DETACH_AT { py.detach(check) } else { check() })
+    if numel >= DETACH_AT {
+        py.detach(check)
+    } else {
+        check()
+    }
 }
 
 /// `ptr` when it is a usable f32 address (non-null, aligned), else the error naming `what`.
@@ -992,6 +1023,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cheaper_path, m)?)?;
     m.add_function(wrap_pyfunction!(agreement_cost, m)?)?;
     m.add_class::<Agreement>()?;
+    m.add_class::<scan_path::ScanPath>()?;
     m.add_class::<Decision>()?;
     watch::register(m)?;
     Ok(())

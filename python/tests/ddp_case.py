@@ -18,10 +18,13 @@ A case is a dict:
   diverge     {"rank", "step", "param", "element", "delta"}: add delta to one weight on one rank
               before that step (a replica that differs)
   device      "cpu" (default) or "cuda"; backend: "gloo" (default) or "nccl"
+  twice       {"step", "call": "backward"|"step"}: at that step a second backward before the verdict,
+              or a second opt.step() after it; the guard's RuntimeError ends the run ("misuse")
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -112,7 +115,7 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
     dist.init_process_group(case.get("backend", "gloo"), rank=rank, world_size=world, timeout=timedelta(seconds=120))
     out = {"losses": [], "verdicts": [], "snapshots": [], "error": None, "report": None, "buckets": [],
            "scales": [], "overflows": [], "skips": [], "tabled": 0, "paths": [], "row_losses": [],
-           "verdict_losses": []}
+           "verdict_losses": [], "fast": []}
     try:
         net = model().to(device=device, dtype=getattr(torch, case.get("dtype", "float32")))
         ddp = DDP(net, bucket_cap_mb=case.get("bucket_cap_mb", 0.25), gradient_as_bucket_view=case.get("bucket_view", False))
@@ -155,8 +158,20 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
                     loss.backward()
                 for h in handles:
                     h.remove()
+                twice = case.get("twice")
+                twice = twice["call"] if twice is not None and twice["step"] == step else None
+                if guard is not None:
+                    # Whether every bucket of this backward took the hook's fast path (`Guard._fast`).
+                    out["fast"].append(guard._fast is not None)
+                if twice == "backward":
+                    loss = nn.functional.mse_loss(ddp(x).float(), y)
+                    with misuse(out):
+                        guard.backward(loss)
                 if guard is not None:
                     v = opt.step()
+                    if twice == "step":
+                        with misuse(out):
+                            opt.step()
                     out["verdicts"].append(v.action)
                     out["overflows"].append(v.overflow)
                     out["buckets"].append(guard.buckets)
@@ -177,6 +192,8 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
             out["suspects"] = guard.suspects
             out["skips"] = [(v.step, v.action, v.loss_scale, v.report) for v in guard.skips]
             out["tabled"] = guard.tabled
+    except Misuse:
+        pass
     except (gt.NonFiniteGradients, gt.ReplicasDiverged) as e:  # the tests inspect it
         out["error"] = str(e)
         out["error_type"] = type(e).__name__
@@ -185,6 +202,22 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
     finally:
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+
+
+class Misuse(Exception):
+    """The guard refused a call out of turn (case "twice"): the run ends there."""
+
+
+@contextlib.contextmanager
+def misuse(out: dict):
+    """A call out of turn (case "twice"): the guard's RuntimeError in out["misuse"] (None if it did
+    not raise), then the run ends."""
+    try:
+        yield
+        out["misuse"] = None
+    except RuntimeError as e:
+        out["misuse"] = str(e)
+    raise Misuse()
 
 
 def free_port() -> int:

@@ -78,6 +78,44 @@ def test_rust_scan_rejects_a_misaligned_address():
     assert gradbus.scan_f32(0, 0) == (0, 0, 0.0, None)
 
 
+def test_the_hooks_fast_path_tallies_the_learnt_buckets_in_turn_and_hands_over_the_rest():
+    # `_core.ScanPath` (the DDP hook's fast path on the scan path's healthy updates): each bucket in
+    # turn, as learnt, is pre-divided and scanned in one pass (scale_scan_f32's cell and bits); the
+    # sums' check drops the tallies when every bucket came and every sum is finite; otherwise the
+    # tallies go to the general path (`take`), and nothing is done to a bucket not as learnt.
+    a, b = planted(1000, [(17, 1e30)], seed=1), planted((1 << 20) + 3, [], seed=2)
+    fast = gradbus._core.ScanPath([a, b], [a.data_ptr(), b.data_ptr()], [a.numel(), b.numel()], 1.0 / 3)
+    assert fast.buckets == 2
+
+    def cell(x):  # scan_f32's health as the guard records it
+        nan, inf, sumsq, first = gradbus._core.scan_f32(x.data_ptr(), x.numel())
+        return (float(nan), float(inf), sumsq, -1.0 if first is None else float(first))
+
+    def tallied():  # both buckets in turn: their cells before the pre-division, and its bits
+        want = [(cell(x), x.clone().mul_(1.0 / 3)) for x in (a, b)]
+        assert fast.tally(0, a.data_ptr(), a.numel()) and fast.tally(1, b.data_ptr(), b.numel())
+        assert all(torch.equal(x.view(torch.int32), w.view(torch.int32)) for x, (_, w) in zip((a, b), want))
+        return [c for c, _ in want]
+
+    before = a.clone()
+    assert not fast.tally(1, b.data_ptr(), b.numel()), "bucket 1 before bucket 0"
+    assert not fast.tally(0, a.data_ptr(), a.numel() - 1) and not fast.tally(0, b.data_ptr(), a.numel()), "not as learnt"
+    assert not fast.healthy(), "a sums' check before every bucket came"
+    assert torch.equal(a.view(torch.int32), before.view(torch.int32)) and fast.take() == [], "refused: nothing done"
+    tallied()
+    assert fast.healthy() and fast.take() == [], "a healthy update's tallies are dropped"
+    # The next update: a sum that is not finite keeps the tallies for the general path.
+    cells = tallied()
+    b[(1 << 20) + 1] = float("-inf")
+    assert not fast.healthy()
+    assert fast.take() == cells and fast.take() == []
+    assert not fast.tally(1, b.data_ptr(), b.numel()) and fast.tally(0, a.data_ptr(), a.numel()), "handed over: from bucket 0"
+    with pytest.raises(ValueError, match="2 buffers, 2 addresses and 1 lengths"):
+        gradbus._core.ScanPath([a, b], [a.data_ptr(), b.data_ptr()], [a.numel()], 0.5)
+    with pytest.raises(ValueError, match="ScanPath: address .* not aligned"):
+        gradbus._core.ScanPath([a], [a.data_ptr() + 1], [a.numel()], 0.5)
+
+
 OK = (0.0, 0.0, 1.0, -1.0)
 LAYOUT = [[("head.weight", 40), ("head.bias", 8)], [("mid.weight", 100)]]
 

@@ -33,6 +33,9 @@ def test_clean_run_is_plain_ddp_bitwise(tmp_path):
     for r in range(3):
         s = scan[r]
         assert s["error"] is None and s["verdicts"] == ["proceed"] * 4 and s["paths"] == ["scan"] * 4
+        # The hook's fast path (`Guard._fast`) from the third update on: the first learns DDP's
+        # buckets, the second the buckets DDP has rebuilt; the same bits.
+        assert s["fast"] == [False, False, True, True], s["fast"]
         assert s["tabled"] == 0 and s["row_losses"] == [None] * 4 and s["verdict_losses"] == [None] * 4
         assert s["losses"] == plain[r]["losses"]
         for a, b in zip(plain[r]["snapshots"], s["snapshots"]):
@@ -124,6 +127,10 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
     assert all(len(r["verdicts"]) == plant["step"] for r in res), "every rank stopped at the same update"
     if agreement == "auto":
         assert all(r["paths"] == ["scan"] * plant["step"] for r in res), [r["paths"] for r in res]
+        # The poisoned update took the hook's fast path where it scans in place (scan "auto", from
+        # the third update on): its tallies are handed to the general path, which names the same.
+        fast = [scan == "auto" and s >= 2 for s in range(plant["step"] + 1)]
+        assert all(r["fast"] == fast for r in res), [r["fast"] for r in res]
     report = json.loads((run_dir / "report.json").read_text())
     assert all(r["report"] == report for r in res), "the exception carries report.json's content"
     assert set(report) == REPORT_KEYS
@@ -197,6 +204,9 @@ def test_rerun_transient_proceeds_as_a_clean_run_and_deterministic_aborts(tmp_pa
     res = run(2, {"steps": 3, "guard": {"policy": "rerun"}, "plants": [plant]}, str(tmp_path / "transient"))
     for k, r in enumerate(res):
         assert r["verdicts"] == ["proceed", "rerun", "proceed", "proceed"], f"rank {k}"
+        # The rerun's attempt takes the rows' path; the next update the scan path again, on the
+        # hook's fast path.
+        assert r["paths"] == ["scan", "scan", "ride", "scan"] and r["fast"] == [False, False, False, True], (r["paths"], r["fast"])
         assert r["suspects"] == [0]
         assert same_state(r["snapshots"][-1], clean[k]["snapshots"][-1]), "the recomputed update is the clean one"
     # Deterministic: the same NaN on the rerun too.
@@ -205,6 +215,20 @@ def test_rerun_transient_proceeds_as_a_clean_run_and_deterministic_aborts(tmp_pa
     for r in res:
         assert r["verdicts"] == ["proceed", "rerun"]
         assert (r["report"]["classification"], r["report"]["attempt"], r["report"]["param"]) == ("deterministic", 1, "head.bias")
+
+
+@pytest.mark.parametrize("call", ["backward", "step"])
+def test_a_call_out_of_turn_on_the_fast_path_is_refused_as_on_the_general_path(tmp_path, call):
+    # A second backward before the verdict, or a second verdict without a backward, on an update
+    # that took the hook's fast path (step 2) and on one that did not (step 0): the same refusal.
+    want = {
+        "backward": "a second backward before the verdict on the first",
+        "step": "no gradients were exchanged since the last verdict",
+    }[call]
+    for step, fast in ((0, [False]), (2, [False, False, True])):
+        res = run(2, {"steps": 4, "guard": {"policy": "abort"}, "twice": {"step": step, "call": call}}, str(tmp_path / f"{call}{step}"))
+        for r in res:
+            assert r["fast"] == fast and r["misuse"] is not None and want in r["misuse"], (r["fast"], r.get("misuse"))
 
 
 def test_a_replica_that_differs_is_named_and_repaired_from_a_healthy_rank(tmp_path):
