@@ -18,7 +18,10 @@ venv=target/pyvenv
 export PIP_NO_CACHE_DIR=1
 # `.complete` is written last: a venv whose install was interrupted is made anew.
 if [ ! -e "$venv/.complete" ]; then
-  # Refused up front, naming the space, rather than "[Errno 28] No space left on device" half-way.
+  # Refused up front, naming the space, rather than "[Errno 28] No space left on device" half-way;
+  # counted after an interrupted install's remains are gone, and with pip's unpacking (its
+  # temporary folder, $TMPDIR) on the same disk.
+  rm -rf "$venv" target/pip-tmp
   mkdir -p target
   free_kib=$(df -Pk target | awk 'NR == 2 { print $4 }')
   if [ "$free_kib" -lt $((8 * 1024 * 1024)) ]; then
@@ -32,12 +35,14 @@ if [ ! -e "$venv/.complete" ]; then
     $SUDO apt-get update -qq
     $SUDO apt-get install -y -qq --no-install-recommends python3-venv python3-pip >/dev/null
   fi
-  rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip
+  mkdir target/pip-tmp
+  venv_pip() { TMPDIR="$PWD/target/pip-tmp" "$venv/bin/python" -m pip "$@"; }
+  venv_pip install -q --upgrade pip
   # pip then reports torch's missing triton and cuda-bindings as "dependency conflicts": expected.
-  "$venv/bin/python" -m pip install -q --no-deps torch==2.15.0
-  "$venv/bin/python" -m pip install -q -r python/requirements-ci.txt
+  venv_pip install -q --no-deps torch==2.15.0
+  venv_pip install -q -r python/requirements-ci.txt
+  rm -rf target/pip-tmp
   touch "$venv/.complete"
 fi
 # The framework adapters' test dependencies (megatron-core, transformers, trl, deepspeed; ~510 MB), all

@@ -9,7 +9,8 @@ use std::process::Command;
 /// python/test.sh on a disk too small for its venv (torch and the CUDA runtime libraries: 7.5 GB at
 /// the install's peak) stops before installing anything, naming the folder, what it needs and what
 /// is free, instead of pip's "[Errno 28] No space left on device" half-way through the install.
-/// The disk is a 1 MiB tmpfs as `target/`, in a private mount namespace (`unshare -rm`).
+/// The disk is a 1 MiB tmpfs as `target/`, in a private mount namespace (`unshare -rm`), holding
+/// what an interrupted install left.
 #[test]
 fn python_test_sh_refuses_a_disk_too_small_for_its_venv_naming_the_space() {
     let dir = tempfile::tempdir().unwrap();
@@ -22,14 +23,19 @@ fn python_test_sh_refuses_a_disk_too_small_for_its_venv_naming_the_space() {
         return;
     }
     let mount = format!("mount -t tmpfs -o size=1m tmpfs '{}'", target.display());
-    let run = format!("{mount} && exec \"$0\"");
+    // In the namespace: 600 KiB of an install cut short (a venv without `.complete`, which the
+    // script removes before it counts: the refusal says the whole 1 MiB is free), then the script,
+    // then what it left on the small disk (`ls -A`, on stdout).
+    let t = target.display();
+    let half = format!("mkdir '{t}/pyvenv' && head -c 614400 /dev/zero > '{t}/pyvenv/half'");
+    let run = format!("{mount} && {half} && {{ \"$0\"; rc=$?; ls -A '{t}'; exit $rc; }}");
     let out = Command::new("unshare").args(["-rm", "sh", "-c", &run]).arg(&script).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "stdout: {}\nstderr: {err}", String::from_utf8_lossy(&out.stdout));
+    let left = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "stdout: {left}\nstderr: {err}");
     let want = format!("needs 8 GiB free on {} ", target.display());
     assert!(err.contains("python/test.sh: making the test venv target/pyvenv") && err.contains(&want), "{err}");
     assert!(err.contains("; 1 MiB are free there (hint: free disk space"), "{err}");
-    // Nothing was installed: the venv was not even made (the tmpfs is gone with the namespace, and
-    // the folder under it stayed empty).
-    assert_eq!(std::fs::read_dir(&target).unwrap().count(), 0);
+    // Nothing was installed, nor even made, on the small disk.
+    assert_eq!(left.trim(), "", "left on target/: {left}");
 }

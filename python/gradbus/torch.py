@@ -208,7 +208,9 @@ class Guard(GuardCore):
         known = [layouts.get(b) for b in range(self.buckets)]
         if not known or not all(k is not None and k.in_place and k.sum_in_place for k in known):
             return None
-        return _core.ScanPath([k.buffer for k in known], [k.data_ptr for k in known], [k.numel for k in known], 1.0 / self.world)
+        # The addresses read from the very tensors the ScanPath holds (which keep them alive).
+        bufs = [k.buffer for k in known]
+        return _core.ScanPath(bufs, [t.data_ptr() for t in bufs], [t.numel() for t in bufs], 1.0 / self.world)
 
     def _leave_fast(self) -> None:
         """The general path takes over from the hook's fast path (a bucket not as learnt, a sum that

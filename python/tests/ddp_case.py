@@ -115,7 +115,7 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
     dist.init_process_group(case.get("backend", "gloo"), rank=rank, world_size=world, timeout=timedelta(seconds=120))
     out = {"losses": [], "verdicts": [], "snapshots": [], "error": None, "report": None, "buckets": [],
            "scales": [], "overflows": [], "skips": [], "tabled": 0, "paths": [], "row_losses": [],
-           "verdict_losses": [], "fast": []}
+           "verdict_losses": [], "fast": [], "fast_verdicts": []}
     try:
         net = model().to(device=device, dtype=getattr(torch, case.get("dtype", "float32")))
         ddp = DDP(net, bucket_cap_mb=case.get("bucket_cap_mb", 0.25), gradient_as_bucket_view=case.get("bucket_view", False))
@@ -161,14 +161,18 @@ def worker(rank: int, world: int, port: int, case: dict, outdir: str) -> None:
                 twice = case.get("twice")
                 twice = twice["call"] if twice is not None and twice["step"] == step else None
                 if guard is not None:
-                    # Whether every bucket of this backward took the hook's fast path (`Guard._fast`).
-                    out["fast"].append(guard._fast is not None)
+                    # Whether every bucket of this backward took the hook's fast path (`Guard._fast`
+                    # set, and the general path's agreement not started), and after the step whether
+                    # the verdict did (the same ScanPath kept).
+                    fast = guard._fast if guard._pending is None else None
+                    out["fast"].append(fast is not None)
                 if twice == "backward":
                     loss = nn.functional.mse_loss(ddp(x).float(), y)
                     with misuse(out):
                         guard.backward(loss)
                 if guard is not None:
                     v = opt.step()
+                    out["fast_verdicts"].append(fast is not None and guard._fast is fast)
                     if twice == "step":
                         with misuse(out):
                             opt.step()

@@ -35,7 +35,7 @@ def test_clean_run_is_plain_ddp_bitwise(tmp_path):
         assert s["error"] is None and s["verdicts"] == ["proceed"] * 4 and s["paths"] == ["scan"] * 4
         # The hook's fast path (`Guard._fast`) from the third update on: the first learns DDP's
         # buckets, the second the buckets DDP has rebuilt; the same bits.
-        assert s["fast"] == [False, False, True, True], s["fast"]
+        assert s["fast"] == s["fast_verdicts"] == [False, False, True, True], (s["fast"], s["fast_verdicts"])
         assert s["tabled"] == 0 and s["row_losses"] == [None] * 4 and s["verdict_losses"] == [None] * 4
         assert s["losses"] == plain[r]["losses"]
         for a, b in zip(plain[r]["snapshots"], s["snapshots"]):
@@ -130,7 +130,7 @@ def test_planted_non_finite_aborts_every_rank_with_one_report_naming_it(tmp_path
         # The poisoned update took the hook's fast path where it scans in place (scan "auto", from
         # the third update on): its tallies are handed to the general path, which names the same.
         fast = [scan == "auto" and s >= 2 for s in range(plant["step"] + 1)]
-        assert all(r["fast"] == fast for r in res), [r["fast"] for r in res]
+        assert all(r["fast"] == fast and r["fast_verdicts"] == fast[:-1] for r in res), [(r["fast"], r["fast_verdicts"]) for r in res]
     report = json.loads((run_dir / "report.json").read_text())
     assert all(r["report"] == report for r in res), "the exception carries report.json's content"
     assert set(report) == REPORT_KEYS
@@ -206,7 +206,8 @@ def test_rerun_transient_proceeds_as_a_clean_run_and_deterministic_aborts(tmp_pa
         assert r["verdicts"] == ["proceed", "rerun", "proceed", "proceed"], f"rank {k}"
         # The rerun's attempt takes the rows' path; the next update the scan path again, on the
         # hook's fast path.
-        assert r["paths"] == ["scan", "scan", "ride", "scan"] and r["fast"] == [False, False, False, True], (r["paths"], r["fast"])
+        assert r["paths"] == ["scan", "scan", "ride", "scan"], r["paths"]
+        assert r["fast"] == r["fast_verdicts"] == [False, False, False, True], (r["fast"], r["fast_verdicts"])
         assert r["suspects"] == [0]
         assert same_state(r["snapshots"][-1], clean[k]["snapshots"][-1]), "the recomputed update is the clean one"
     # Deterministic: the same NaN on the rerun too.
