@@ -22,7 +22,7 @@ fn python_test_sh_refuses_a_disk_too_small_for_its_venv_naming_the_space() {
     if !skip::tmpfs_mounts(&target, "python_test_sh_refuses_a_disk_too_small_for_its_venv_naming_the_space") {
         return;
     }
-    let mount = format!("mount -t tmpfs -o size=1m tmpfs '{}'", target.display());
+    let mount = skip::tmpfs_mount(&target);
     // In the namespace: 600 KiB of an install cut short (a venv without `.complete`, which the
     // script removes before it counts: the refusal says the whole 1 MiB is free), then the script,
     // then what it left on the small disk (`ls -A`, on stdout).

@@ -658,7 +658,7 @@ fn a_too_small_shm_is_a_clear_shm_full_error() {
     if !skip::tmpfs_mounts(&shm, "a_too_small_shm_is_a_clear_shm_full_error") {
         return;
     }
-    let script = format!("mount -t tmpfs -o size=1m tmpfs '{}' && exec \"$0\" \"$@\"", shm.display());
+    let script = format!("{} && exec \"$0\" \"$@\"", skip::tmpfs_mount(&shm));
     let wrap = ["unshare", "-rm", "sh", "-c", &script];
     let mut ch = vec![spawn_via(Some(&wrap), "shmfull", 0, 1, &job, dir.path(), 0)];
     let codes = wait_children(&mut ch, &[], dir.path());

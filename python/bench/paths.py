@@ -73,32 +73,37 @@ class _ScansOnly:
             self.optimizer.step()
 
 
-def worker(rank, world, port, width, iters, rounds, paths, control, alternate, copies, scans_only, general, pin, q):
+def build(agreement, width, world):
+    """One variant: (the DDP model, its optimizer, the guard or None). `agreement`: None (PyTorch's
+    `allreduce_hook`), "scans only" (`_ScansOnly`), "general" (the guard with its hook's fast path
+    off) or a guard's agreement value."""
     import gradbus.torch as gbt
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, width),
+                              torch.nn.GELU(), torch.nn.Linear(width, 64))
+    ddp = DDP(net)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    if agreement == "scans only":
+        bound = _ScansOnly(opt, world)
+        ddp.register_comm_hook(None, bound.hook)
+        return ddp, bound, None
+    if agreement is None:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return ddp, opt, None
+    g = gbt.Guard(policy="skip", names=net, agreement="auto" if agreement == "general" else agreement)
+    if agreement == "general":
+        g._scan_path = lambda: None  # no fast path: every update on the hook's general path
+    ddp.register_comm_hook(g, gbt.allreduce_hook)
+    return ddp, gbt.GuardedOptimizer(opt, g), g
+
+
+def worker(rank, world, port, width, iters, rounds, paths, control, alternate, copies, scans_only, general, pin, q):
 
     torch.set_num_threads(1)
     if pin:
         os.sched_setaffinity(0, {rank % os.cpu_count()})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-
-    def build(agreement):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, width),
-                                  torch.nn.GELU(), torch.nn.Linear(width, 64))
-        ddp = DDP(net)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-        if agreement == "scans only":
-            bound = _ScansOnly(opt, world)
-            ddp.register_comm_hook(None, bound.hook)
-            return ddp, bound, None
-        if agreement is None:
-            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-            return ddp, opt, None
-        g = gbt.Guard(policy="skip", names=net, agreement="auto" if agreement == "general" else agreement)
-        if agreement == "general":
-            g._scan_path = lambda: None  # no fast path: every update on the hook's general path
-        ddp.register_comm_hook(g, gbt.allreduce_hook)
-        return ddp, gbt.GuardedOptimizer(opt, g), g
 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
     kinds = {"allreduce_hook": None, **({"control": None} if control else {}),
@@ -106,7 +111,7 @@ def worker(rank, world, port, width, iters, rounds, paths, control, alternate, c
              **({"general": "general"} if general else {}), **{p: p for p in paths}}
     # Each kind `copies` times (its own model, optimizer and DDP buffers): what the memory a variant
     # happens to get does to its speed falls on every kind alike when pooled over the copies.
-    variants = {(k, c): build(g) for c in range(copies) for k, g in kinds.items()}
+    variants = {(k, c): build(g, width, world) for c in range(copies) for k, g in kinds.items()}
 
     def update(ddp, opt, g):
         opt.zero_grad()

@@ -41,8 +41,7 @@ fn required(capability: &str, require: Option<&str>) -> bool {
 /// which needs no privilege where user namespaces are enabled): true when it can; else `test` says
 /// why it does not run (capability "tmpfs", see [`skip`]) and the caller returns.
 pub fn tmpfs_mounts(dir: &std::path::Path, test: &str) -> bool {
-    let mount = format!("mount -t tmpfs -o size=1m tmpfs '{}'", dir.display());
-    let why = match std::process::Command::new("unshare").args(["-rm", "sh", "-c", &mount]).output() {
+    let why = match std::process::Command::new("unshare").args(["-rm", "sh", "-c", &tmpfs_mount(dir)]).output() {
         Ok(o) if o.status.success() => return true,
         Ok(o) => format!("unshare -rm: {}: {}", o.status, String::from_utf8_lossy(&o.stderr).trim()),
         Err(e) => format!("unshare: {e}"),
@@ -53,6 +52,12 @@ pub fn tmpfs_mounts(dir: &std::path::Path, test: &str) -> bool {
         &format!("{test}: cannot mount a tmpfs in a private mount namespace ({why}); needs user namespaces or root"),
     );
     false
+}
+
+/// The shell command that mounts a 1 MiB tmpfs over `dir` (inside `unshare -rm`, as probed by
+/// [`tmpfs_mounts`]).
+pub fn tmpfs_mount(dir: &std::path::Path) -> String {
+    format!("mount -t tmpfs -o size=1m tmpfs '{}'", dir.display())
 }
 
 /// The capabilities `GRADBUS_REQUIRE` names that start with `prefix`: for a test that must find each
