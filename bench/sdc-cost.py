@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What the silent-data-corruption guard costs a healthy update (issue 29 item 5): the same 2-rank
 run with the guard's checks on (the default) and off (`sdc.replicas=false`, `sdc.outliers=false`:
-no weight read-back, no peaks or chunk hashes in the reduce, a plain scaling pass, no decisions), in
-the same invocation, alternated run by run (on, off, off, on, ...) so that a change of the machine's
+no weight read-back, no peaks or chunk hashes in the reduce, an optimizer that hashes nothing it
+reads, no decisions), in the same invocation, alternated run by run (on, off, off, on, ...) so that a change of the machine's
 load falls on both alike. At the tiny size (examples/tiny.toml, 103,168 parameters) and at 3.2M
 (model.channels=256, model.layers=4). Per run: rank 0's `time_update_ms` of every update after the
 first step (its first updates warm the caches); per size: the median over all runs' updates of each

@@ -94,6 +94,7 @@ done > agreement.jsonl"]="the same benchmark on the 16-core GPU machine, from a 
   # docs/reliability.md
   ["scripts/fault-matrix.py"]="scripts/test.sh runs the fault matrix itself, just before this test (~1-2 min); a second run here would add only time"
   ["scripts/fault-matrix.py --set 'overlap=\"on\"'"]="the fault matrix again with overlap on, ~1-2 min more; scripts/test.sh runs the matrix as is, and tests/workload.rs plants a NaN with overlap on and off (the same report) and checks that overlap changes no bit"
+  ["bench/sdc-profile.py --runs 8 --bin /tmp/s14/733a59d/gradbus --bin /tmp/s14/one-pass/gradbus"]="a benchmark (32 runs under perf, ~4 min) of two release binaries built at two commits, which a fresh clone does not have; it prints CPU profiles only; tests/twins.rs and kernels/tests/simd.rs check the one-pass optimizer's bits"
   ["bench/sdc-cost.py --reps 10 --steps 8 --split"]="a benchmark (80 runs, 0.5-3 min by the load) that prints timings only; tests/sdc.rs (the_checks_turned_off_change_no_bit) runs the same on and off modes and requires the same bits"
   ["scripts/sdc-clean.py"]="~5 min on 2 cores (8 tiny runs of 320 updates at 4 ranks, the 3.2M size, the 8-rank seed case to step 340); tests/sdc.rs (clean_runs_make_no_finding) runs its small form: tiny at 4 ranks and the fast seed case to its abort"
   # docs/roll-193.md

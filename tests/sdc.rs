@@ -160,8 +160,8 @@ fn clean_runs_make_no_finding() {
 
 #[test]
 fn the_checks_turned_off_change_no_bit() {
-    // The guard only reads: without it (no read-back, no peaks or chunk hashes in the reduce, a
-    // plain scaling pass; bench/sdc-cost.py measures the difference) every update's loss and
+    // The guard only reads: without it (no read-back, no peaks or chunk hashes in the reduce, an
+    // optimizer that hashes nothing it reads; bench/sdc-cost.py measures the difference) every update's loss and
     // weights' checksum are the same.
     let tmp = tempfile::tempdir().unwrap();
     let on = tmp.path().join("on");

@@ -30,8 +30,8 @@
 //! `sdc`: what the silent-data-corruption guard adds to one rank's kernels per update at N
 //! parameters and 2 ranks, beside the same kernels without it, alternated in this one process: the
 //! weights read back and hashed (the replica checksum in a pass of its own, as a GPU runs it; the
-//! CPU run hashes them inside backward, so this is its upper bound), the optimizer's scaling
-//! pass that hashes what it reads (`scale_and_checksum` against `scale`), and this rank's half of
+//! CPU run hashes them inside backward, so this is its upper bound), the optimizer's pass that
+//! hashes the gradients it reads (`adamw_scaled` with the pieces against it without), and this rank's half of
 //! the bucket reduces with each source's peak and the checksum of its chunk of the sum
 //! (`reduce_with_peaks`, which hashes the sum as it writes it, against `reduce_in_place`), both in
 //! the run's pieces (a reducer's chunk of a 64 KiB bucket: 8,192 words, each piece's hash finished,
@@ -43,9 +43,9 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use gradbus_kernels::checksum::{checksum, finish_all, scale_and_checksum, Checksum};
+use gradbus_kernels::checksum::{checksum, finish_all, Checksum};
 use gradbus_kernels::ops::matmul::gemm_tiles;
-use gradbus_kernels::ops::{adamw_update, matmul_backward, matmul_forward};
+use gradbus_kernels::ops::{adamw_scaled, adamw_update, matmul_backward, matmul_forward};
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::simd::{self, Level};
 use gradbus_kernels::{reduce_in_place, reduce_with_peaks, Health, Peak};
@@ -143,12 +143,13 @@ fn bench_sdc(sizes: &[usize]) {
     );
     println!(
         "{:>10} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
-        "params", "readback", "scale", "scale+hash", "reduce", "reduce+sdc", "off", "on", "added"
+        "params", "readback", "adamw", "adamw+hash", "reduce", "reduce+sdc", "off", "on", "added"
     );
     let mut rng = Rng::new(&[29]);
     for &n in sizes {
-        let p = randn(&mut rng, n, 0.02);
-        let mut g = randn(&mut rng, n, 1e-3);
+        let mut p = randn(&mut rng, n, 0.02);
+        let g = randn(&mut rng, n, 1e-3);
+        let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
         // This rank's chunk of a 2-rank reduce: half the buffer, from 2 sources, reduced and hashed
         // in pieces of PIECE words as the run does (its reducer chunks), the hashes finished together.
         let half = n / 2;
@@ -172,17 +173,22 @@ fn bench_sdc(sizes: &[usize]) {
         };
         // Each variant beside its guard-off twin, alternated round by round, best of many rounds:
         // a loaded machine steals whole rounds, not a share of each.
-        let (mut t_read, mut t_scale, mut t_scale_hash) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+        let (mut t_read, mut t_adamw, mut t_adamw_hash) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
         let (mut t_copy, mut t_reduce, mut t_reduce_sdc) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
         for _ in 0..200 {
             t_read = t_read.min(best(1, iters, || {
                 black_box(checksum(black_box(&p)));
             }));
-            // Scaling by 1.0 leaves the gradients as they are, round after round.
-            t_scale = t_scale.min(best(1, iters, || gradbus_kernels::ops::scale(black_box(&mut g), black_box(1.0))));
-            t_scale_hash = t_scale_hash.min(best(1, iters, || {
-                black_box(scale_and_checksum(black_box(&mut g), black_box(1.0), &pieces));
-            }));
+            // The optimizer's pass on the reduced gradients (scaled by 1/2 in registers), without
+            // and with the consumed gradients' hashes over the reducers' pieces.
+            let mut t = 0;
+            let mut optimizer = |pieces: &[std::ops::Range<usize>]| {
+                t += 1;
+                let (p, m, v) = (black_box(&mut p), &mut m, &mut v);
+                black_box(adamw_scaled(p, black_box(&g), 0.5, m, v, 1e-3, 0.9, 0.999, 1e-8, 0.01, t, pieces));
+            };
+            t_adamw = t_adamw.min(best(1, iters, || optimizer(&[])));
+            t_adamw_hash = t_adamw_hash.min(best(1, iters, || optimizer(&pieces)));
             t_copy = t_copy.min(best(1, iters, || fresh(&mut a, &mut b)));
             t_reduce = t_reduce.min(best(1, iters, || {
                 fresh(&mut a, &mut b);
@@ -204,13 +210,13 @@ fn bench_sdc(sizes: &[usize]) {
             }));
         }
         let (t_reduce, t_reduce_sdc) = (t_reduce - t_copy, t_reduce_sdc - t_copy);
-        let (off, on) = (t_scale + t_reduce, t_read + t_scale_hash + t_reduce_sdc);
+        let (off, on) = (t_adamw + t_reduce, t_read + t_adamw_hash + t_reduce_sdc);
         let ms = |t: f64| format!("{:.4}", t * 1e3);
         println!(
             "{n:>10} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
             ms(t_read),
-            ms(t_scale),
-            ms(t_scale_hash),
+            ms(t_adamw),
+            ms(t_adamw_hash),
             ms(t_reduce),
             ms(t_reduce_sdc),
             ms(off),
@@ -220,7 +226,8 @@ fn bench_sdc(sizes: &[usize]) {
     }
     println!("# readback: the weights hashed in a pass of their own (a GPU's read-back; on the CPU the run");
     println!("# hashes them inside backward, from cache: this column is its upper bound);");
-    println!("# scale / scale+hash: the optimizer's scaling pass without / with hashing what it reads;");
+    println!("# adamw / adamw+hash: the optimizer's pass (AdamW on the scaled sum) without / with hashing");
+    println!("# the gradients it reads;");
     println!("# reduce / reduce+sdc: this rank's half of a 2-rank reduce without / with peaks and the");
     println!("# hash of its chunk of the sum; off / on: the sums; added: on - off (the guard's kernels)");
 }

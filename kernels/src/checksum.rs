@@ -14,9 +14,10 @@
 //! The naive twin is `reference::checksum`.
 //!
 //! The silent-data-corruption guard hashes gradients with the same function, in pieces: a
-//! reducer hashes the chunk of the sum it wrote, and a rank's optimizer, in the pass that scales
-//! the reduced gradients ([`scale_and_checksum`]), hashes what it reads over the same pieces;
-//! [`combine`] folds a bucket's piece hashes in order into one value.
+//! reducer hashes the chunk of the sum it wrote, and a rank's optimizer hashes what it reads over
+//! the same pieces, in its own pass (`ops::adamw_scaled`, through [`Checksum::absorb_groups`] and
+//! [`lane_step`]: each group of words hashed while the update has it in registers); [`combine`]
+//! folds a bucket's piece hashes in order into one value.
 
 /// Independent lanes: 8 AVX-512 registers (16 AVX2 ones), enough chains to hide the multiply latency.
 pub const LANES: usize = 128;
@@ -61,29 +62,27 @@ impl Checksum {
         }
     }
 
-    /// Absorb the next piece of the buffer as read, and scale it (`x *= s`, element by element, bit
-    /// for bit `ops::scale`): one pass, each word hashed and scaled while in a register.
-    pub fn update_and_scale(&mut self, x: &mut [f32], s: f32) {
-        let head = ((LANES - (self.len as usize % LANES)) % LANES).min(x.len());
-        let (first, rest) = x.split_at_mut(head);
-        for v in first {
-            self.word(*v);
-            *v *= s;
-        }
-        let whole = rest.len() - rest.len() % LANES;
-        let (body, tail) = rest.split_at_mut(whole);
-        lanes::absorb_and_scale(&mut self.lanes, body, s);
-        self.len += whole as u64;
-        for v in tail {
-            self.word(*v);
-            *v *= s;
-        }
+    /// Absorb the next `words` words of the buffer in a pass of the caller's (a kernel that reads
+    /// them anyway): `pass` gets the lanes and must call [`lane_step`] on each group of `LANES`
+    /// consecutive words, in order, beside its own work on the group, the last group shorter when
+    /// `words` is not whole groups. Needs the words absorbed so far to be whole groups.
+    ///
+    /// # Panics
+    /// When they are not (a program bug).
+    pub fn absorb_groups(&mut self, words: usize, pass: impl FnOnce(&mut [u32; LANES])) {
+        assert!(
+            self.len.is_multiple_of(LANES as u64),
+            "absorb_groups: {} words absorbed before are not whole groups of {LANES}",
+            self.len
+        );
+        pass(&mut self.lanes);
+        self.len += words as u64;
     }
 
     #[inline]
     fn word(&mut self, v: f32) {
         let l = &mut self.lanes[self.len as usize % LANES];
-        *l = (*l ^ v.to_bits()).wrapping_mul(FNV_PRIME);
+        *l = lane_word(*l, v);
         self.len += 1;
     }
 
@@ -137,28 +136,6 @@ pub fn checksum(x: &[f32]) -> u64 {
     let mut c = Checksum::new();
     c.update(x);
     c.finish()
-}
-
-/// `x *= s` element by element (bitwise `ops::scale`), returning for each of `ranges` (which tile
-/// `x`, in order) the replica checksum of that range of `x` as it was read: one pass over memory,
-/// each word hashed and scaled in one loop ([`Checksum::update_and_scale`]).
-///
-/// # Panics
-/// When the ranges do not tile `x` (a program bug).
-pub fn scale_and_checksum(x: &mut [f32], s: f32, ranges: &[std::ops::Range<usize>]) -> Vec<u64> {
-    let tiled = ranges.first().map_or(x.is_empty(), |r| r.start == 0)
-        && ranges.windows(2).all(|w| w[0].end == w[1].start)
-        && ranges.last().is_none_or(|r| r.end == x.len());
-    assert!(tiled, "ranges {ranges:?} must tile a buffer of {}", x.len());
-    let states: Vec<Checksum> = ranges
-        .iter()
-        .map(|r| {
-            let mut c = Checksum::new();
-            c.update_and_scale(&mut x[r.clone()], s);
-            c
-        })
-        .collect();
-    finish_all(&states)
 }
 
 /// States the portable [`finish_all`] finishes side by side.
@@ -284,19 +261,35 @@ fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The lane loop over whole chunks of `LANES` words, compiled for the best instruction set the CPU
+/// One step of the lanes over a group of at most `LANES` consecutive words that starts at lane 0
+/// (`group[l]` goes to lane `l`): the lane hash's definition, for `lanes` here and for passes that
+/// hash what they read ([`Checksum::absorb_groups`]).
+#[inline(always)]
+pub fn lane_step(acc: &mut [u32; LANES], group: &[f32]) {
+    for (a, &w) in acc.iter_mut().zip(group) {
+        *a = lane_word(*a, w);
+    }
+}
+
+/// One lane's FNV-1a step over one word.
+#[inline(always)]
+pub fn lane_word(lane: u32, word: f32) -> u32 {
+    (lane ^ word.to_bits()).wrapping_mul(FNV_PRIME)
+}
+
+/// The lane loop over whole groups of `LANES` words, compiled for the best instruction set the CPU
 /// has. Integer arithmetic: every variant gives the same bits.
 mod lanes {
-    use super::{FNV_PRIME, LANES};
+    use super::{lane_word, LANES};
 
     /// x: (k * LANES).
     #[inline(always)]
     fn body(lanes: &mut [u32; LANES], x: &[f32]) {
         let mut acc = *lanes;
         for c in x.chunks_exact(LANES) {
-            let c: &[f32; LANES] = c.try_into().expect("a whole chunk");
+            let c: &[f32; LANES] = c.try_into().expect("a whole group");
             for l in 0..LANES {
-                acc[l] = (acc[l] ^ c[l].to_bits()).wrapping_mul(FNV_PRIME);
+                acc[l] = lane_word(acc[l], c[l]);
             }
         }
         *lanes = acc;
@@ -305,25 +298,5 @@ mod lanes {
     pub fn absorb(lanes: &mut [u32; LANES], x: &[f32]) {
         debug_assert_eq!(x.len() % LANES, 0);
         simd_dispatch!(body(lanes: &mut [u32; LANES], x: &[f32]))
-    }
-
-    /// `body` that also scales each word after hashing it (`ops::scale`'s `*v *= s`, bit for bit:
-    /// ops imports this module, no import back). x: (k * LANES).
-    #[inline(always)]
-    fn scale_body(lanes: &mut [u32; LANES], x: &mut [f32], s: f32) {
-        let mut acc = *lanes;
-        for c in x.chunks_exact_mut(LANES) {
-            let c: &mut [f32; LANES] = c.try_into().expect("a whole chunk");
-            for l in 0..LANES {
-                acc[l] = (acc[l] ^ c[l].to_bits()).wrapping_mul(FNV_PRIME);
-                c[l] *= s;
-            }
-        }
-        *lanes = acc;
-    }
-
-    pub fn absorb_and_scale(lanes: &mut [u32; LANES], x: &mut [f32], s: f32) {
-        debug_assert_eq!(x.len() % LANES, 0);
-        simd_dispatch!(scale_body(lanes: &mut [u32; LANES], x: &mut [f32], s: f32))
     }
 }

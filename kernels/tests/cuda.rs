@@ -101,19 +101,7 @@ impl Exec for OnGpu {
         t: u64,
     ) -> u64 {
         let (mut p, g, mut dm, mut dv) = (self.up(params), self.up(grads), self.up(m), self.up(v));
-        let sum = <Be as Backend>::adamw(
-            &self.0,
-            p.slice_mut(..),
-            g.slice(..),
-            dm.slice_mut(..),
-            dv.slice_mut(..),
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            t,
-        );
+        let sum = self.0.adamw_update(&mut p, &g, &mut dm, &mut dv, lr, beta1, beta2, eps, weight_decay, t).unwrap();
         self.down(&p, params);
         self.down(&dm, m);
         self.down(&dv, v);
@@ -609,6 +597,31 @@ fn two_runs_of_the_loss_chain_give_the_same_bits() {
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a.dlogits), bits(&b.dlogits), "case {case}: dlogits");
         assert_eq!(bits(&stats_floats(&a.stats)), bits(&stats_floats(&b.stats)), "case {case}: stats");
+    }
+}
+
+/// The optimizer's pass as the trainer calls it (`Backend::scaled_adamw`: the consumed gradients
+/// hashed, scaled, AdamW) gives the CPU's one pass's bits: weights, moments and both checksums.
+#[test]
+fn scaled_adamw_is_bitwise_the_cpus() {
+    let Some(g) = on_gpu("scaled_adamw") else { return };
+    let n = 20_003;
+    let wave = |k: f32, a: f32| (0..n).map(|i| a * (i as f32 * k).sin()).collect::<Vec<f32>>();
+    let (p, gr, m) = (wave(0.37, 0.02), wave(1.3, 3e-3), wave(0.11, 1e-3));
+    let v: Vec<f32> = wave(0.7, 1e-3).iter().map(|x| x * x).collect();
+    let pieces = [0..8_192, 8_192..8_200, 8_200..n];
+    let cpu = gradbus_kernels::backend::Cpu;
+    let (mut cp, mut cg, mut cm, mut cv) = (p.clone(), gr.clone(), m.clone(), v.clone());
+    let want = cpu.scaled_adamw(&mut cp, &mut cg, 0.3, &mut cm, &mut cv, 1e-3, 0.9, 0.999, 1e-8, 0.01, 5, &pieces);
+    let (mut dp, mut dg, mut dm, mut dv) = (g.up(&p), g.up(&gr), g.up(&m), g.up(&v));
+    let (a, b, c, d) = (dp.slice_mut(..), dg.slice_mut(..), dm.slice_mut(..), dv.slice_mut(..));
+    let got = <Be as Backend>::scaled_adamw(&g.0, a, b, 0.3, c, d, 1e-3, 0.9, 0.999, 1e-8, 0.01, 5, &pieces);
+    assert_eq!(got, want, "the weights' checksum and the consumed pieces' checksums");
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (d, want, what) in [(&dp, &cp, "weights"), (&dm, &cm, "m"), (&dv, &cv, "v")] {
+        let mut host = vec![0f32; n];
+        g.down(d, &mut host);
+        assert_eq!(bits(&host), bits(want), "{what}");
     }
 }
 

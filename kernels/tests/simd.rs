@@ -6,7 +6,7 @@
 //! (`GRADBUS_REQUIRE=simd-<level>`) every level they show, so that the kernels' own detection cannot
 //! drop a level unseen.
 
-use gradbus_kernels::ops::{adamw_update, matmul_backward, matmul_forward};
+use gradbus_kernels::ops::{adamw_scaled, adamw_update, matmul_backward, matmul_forward};
 use gradbus_kernels::rng::Rng;
 use gradbus_kernels::simd::{self, Level};
 use gradbus_kernels::{checksum, health_scan, reduce_in_place, reduce_plain, reduce_to_one, Health};
@@ -165,7 +165,10 @@ fn adamw_and_the_checksum_give_the_same_bits_on_every_path() {
             for t in 1..=3 {
                 sums.push(adamw_update(&mut p, &g, &mut m, &mut v, 1e-3, 0.9, 0.999, 1e-8, 0.01, t));
             }
-            (bits(&p), bits(&m), bits(&v), sums, checksum(&g))
+            // The optimizer's pass on a sum, hashing what it reads in pieces that start mid-group.
+            let pieces = [0..n / 3, n / 3..n / 3 + n / 2, n / 3 + n / 2..n];
+            let read = adamw_scaled(&mut p, &g, 0.3, &mut m, &mut v, 1e-3, 0.9, 0.999, 1e-8, 0.01, 4, &pieces);
+            (bits(&p), bits(&m), bits(&v), sums, checksum(&g), read)
         };
         same_at_every_level("adamw", &format!("{n} parameters"), run);
     }

@@ -184,42 +184,55 @@ fn checksum_sees_every_single_word_change_and_the_length() {
 }
 
 #[test]
-fn scale_and_checksum_hashes_each_range_as_read_and_scales_like_scale() {
-    use gradbus_kernels::checksum::{checksum, combine, scale_and_checksum, Checksum};
+fn adamw_scaled_hashes_each_range_as_read_and_updates_like_scale_then_adamw() {
+    use gradbus_kernels::checksum::{checksum, combine, Checksum};
+    use gradbus_kernels::ops::{adamw_scaled, adamw_update, scale};
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let mut rng = Rng::new(&[29, 1]);
     for &n in &[0, 1, 15, 100, 8192, 8193, 40_003] {
-        let x = gradients(&mut rng, n, true);
-        // Random cuts into 21 tiling ranges (3 groups of finishes), some of them empty.
+        let g = gradients(&mut rng, n, true);
+        let p = gradients(&mut rng, n, false);
+        let m = gradients(&mut rng, n, false);
+        let v: Vec<f32> = gradients(&mut rng, n, false).iter().map(|x| x * x).collect();
+        // Random cuts into 21 tiling ranges (3 groups of finishes), some of them empty, most of
+        // them starting and ending mid-group.
         let mut cuts: Vec<usize> = (0..20).map(|_| rng.below(n + 1)).collect();
         cuts.extend([0, n]);
         cuts.sort_unstable();
         let ranges: Vec<_> = cuts.windows(2).map(|w| w[0]..w[1]).collect();
         let s = rng.normal();
-        let mut scaled = x.clone();
-        let got = scale_and_checksum(&mut scaled, s, &ranges);
-        let want: Vec<u64> = ranges.iter().map(|r| checksum(&x[r.clone()])).collect();
-        assert_eq!(got, want, "n={n}: the checksum of each range as it was read");
-        let twin: Vec<u64> = ranges.iter().map(|r| reference::checksum(&x[r.clone()])).collect();
-        assert_eq!(got, twin, "n={n}: the twin's checksum of each range");
-        let mut plain = x.clone();
-        gradbus_kernels::ops::scale(&mut plain, s);
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&scaled), bits(&plain), "n={n}: scaled as ops::scale scales");
-        let naive: Vec<f32> = x.iter().map(|v| v * s).collect();
-        assert_eq!(bits(&plain), bits(&naive), "n={n}: ops::scale is one multiply per element");
-        // The same pieces hashed and scaled by one streaming state (pieces that start mid-lane).
-        let (mut c, mut streamed) = (Checksum::new(), x.clone());
-        for r in &ranges {
-            c.update_and_scale(&mut streamed[r.clone()], s);
+        // The two passes it replaces: the sum scaled in memory, then AdamW on it.
+        let (mut scaled, mut p0, mut m0, mut v0) = (g.clone(), p.clone(), m.clone(), v.clone());
+        scale(&mut scaled, s);
+        let written = adamw_update(&mut p0, &scaled, &mut m0, &mut v0, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3);
+        for ranges in [&ranges[..], &[]] {
+            let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
+            let (w, read) = adamw_scaled(&mut p1, &g, s, &mut m1, &mut v1, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3, ranges);
+            let what = format!("n={n}, {} ranges", ranges.len());
+            assert_eq!((bits(&p1), bits(&m1), bits(&v1)), (bits(&p0), bits(&m0), bits(&v0)), "{what}: the same update");
+            assert_eq!(w, written, "{what}: the checksum of the weights written");
+            let want: Vec<u64> = ranges.iter().map(|r| checksum(&g[r.clone()])).collect();
+            assert_eq!(read, want, "{what}: the checksum of each range of the gradients as read");
+            let twin: Vec<u64> = ranges.iter().map(|r| reference::checksum(&g[r.clone()])).collect();
+            assert_eq!(read, twin, "{what}: the twin's checksum of each range");
         }
-        assert_eq!(c.finish(), reference::checksum(&x), "n={n}: pieces hashed as one buffer");
-        assert_eq!(bits(&streamed), bits(&naive), "n={n}: pieces scaled");
+        assert!(n == 0 || bits(&scaled) != bits(&g), "n={n}: the scale moved the gradients");
+        let want: Vec<u64> = ranges.iter().map(|r| checksum(&g[r.clone()])).collect();
         assert_ne!(combine(&want), combine(&[want.as_slice(), &[0]].concat()), "one more piece");
     }
     let (a, b) = (checksum(&[1.0]), checksum(&[2.0]));
     assert_ne!(combine(&[a, b]), combine(&[b, a]), "combine is ordered");
-    let bad = std::panic::catch_unwind(|| scale_and_checksum(&mut [0.0; 4], 1.0, &[0..2]));
+    let (mut p, mut m, mut v) = ([0.0f32; 4], [0.0f32; 4], [0.0f32; 4]);
+    let bad = std::panic::catch_unwind(move || {
+        adamw_scaled(&mut p, &[0.0; 4], 1.0, &mut m, &mut v, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, &[0..2])
+    });
     assert!(bad.is_err(), "ranges that do not tile are a program bug");
+    let bad = std::panic::catch_unwind(|| {
+        let mut c = Checksum::new();
+        c.update(&[1.0; 3]);
+        c.absorb_groups(4, |_| ());
+    });
+    assert!(bad.is_err(), "a pass's groups that would not start at lane 0 are a program bug");
 }
 
 #[test]

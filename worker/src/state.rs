@@ -29,7 +29,7 @@ pub struct TrainState<B: Backend> {
     /// Adam step counter.
     pub adam_t: u64,
     checksum: u64,
-    /// The last update's consumed gradients per bucket (checksums, as the scaling pass read
+    /// The last update's consumed gradients per bucket (checksums, as the optimizer read
     /// them) and the reducers' reference for them; `None` before the first and after a repair.
     consumed: Option<(Vec<u64>, Vec<u64>)>,
 }
@@ -87,16 +87,17 @@ impl<B: Backend> TrainState<B> {
     }
 
     /// The update from the reduced gradients (the SUM over `world` ranks, whose mean has the agreed
-    /// norm `grad_norm`): the mean, clipped by that norm, then AdamW. The scaling pass checksums
-    /// what it reads over `pieces` (`transport::hash_pieces`: each bucket's `pieces.len() /
-    /// reference.len()` reducer chunks), folded per bucket (`checksum::combine`) and kept with
-    /// `reference`, the reducers' hashes, for the next [`TrainState::self_check`]; no `pieces` (the
-    /// replica checks off): a plain scaling pass, nothing kept.
+    /// norm `grad_norm`): AdamW on the mean, clipped by that norm (`Backend::scaled_adamw`: on the
+    /// CPU one pass, the gradients scaled in registers). That pass checksums the gradients it reads
+    /// over `pieces` (`transport::hash_pieces`: each bucket's `pieces.len() / reference.len()`
+    /// reducer chunks), folded per bucket (`checksum::combine`) and kept with `reference`, the
+    /// reducers' hashes, for the next [`TrainState::self_check`]; no `pieces` (the replica checks
+    /// off): nothing hashed, nothing kept. The gradients are not to be read afterwards.
     #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &mut self,
         be: &B,
-        mut grads: B::ViewMut<'_>,
+        grads: B::ViewMut<'_>,
         grad_norm: f64,
         world: usize,
         o: &OptimConfig,
@@ -108,17 +109,14 @@ impl<B: Backend> TrainState<B> {
         let clip = o.grad_clip as f64;
         let coef = if clip > 0.0 && grad_norm > clip { clip / (grad_norm + 1e-6) } else { 1.0 };
         let scale = (coef / world) as f32;
-        self.consumed = if pieces.is_empty() {
-            be.scale(B::reborrow_mut(&mut grads), scale);
-            None
-        } else {
-            let hashes = be.scale_and_checksum(B::reborrow_mut(&mut grads), scale, pieces);
-            let per_bucket = pieces.len() / reference.len().max(1);
-            Some((hashes.chunks(per_bucket.max(1)).map(combine).collect(), reference.to_vec()))
-        };
         self.adam_t += 1;
         let (p, m, v) = (be.all_mut(&mut self.params), be.all_mut(&mut self.m), be.all_mut(&mut self.v));
-        self.checksum =
-            be.adamw(p, B::reborrow(&grads), m, v, lr, o.beta1, o.beta2, o.eps, o.weight_decay, self.adam_t);
+        let (b1, b2, t) = (o.beta1, o.beta2, self.adam_t);
+        let (written, read) = be.scaled_adamw(p, grads, scale, m, v, lr, b1, b2, o.eps, o.weight_decay, t, pieces);
+        self.checksum = written;
+        self.consumed = (!pieces.is_empty()).then(|| {
+            let per_bucket = pieces.len() / reference.len().max(1);
+            (read.chunks(per_bucket.max(1)).map(combine).collect(), reference.to_vec())
+        });
     }
 }

@@ -75,7 +75,7 @@ pub struct Trainer<B: BusBackend> {
     /// The last update's agreed numbers, for the step's summary line.
     last: Option<Agreed>,
     /// The pieces the transport's reducers checksum the reduced gradients in
-    /// (`transport::hash_pieces`), which the optimizer's scaling pass checksums too.
+    /// (`transport::hash_pieces`), which the optimizer's pass checksums too.
     hash_pieces: Vec<std::ops::Range<usize>>,
 }
 

@@ -293,13 +293,11 @@ impl Backend for Cpu {
     fn host<'a>(&self, x: Self::View<'a>) -> Option<&'a [f32]> {
         Some(x)
     }
-    fn scale_and_checksum(&self, x: &mut [f32], s: f32, ranges: &[Range<usize>]) -> Vec<u64> {
-        crate::checksum::scale_and_checksum(x, s, ranges)
-    }
-    fn adamw(
+    fn scaled_adamw(
         &self,
         params: &mut [f32],
-        grads: &[f32],
+        grads: &mut [f32],
+        s: f32,
         m: &mut [f32],
         v: &mut [f32],
         lr: f32,
@@ -308,8 +306,9 @@ impl Backend for Cpu {
         eps: f32,
         weight_decay: f32,
         t: u64,
-    ) -> u64 {
-        ops::adamw_update(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t)
+        consumed: &[Range<usize>],
+    ) -> (u64, Vec<u64>) {
+        ops::adamw_scaled(params, grads, s, m, v, lr, beta1, beta2, eps, weight_decay, t, consumed)
     }
     fn checksum(&self, x: &[f32]) -> u64 {
         crate::checksum::checksum(x)

@@ -298,21 +298,19 @@ pub trait Backend: Sync + Sized + 'static {
 
     /// `x[i] *= s`.
     fn scale(&self, x: Self::ViewMut<'_>, s: f32);
-    /// `x[i] *= s`, returning for each of `ranges` (which tile `x`, in order) the replica checksum
-    /// (`checksum::checksum`) of that range of `x` as it was read. This default hashes on the host,
-    /// then scales; the CPU backend does both in one pass (`checksum::scale_and_checksum`).
-    fn scale_and_checksum(&self, mut x: Self::ViewMut<'_>, s: f32, ranges: &[Range<usize>]) -> Vec<u64> {
-        let host = self.to_host(Self::reborrow(&x));
-        let h = ranges.iter().map(|r| crate::checksum::checksum(&host[r.clone()])).collect();
-        self.scale(Self::reborrow_mut(&mut x), s);
-        h
-    }
-    /// AdamW (`ops::adamw_update`) over whole flat buffers; returns the replica checksum of the
-    /// updated parameters (`checksum::checksum`'s definition).
-    fn adamw(
+    /// The optimizer's pass over the reduced gradients: AdamW (`ops::adamw_update`) on `grads * s`
+    /// (the sum over ranks scaled to its clipped mean, each product rounded to f32 as `scale` stores
+    /// it). Returns the replica checksum of the updated parameters (`checksum::checksum`'s
+    /// definition) and, for each of `consumed` (ranges that tile the buffer, in order; empty:
+    /// nothing hashed), the replica checksum of that range of the gradients as the update read
+    /// them. `grads` is left unspecified (the CPU's one pass, `ops::adamw_scaled`, leaves it as it
+    /// was; the GPU scales it in place, then updates).
+    #[allow(clippy::too_many_arguments)]
+    fn scaled_adamw(
         &self,
         params: Self::ViewMut<'_>,
-        grads: Self::View<'_>,
+        grads: Self::ViewMut<'_>,
+        s: f32,
         m: Self::ViewMut<'_>,
         v: Self::ViewMut<'_>,
         lr: f32,
@@ -321,7 +319,8 @@ pub trait Backend: Sync + Sized + 'static {
         eps: f32,
         weight_decay: f32,
         t: u64,
-    ) -> u64;
+        consumed: &[Range<usize>],
+    ) -> (u64, Vec<u64>);
     /// The replica checksum of `x` (`checksum::checksum`).
     fn checksum(&self, x: Self::View<'_>) -> u64;
     /// `x` as host memory, where the backend keeps its buffers there (the CPU); `None` on a device

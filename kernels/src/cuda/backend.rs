@@ -338,10 +338,11 @@ impl Backend for Gpu {
     fn scale(&self, mut x: CudaViewMut<'_, f32>, s: f32) {
         ok(Gpu::scale(self, &mut x, s))
     }
-    fn adamw(
+    fn scaled_adamw(
         &self,
         mut params: CudaViewMut<'_, f32>,
-        grads: CudaView<'_, f32>,
+        mut grads: CudaViewMut<'_, f32>,
+        s: f32,
         mut m: CudaViewMut<'_, f32>,
         mut v: CudaViewMut<'_, f32>,
         lr: f32,
@@ -350,8 +351,21 @@ impl Backend for Gpu {
         eps: f32,
         weight_decay: f32,
         t: u64,
-    ) -> u64 {
-        ok(self.adamw_update(&mut params, &grads, &mut m, &mut v, lr, beta1, beta2, eps, weight_decay, t))
+        consumed: &[Range<usize>],
+    ) -> (u64, Vec<u64>) {
+        // The consumed gradients hashed on the host (a copy), then the scale and AdamW kernels.
+        let read = match consumed.is_empty() {
+            true => Vec::new(),
+            false => {
+                let host = self.to_host(Self::reborrow(&grads));
+                consumed.iter().map(|r| crate::checksum::checksum(&host[r.clone()])).collect()
+            }
+        };
+        ok(Gpu::scale(self, &mut grads, s));
+        let grads = Self::reborrow(&grads);
+        let weights =
+            ok(self.adamw_update(&mut params, &grads, &mut m, &mut v, lr, beta1, beta2, eps, weight_decay, t));
+        (weights, read)
     }
     fn checksum(&self, x: CudaView<'_, f32>) -> u64 {
         ok(Gpu::checksum(self, &x))

@@ -20,7 +20,7 @@ pub mod sample;
 pub mod scale;
 pub mod softmax;
 
-pub use adamw::{adamw_update, AdamwScalars};
+pub use adamw::{adamw_scaled, adamw_update, AdamwScalars};
 pub use attention::{attention_backward, attention_forward, attention_forward_rows};
 pub use embedding::{encoder_backward, encoder_forward};
 pub use gelu::{gelu_backward, gelu_forward};

@@ -1,8 +1,8 @@
 //! Scale a gradient slice in place by one coefficient (the mean over ranks times the clip factor).
 //!
 //! Invariants: one f32 multiply per element, so the CUDA `scale` gives the same bits, whatever
-//! instruction set runs the loop (compiled for the CPU's best, like the hashing scale in
-//! `checksum::scale_and_checksum`, so that the guard-off pass is not the slower one).
+//! instruction set runs the loop (compiled for the CPU's best). The CPU's optimizer does not call it:
+//! `ops::adamw_scaled` multiplies each gradient by the same coefficient in a register, same bits.
 
 /// x: (N). `x[i] *= s`.
 pub fn scale(x: &mut [f32], s: f32) {
