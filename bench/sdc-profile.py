@@ -19,10 +19,12 @@ sdc_cost = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sdc_cost)
 # The guard's parts: a regular expression over the profile's function names. The optimizer's group
 # is the whole optimizer (its hash runs inside AdamW's loop, so it has no function of its own;
-# before 2026-12-02 a scaling pass hashed, `absorb_and_scale`).
+# before 2026-12-02 a scaling pass hashed, `absorb_and_scale`). The lane hash's row holds AdamW's hash
+# of the weights it writes too, which runs in both modes (its off column).
 PARTS = {
-    "the optimizer (scale, AdamW, their hashes)": r"ops::scale::|adamw|absorb_and_scale",
-    "the lane hash (the weights in backward, the reducers' sums)": r"checksum::lanes::absorb(::|$)",
+    "the optimizer (scale, AdamW, their hashes)":
+        r"ops::scale::|adamw|absorb_and_scale|scale_and_checksum|update_and_scale|absorb_groups",
+    "the lane hash (weights read in backward and written by AdamW, reducers' sums)": r"checksum::lanes::absorb(::|$)",
     "the peaks' search (largest)": r"health::largest",
     "the folds (finish_all)": r"checksum::finish_all",
     "the reduce's loop and bookkeeping": r"reduce::reduce$|reduce_chunk|fused::sum_block",
@@ -30,6 +32,9 @@ PARTS = {
     "the kernels' level dispatch": r"simd::process_level",
 }
 SAMPLE = re.compile(r"\s*[\d.]+%\s+(\d+)\s+\[.\]\s+(.*?)\s*$")
+# One sample per PERIOD ns of the process's CPU (a fixed period: a frequency can be lowered by the
+# kernel, perf_event_max_sample_rate, without a word).
+PERIOD = 100_000
 
 
 def profile(binary, mode, steps, tmp):
@@ -38,7 +43,7 @@ def profile(binary, mode, steps, tmp):
     shutil.rmtree(run_dir, ignore_errors=True)
     args = [binary, "run", "--np", "2", "--run-dir", run_dir, "examples/tiny.toml", "--set", f"steps={steps}",
             "--set", "checkpoint.every=0"] + (sdc_cost.OFF if mode == "off" else [])
-    p = subprocess.run(["perf", "record", "-q", "-F", "9999", "-o", data, "--"] + args, cwd=ROOT,
+    p = subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-c", str(PERIOD), "-o", data, "--"] + args, cwd=ROOT,
                        env=dict(os.environ, GRADBUS_FAULTS=""), capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"sdc-profile: perf record {' '.join(args)} exited {p.returncode}:\n{p.stderr[-2000:]}\n"
@@ -47,7 +52,7 @@ def profile(binary, mode, steps, tmp):
                          capture_output=True, text=True, check=True).stdout
     lines = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
     updates = 2 * sum(1 for l in lines if "time_update_ms" in l)  # rank 0's lines, 2 ranks
-    us = 1e6 / 9999 / updates
+    us = PERIOD / 1e3 / updates
     funcs = collections.Counter()
     for line in rep.splitlines():
         m = SAMPLE.match(line)
@@ -64,7 +69,7 @@ def main():
     a = ap.parse_args()
     if shutil.which("perf") is None:
         sys.exit("sdc-profile: no `perf` on PATH (hint: apt-get install linux-perf)")
-    bins = a.bin or [sdc_cost.GB]
+    bins = [os.path.abspath(b) for b in a.bin] if a.bin else [sdc_cost.GB]
     if not a.bin:
         subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "gradbus"], cwd=ROOT, check=True)
     cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
@@ -73,7 +78,7 @@ def main():
     got = {(b, m): [] for b in bins for m in ("on", "off")}
     try:
         for run in range(a.runs):
-            for b in bins:
+            for b in bins if run % 2 == 0 else reversed(bins):
                 for mode in ("on", "off") if run % 2 == 0 else ("off", "on"):
                     got[(b, mode)].append(profile(b, mode, a.steps, tmp))
     finally:

@@ -63,8 +63,9 @@ impl Checksum {
     }
 
     /// Absorb the next `words` words of the buffer in a pass of the caller's (a kernel that reads
-    /// them anyway): `pass` gets the lanes and must call [`lane_step`] on each group of `LANES`
-    /// consecutive words, in order, beside its own work on the group, the last group shorter when
+    /// them anyway): `pass` gets the lanes and must step them over each group of `LANES`
+    /// consecutive words, in order, beside its own work on the group ([`lane_word`] on lane `l`
+    /// and the group's word `l`, or [`lane_step`] on the group), the last group shorter when
     /// `words` is not whole groups. Needs the words absorbed so far to be whole groups.
     ///
     /// # Panics
@@ -136,6 +137,15 @@ pub fn checksum(x: &[f32]) -> u64 {
     let mut c = Checksum::new();
     c.update(x);
     c.finish()
+}
+
+/// Whether `ranges` tile a buffer of `n` words, in order (each starting where the last ended, none
+/// reversed; none at all tiles any buffer): the pieces a pass hashes one by one.
+pub fn tiles(ranges: &[std::ops::Range<usize>], n: usize) -> bool {
+    ranges.first().is_none_or(|r| r.start == 0)
+        && ranges.windows(2).all(|w| w[0].end == w[1].start)
+        && ranges.iter().all(|r| r.start <= r.end)
+        && ranges.last().is_none_or(|r| r.end == n)
 }
 
 /// States the portable [`finish_all`] finishes side by side.
@@ -262,8 +272,8 @@ fn mix64(mut z: u64) -> u64 {
 }
 
 /// One step of the lanes over a group of at most `LANES` consecutive words that starts at lane 0
-/// (`group[l]` goes to lane `l`): the lane hash's definition, for `lanes` here and for passes that
-/// hash what they read ([`Checksum::absorb_groups`]).
+/// (`group[l]` goes to lane `l`, by [`lane_word`]), for passes that hash what they read
+/// ([`Checksum::absorb_groups`]).
 #[inline(always)]
 pub fn lane_step(acc: &mut [u32; LANES], group: &[f32]) {
     for (a, &w) in acc.iter_mut().zip(group) {
@@ -271,7 +281,7 @@ pub fn lane_step(acc: &mut [u32; LANES], group: &[f32]) {
     }
 }
 
-/// One lane's FNV-1a step over one word.
+/// One lane's FNV-1a step over one word: the lane hash's one definition.
 #[inline(always)]
 pub fn lane_word(lane: u32, word: f32) -> u32 {
     (lane ^ word.to_bits()).wrapping_mul(FNV_PRIME)

@@ -227,6 +227,12 @@ fn adamw_scaled_hashes_each_range_as_read_and_updates_like_scale_then_adamw() {
         adamw_scaled(&mut p, &[0.0; 4], 1.0, &mut m, &mut v, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, &[0..2])
     });
     assert!(bad.is_err(), "ranges that do not tile are a program bug");
+    let (mut p, mut m, mut v) = ([0.0f32; 4], [0.0f32; 4], [0.0f32; 4]);
+    let reversed = [0..3, 3..1, 1..4];
+    let bad = std::panic::catch_unwind(move || {
+        adamw_scaled(&mut p, &[0.0; 4], 1.0, &mut m, &mut v, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, &reversed)
+    });
+    assert!(bad.is_err(), "a reversed range (elements 1..3 would be updated twice) is a program bug");
     let bad = std::panic::catch_unwind(|| {
         let mut c = Checksum::new();
         c.update(&[1.0; 3]);

@@ -354,6 +354,8 @@ impl Backend for Gpu {
         consumed: &[Range<usize>],
     ) -> (u64, Vec<u64>) {
         // The consumed gradients hashed on the host (a copy), then the scale and AdamW kernels.
+        let n = grads.len();
+        assert!(crate::checksum::tiles(consumed, n), "scaled_adamw: pieces {consumed:?} must tile a buffer of {n}");
         let read = match consumed.is_empty() {
             true => Vec::new(),
             false => {

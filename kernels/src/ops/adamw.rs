@@ -8,10 +8,12 @@
 
 use std::ops::Range;
 
-use crate::checksum::{finish_all, lane_step, lane_word, Checksum, LANES};
+use crate::checksum::{finish_all, lane_step, lane_word, tiles, Checksum, LANES};
 
-/// Elements per piece: 4 x 32 KiB of operands, within L2.
+/// Elements per piece: 4 x 32 KiB of operands, within L2. Whole groups of the checksum's lanes, so
+/// that each piece of a hashed range but its last starts and ends at lane 0 (`adamw_scaled`).
 const CHUNK: usize = 8192;
+const _: () = assert!(CHUNK % LANES == 0);
 
 /// The update, and the replica checksum of the updated parameters (`checksum::checksum`) computed in
 /// the same pass: each piece of `CHUNK` parameters is hashed right after its update, while it is in
@@ -61,10 +63,7 @@ pub fn adamw_scaled(
 ) -> (u64, Vec<u64>) {
     let n = params.len();
     assert!(grads.len() == n && m.len() == n && v.len() == n, "adamw_scaled: length mismatch");
-    let tiled = consumed.first().is_none_or(|r| r.start == 0)
-        && consumed.windows(2).all(|w| w[0].end == w[1].start)
-        && consumed.last().is_none_or(|r| r.end == n);
-    assert!(tiled, "adamw_scaled: pieces {consumed:?} must tile a buffer of {n}");
+    assert!(tiles(consumed, n), "adamw_scaled: pieces {consumed:?} must tile a buffer of {n}");
     let st = Step { s: AdamwScalars::new(lr, beta1, beta2, weight_decay, t), gscale, beta2, eps };
     let whole = 0..n;
     let pieces = if consumed.is_empty() { std::slice::from_ref(&whole) } else { consumed };
@@ -83,7 +82,9 @@ pub fn adamw_scaled(
             }
             sum.update(p);
         }
-        read.push(hash);
+        if !consumed.is_empty() {
+            read.push(hash);
+        }
     }
     let read = if consumed.is_empty() { Vec::new() } else { finish_all(&read) };
     (sum.finish(), read)
