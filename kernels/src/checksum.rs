@@ -16,7 +16,7 @@
 //! The silent-data-corruption guard hashes gradients with the same function, in pieces: a
 //! reducer hashes the chunk of the sum it wrote, and a rank's optimizer hashes what it reads over
 //! the same pieces, in its own pass (`ops::adamw_scaled`, through [`Checksum::absorb_groups`] and
-//! [`lane_step`]: each group of words hashed while the update has it in registers); [`combine`]
+//! [`lane_word`]: each group of words hashed while the update has it in registers); [`combine`]
 //! folds a bucket's piece hashes in order into one value.
 
 /// Independent lanes: 8 AVX-512 registers (16 AVX2 ones), enough chains to hide the multiply latency.

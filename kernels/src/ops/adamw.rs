@@ -41,8 +41,8 @@ pub fn adamw_update(
 /// checksum of the updated parameters and, for each of `consumed` (ranges that tile the buffer, in
 /// order; empty: nothing hashed), the replica checksum (`checksum::checksum`) of that range of
 /// `grads` as the update read it: the consumed gradients, hashed over the pieces that the reducers
-/// hashed as they wrote them, in the same pass (the ALU work of the hash hides under AdamW's
-/// divisions and memory traffic). `grads` is left as it was.
+/// hashed as they wrote them, in the same pass (no second read: what the hash adds is its integer
+/// work beside AdamW's, measured in docs/reliability.md). `grads` is left as it was.
 ///
 /// # Panics
 /// When the lengths differ or `consumed` does not tile the buffer (a program bug).
